@@ -1,0 +1,80 @@
+"""Attention rows without TxT matrices.
+
+A custom attention function (registered with transformers as ``"dynts_sdpa"``) runs SDPA as usual
+and, when a recorder is active, also computes ``softmax(q k^T)`` for the query rows of the current
+forward only: ``[b, heads, q, n]``, i.e. one row per decoded token, never the full ``T x T`` matrix.
+Eviction statistics (H2O, SnapKV, R-KV) and answer-to-thinking importance both come from here.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+__all__ = ["ATTN_IMPLEMENTATION", "attention_rows", "recording_attention"]
+
+ATTN_IMPLEMENTATION = "dynts_sdpa"
+Recorder = Callable[[torch.nn.Module, torch.Tensor], None]
+_RECORDER: ContextVar[Recorder | None] = ContextVar("dynts_attention_recorder", default=None)
+
+
+def attention_rows(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """Attention probabilities of the given query rows.
+
+    Args:
+        query: ``[b, h_q, q, d]``; key: ``[b, h_kv, n, d]`` (grouped heads are expanded here).
+        attention_mask: bool ``[b, 1, q, n]`` (True = attend) / additive float, or ``None`` for a
+            plain causal mask aligned to the last ``q`` keys.
+        scaling: softmax scale, default ``d ** -0.5``.
+
+    Returns ``[b, h_q, q, n]`` float32.
+    """
+    b, hq, q, d = query.shape
+    n = key.shape[2]
+    groups = hq // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    scale = scaling if scaling is not None else d**-0.5
+    logits = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
+    if attention_mask is None:
+        rows = torch.arange(n - q, n, device=query.device)[:, None]
+        logits = logits.masked_fill(torch.arange(n, device=query.device)[None, :] > rows, float("-inf"))
+    elif attention_mask.dtype == torch.bool:
+        logits = logits.masked_fill(~attention_mask[..., -n:], float("-inf"))
+    else:
+        logits = logits + attention_mask[..., -n:].float()
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+
+def _recording_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    out = sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
+    recorder = _RECORDER.get()
+    if recorder is not None:
+        recorder(module, attention_rows(query, key, attention_mask, scaling if scaling is not None else module.scaling))
+    return out
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _recording_sdpa)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+@contextmanager
+def recording_attention(model: torch.nn.Module, recorder: Recorder) -> Iterator[None]:
+    """Within the block, every attention layer of ``model`` calls ``recorder(module, probs)``."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    token = _RECORDER.set(recorder)
+    try:
+        yield
+    finally:
+        _RECORDER.reset(token)
+        model.set_attn_implementation(previous)

@@ -1,0 +1,348 @@
+"""A bounded KV cache for transformers 5.x that asks an :class:`~dynts.evictors.Evictor` what to keep.
+
+Layout: every layer stores K/V in a preallocated buffer ``[b, h_kv, capacity, d]`` written in place;
+the cache keeps one table of per-slot metadata (absolute position, segment, token id, predictor
+score, attention statistics) shared by all layers. An eviction event picks one ``[b, n_keep]`` index
+tensor and compacts every layer's buffers and the table with it, in place.
+
+Positions stay absolute and keys are never re-rotated: ``get_seq_length()`` is the number of tokens
+seen, and ``get_mask_sizes(q)`` is ``(stored + q, seen - stored)`` so the kept entries sit right before
+the query in the causal mask. Padding and evicted gaps are handled by a per-slot validity mask that
+:meth:`BoundedCache.begin_forward` hands to the model as its 2-D ``attention_mask``.
+
+The model must be driven through :func:`dynts.attach` (``dynts.generate`` does it), which calls
+:meth:`begin_forward` / :meth:`end_forward` around each forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .budget import Budget
+from .evictors.base import Evictor, Segment, TokenInfo
+from .kernels import compact_
+
+__all__ = ["BoundedCache", "BoundedLayer", "CacheStats"]
+
+
+@dataclass
+class CacheStats:
+    """Counters a cache keeps while it runs (per batch, not per row)."""
+
+    evictions: int = 0
+    evicted_tokens: int = 0
+    peak_cache_tokens: int = 0
+    kv_bytes_per_token: int = 0
+    event_steps: list[int] = field(default_factory=list)
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        """Bytes of K/V held at the peak (all layers, all rows)."""
+        return self.peak_cache_tokens * self.kv_bytes_per_token
+
+
+class BoundedLayer(CacheLayerMixin):
+    """One layer's K/V buffers; writes in place and returns views of the live entries."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: "BoundedCache", layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        b, h, _, d = key_states.shape
+        cap = self.owner.capacity
+        self.keys = key_states.new_zeros(b, h, cap, d)
+        self.values = value_states.new_zeros(b, h, cap, value_states.shape[-1])
+        self.is_initialized = True
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate the buffers to ``capacity`` slots (amortised doubling; never per step)."""
+        if not self.is_initialized or self.keys.shape[2] >= capacity:
+            return
+        n = self.owner.length
+        keys = self.keys.new_zeros(*self.keys.shape[:2], capacity, self.keys.shape[3])
+        values = self.values.new_zeros(*self.values.shape[:2], capacity, self.values.shape[3])
+        keys[:, :, :n] = self.keys[:, :, :n]
+        values[:, :, :n] = self.values[:, :, :n]
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        owner = self.owner
+        q = key_states.shape[2]
+        if q != owner.pending:
+            raise RuntimeError(
+                "BoundedCache was updated outside a tracked forward; drive the model through "
+                "`with dynts.attach(model, cache): ...` (dynts.generate does this for you)"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.grow(owner.capacity)
+        start = owner.length
+        self.keys[:, :, start : start + q] = key_states
+        self.values[:, :, start : start + q] = value_states
+        return self.keys[:, :, : start + q], self.values[:, :, : start + q]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self.owner.length
+        return stored + query_length, self.owner.seen - stored
+
+    def get_seq_length(self) -> int:
+        return self.owner.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported with a bounded cache")
+
+
+class BoundedCache(Cache):
+    """KV cache bounded to a :class:`~dynts.budget.Budget`, evicting with ``evictor``.
+
+    Args:
+        num_layers: decoder layers of the model.
+        evictor: the method; ``bounded = False`` evictors (``full``) ignore the budget.
+        budget: the :class:`Budget`; ``None`` only for the full cache.
+        think_end_token_id: token id that closes the thinking segment (``</think>``); tokens after
+            it are :attr:`Segment.ANSWER`.
+        observation_window: number of recent query rows kept for ``window_attention`` (SnapKV).
+        keys_layer: layer whose keys feed ``TokenInfo.keys`` (R-KV); default the last one.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        evictor: Evictor,
+        budget: Budget | None = None,
+        *,
+        think_end_token_id: int | None = None,
+        observation_window: int = 8,
+        keys_layer: int = -1,
+    ):
+        super().__init__(layers=[BoundedLayer(self, i) for i in range(num_layers)])
+        self.bounded = getattr(evictor, "bounded", True)
+        if self.bounded and budget is None:
+            raise ValueError(f"method={evictor.name!r} evicts and needs a budget (e.g. budget=1024, local_window=128)")
+        self.evictor = evictor
+        self.budget = budget
+        self.think_end_token_id = think_end_token_id
+        self.requires = frozenset(evictor.requires) if self.bounded else frozenset()
+        self.observation_window = observation_window
+        self.keys_layer = keys_layer % num_layers
+        self.stats = CacheStats()
+        self.seen = 0  # absolute tokens seen before the current forward
+        self.length = 0  # stored slots before the current forward
+        self.pending = 0  # tokens of the forward in flight
+        self.capacity = 0
+        self.n_keep: int | None = None
+        self.question_length = 0
+        # per-slot table, allocated at the first forward
+        self.positions = self.segments = self.token_ids = self.scores = None
+        self.attention: torch.Tensor | None = None
+        self.window_attention: torch.Tensor | None = None
+        self.in_answer: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ forward protocol
+    def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                      batch_size: int, query_length: int, device: torch.device) -> torch.Tensor | None:
+        """Evict if the new tokens would overflow the budget, record their metadata, return the mask.
+
+        Returns the 2-D ``attention_mask`` the model must use (``[b, seen + q]``), or ``None`` when
+        every stored slot is a real token.
+        """
+        q = query_length
+        if input_ids is None:
+            input_ids = torch.full((batch_size, q), -1, dtype=torch.long, device=device)
+        new_valid = (
+            attention_mask[:, -q:].bool()
+            if attention_mask is not None
+            else torch.ones(batch_size, q, dtype=torch.bool, device=device)
+        )
+        if self.positions is None:
+            self._allocate(batch_size, q, device)
+            segments = torch.where(new_valid, int(Segment.QUESTION), int(Segment.PAD))
+        else:
+            if self.bounded and self.length + q > self.budget.budget and self.length > self.n_keep:
+                self.evict()
+            segments = self._generated_segments(input_ids, new_valid)
+        self._ensure_capacity(self.length + q)
+        sl = slice(self.length, self.length + q)
+        self.positions[:, sl] = torch.arange(self.seen, self.seen + q, device=device)
+        self.segments[:, sl] = segments
+        self.token_ids[:, sl] = input_ids
+        self.scores[:, sl] = float("nan")
+        if self.attention is not None:
+            self.attention[:, sl] = 0.0
+        self.pending = q
+        self._window_fresh = True
+        self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, self.length + q)
+        valid = self.segments[:, : self.length + q] != Segment.PAD
+        if bool(valid.all()):
+            return None
+        mask = torch.ones(batch_size, self.seen + q, dtype=torch.bool, device=device)
+        mask[:, self.seen - self.length :] = valid
+        return mask
+
+    def end_forward(self) -> None:
+        """Commit the tokens of the forward that just ran."""
+        self.length += self.pending
+        self.seen += self.pending
+        self.pending = 0
+        if not self.stats.kv_bytes_per_token:
+            self.stats.kv_bytes_per_token = self.kv_bytes_per_token
+
+    def write_scores(self, scores: torch.Tensor) -> None:
+        """Store predictor scores ``[b, q]`` for the tokens of the forward in flight."""
+        self.scores[:, self.length : self.length + self.pending] = scores.float()
+
+    # ------------------------------------------------------------------ statistics
+    def record_attention(self, probs: torch.Tensor) -> None:
+        """Add one layer's attention ``[b, heads, q, stored + q]`` of the in-flight queries."""
+        n = self.length + self.pending
+        if self.attention is not None:
+            self.attention[:, :n] += probs.sum(dim=(1, 2)).float()
+        if self.window_attention is not None:
+            rows = probs.sum(dim=1).float()  # [b, q, n]
+            w, q = self.window_attention.shape[1], rows.shape[1]
+            if self._window_fresh:
+                keep = max(0, w - q)
+                self.window_attention[:, :keep] = self.window_attention[:, w - keep :].clone()
+                self.window_attention[:, keep:] = 0.0
+                self._window_fresh = False
+            take = min(w, q)
+            self.window_attention[:, w - take :, :n] += rows[:, q - take :]
+
+    # ------------------------------------------------------------------ eviction
+    def token_info(self) -> TokenInfo:
+        """Metadata of the stored slots as an evictor sees it."""
+        n = self.length
+        info = TokenInfo(
+            positions=self.positions[:, :n],
+            segments=self.segments[:, :n],
+            token_ids=self.token_ids[:, :n],
+            n_keep=self.n_keep,
+            local_window=self.budget.local_window,
+            question_length=self.question_length,
+            scores=self.scores[:, :n],
+        )
+        if self.attention is not None:
+            info.attention = self.attention[:, :n]
+        if self.window_attention is not None:
+            info.window_attention = self.window_attention[:, :, :n]
+        if "keys" in self.requires:
+            info.keys = self.layers[self.keys_layer].keys[:, :, :n]
+        return info
+
+    def evict(self) -> torch.Tensor:
+        """Run one eviction event now; returns the kept indices ``[b, n_keep]``."""
+        if "scores" in self.requires:
+            stale = self.scores[:, : self.length].isnan() & (self.segments[:, : self.length] == Segment.THINKING)
+            if bool(stale.any()):
+                raise RuntimeError(
+                    f"method={self.evictor.name!r} needs predictor scores but some thinking tokens have none; "
+                    "pass predictor=... to dynts.generate / dynts.attach"
+                )
+        kept = self.evictor(self.token_info())
+        self.apply_kept(kept)
+        return kept
+
+    def apply_kept(self, kept: torch.Tensor) -> None:
+        """Compact every layer's buffers and the slot table to ``kept`` ``[b, k]`` (ascending)."""
+        k = kept.shape[1]
+        buffers = [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
+        compact_(buffers, kept, self.length)
+        for name in ("positions", "segments", "token_ids", "scores", "attention"):
+            t = getattr(self, name)
+            if t is not None:
+                t[:, :k] = t[:, : self.length].gather(1, kept)
+        if self.window_attention is not None:
+            w = self.window_attention.shape[1]
+            idx = kept.unsqueeze(1).expand(-1, w, -1)
+            self.window_attention[:, :, :k] = self.window_attention[:, :, : self.length].gather(2, idx)
+        self.stats.evictions += 1
+        self.stats.evicted_tokens += self.length - k
+        self.stats.event_steps.append(self.seen)
+        self.length = k
+
+    # ------------------------------------------------------------------ helpers
+    def _allocate(self, batch_size: int, question_length: int, device: torch.device) -> None:
+        self.question_length = question_length
+        if self.bounded:
+            self.budget.check_question(question_length)
+            self.n_keep = self.budget.n_keep(question_length)
+        cap = max(self.budget.budget if self.bounded else 0, question_length + 1, 64)
+        self.capacity = cap
+        b = batch_size
+        self.positions = torch.zeros(b, cap, dtype=torch.long, device=device)
+        self.segments = torch.full((b, cap), int(Segment.PAD), dtype=torch.long, device=device)
+        self.token_ids = torch.zeros(b, cap, dtype=torch.long, device=device)
+        self.scores = torch.full((b, cap), float("nan"), device=device)
+        if "attention" in self.requires:
+            self.attention = torch.zeros(b, cap, device=device)
+        if "window_attention" in self.requires:
+            self.window_attention = torch.zeros(b, self.observation_window, cap, device=device)
+        self.in_answer = torch.zeros(b, dtype=torch.bool, device=device)
+        self._window_fresh = True
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        cap = max(needed, 2 * self.capacity)
+        for name in ("positions", "segments", "token_ids", "scores", "attention", "window_attention"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            fill = int(Segment.PAD) if name == "segments" else (float("nan") if name == "scores" else 0)
+            grown = torch.full((*t.shape[:-1], cap), fill, dtype=t.dtype, device=t.device)
+            grown[..., : self.length] = t[..., : self.length]
+            setattr(self, name, grown)
+        self.capacity = cap
+
+    def _generated_segments(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Thinking until the row has emitted ``</think>`` (that token included in the answer)."""
+        if self.think_end_token_id is None:
+            seg = torch.full_like(input_ids, int(Segment.THINKING))
+        else:
+            closes = (input_ids == self.think_end_token_id).long().cumsum(1) > 0
+            answer = self.in_answer.unsqueeze(1) | closes
+            seg = torch.where(answer, int(Segment.ANSWER), int(Segment.THINKING))
+            self.in_answer |= answer[:, -1]
+        return torch.where(valid, seg, int(Segment.PAD))
+
+    # ------------------------------------------------------------------ info
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per cached token across all layers and rows."""
+        return sum(
+            (layer.keys.shape[0] * layer.keys.shape[1] * (layer.keys.shape[3] + layer.values.shape[3]))
+            * layer.keys.element_size()
+            for layer in self.layers
+            if layer.is_initialized
+        )
+
+    @property
+    def allocated_kv_bytes(self) -> int:
+        """Bytes of all K/V buffers as allocated (capacity included)."""
+        return sum(
+            layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+            for layer in self.layers
+            if layer.is_initialized
+        )
+
+    def kept_positions(self, row: int = 0) -> torch.Tensor:
+        """Absolute positions of the real tokens stored for ``row`` (after the last forward)."""
+        n = self.length
+        valid = self.segments[row, :n] != Segment.PAD
+        return self.positions[row, :n][valid]

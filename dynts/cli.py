@@ -1,0 +1,39 @@
+"""The ``dynts`` command. Subcommands live in their own modules and are imported lazily, so that
+the library never imports ``trainers``/``eval``/``data_pipeline`` at import time."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> ("module:function", one-line help). Each function takes argv (list[str]) -> int.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("dynts.demo:main", "compare eviction methods on the bundled default model"),
+    "generate": ("dynts.demo:generate_main", "generate with a bounded cache from the command line"),
+    "testbed": ("trainers.testbed_cli:main", "train / sample / report the embedded testbed models"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: dynts <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `dynts <command> --help` for the options of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help"}:
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"dynts: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, func = COMMANDS[name][0].split(":")
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

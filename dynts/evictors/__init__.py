@@ -1,0 +1,26 @@
+"""Eviction methods. Each file registers one method; ``available_methods()`` lists them."""
+
+from . import dual_window, full, streamingllm, window  # noqa: F401  (registration side effects)
+from .base import (
+    EVICTORS,
+    Evictor,
+    Segment,
+    TokenInfo,
+    available_methods,
+    keep_top,
+    make_evictor,
+    recent_mask,
+    register,
+)
+
+__all__ = [
+    "EVICTORS",
+    "Evictor",
+    "Segment",
+    "TokenInfo",
+    "available_methods",
+    "keep_top",
+    "make_evictor",
+    "recent_mask",
+    "register",
+]

@@ -1,0 +1,176 @@
+"""The one eviction contract shared by every method and every caller.
+
+A cache asks its evictor which of the stored entries to keep whenever the budget is reached. The
+evictor sees per-slot metadata (:class:`TokenInfo`) and returns the kept slot indices per row.
+Selection is per token and shared by all layers and heads (as in the DynTS reference code), so one
+index tensor per eviction event serves every layer.
+
+Adding a method = one file with an ``@register("name")`` dataclass + an import in ``__init__``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Callable, ClassVar
+
+import torch
+
+__all__ = [
+    "EVICTORS",
+    "Evictor",
+    "Segment",
+    "TokenInfo",
+    "available_methods",
+    "keep_top",
+    "make_evictor",
+    "first_valid_mask",
+    "recent_mask",
+    "register",
+]
+
+
+class Segment(IntEnum):
+    """What a cached token is: prompt, reasoning, answer (after the thinking delimiter) or padding."""
+
+    QUESTION = 0
+    THINKING = 1
+    ANSWER = 2
+    PAD = 3
+
+
+# Statistics a cache can gather for an evictor (names used in ``Evictor.requires``).
+STATISTICS = frozenset({"scores", "attention", "window_attention", "keys"})
+
+
+@dataclass
+class TokenInfo:
+    """What an evictor sees at an eviction event. ``b`` rows, ``n`` stored slots per row.
+
+    Slots are in the order the tokens arrived (oldest first); left pads sit at the front of a row.
+
+    Attributes:
+        positions: ``[b, n]`` absolute index of each slot in the (padded) sequence.
+        segments: ``[b, n]`` :class:`Segment` codes.
+        token_ids: ``[b, n]`` token id of each slot.
+        n_keep: number of slots every row keeps after the event (same for all methods, paper C.3).
+        local_window: ``W_l``, the most recent tokens every windowed method keeps.
+        question_length: ``W_q``, the (padded) prompt width.
+        scores: ``[b, n]`` predictor importance (DynTS), NaN where never scored.
+        attention: ``[b, n]`` attention mass each slot received, accumulated over layers, heads
+            and all queries since it entered the cache (H2O).
+        window_attention: ``[b, w, n]`` attention of the last ``w`` queries, summed over layers
+            and heads (SnapKV's observation window); slots newer than a query get 0.
+        keys: ``[b, h_kv, n, d]`` key states of one reference layer (R-KV redundancy).
+    """
+
+    positions: torch.Tensor
+    segments: torch.Tensor
+    token_ids: torch.Tensor
+    n_keep: int
+    local_window: int
+    question_length: int
+    scores: torch.Tensor | None = None
+    attention: torch.Tensor | None = None
+    window_attention: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[b, n]`` True for real tokens (not padding)."""
+        return self.segments != Segment.PAD
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.positions.shape)  # type: ignore[return-value]
+
+
+class Evictor(ABC):
+    """Decides which cached tokens survive an eviction event.
+
+    Subclasses are ``@dataclass``es whose fields are the method's own settings (validated in
+    ``__post_init__``); budget, local window and retention belong to the cache, so that every method
+    keeps the same number of entries. ``requires`` names the statistics the cache must gather.
+    """
+
+    name: ClassVar[str] = ""
+    requires: ClassVar[frozenset[str]] = frozenset()
+
+    @abstractmethod
+    def select(self, info: TokenInfo) -> torch.Tensor:
+        """Return the kept slot indices, ``[b, info.n_keep]`` int64, ascending in each row."""
+
+    def __call__(self, info: TokenInfo) -> torch.Tensor:
+        kept = self.select(info)
+        if kept.shape != (info.shape[0], info.n_keep):
+            raise RuntimeError(
+                f"evictor {self.name!r} returned indices of shape {tuple(kept.shape)}, "
+                f"expected {(info.shape[0], info.n_keep)}"
+            )
+        return kept
+
+
+EVICTORS: dict[str, type[Evictor]] = {}
+
+
+def register(name: str) -> Callable[[type[Evictor]], type[Evictor]]:
+    """Class decorator adding an evictor to the registry under ``name``."""
+
+    def wrap(cls: type[Evictor]) -> type[Evictor]:
+        if name in EVICTORS and EVICTORS[name] is not cls:
+            raise ValueError(f"evictor name {name!r} is already registered by {EVICTORS[name]}")
+        unknown = set(cls.requires) - STATISTICS
+        if unknown:
+            raise ValueError(f"{cls.__name__}.requires names unknown statistics {sorted(unknown)}")
+        cls.name = name
+        EVICTORS[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_methods() -> list[str]:
+    """Names of all registered eviction methods."""
+    return sorted(EVICTORS)
+
+
+def make_evictor(method: str | Evictor, **options) -> Evictor:
+    """Build an evictor from a registry name (``options`` are its dataclass fields) or pass one through."""
+    if isinstance(method, Evictor):
+        if options:
+            raise ValueError("evictor options are only accepted with a method name, not an Evictor instance")
+        return method
+    if method not in EVICTORS:
+        raise ValueError(f"method={method!r} is unknown; choose one of {available_methods()}")
+    try:
+        return EVICTORS[method](**options)
+    except TypeError as err:
+        raise ValueError(f"bad options for method={method!r}: {err}") from None
+
+
+def keep_top(priority: torch.Tensor, info: TokenInfo) -> torch.Tensor:
+    """Keep the ``info.n_keep`` slots of highest ``priority`` per row; pads go first.
+
+    Ties are broken deterministically in favour of the more recent slot. ``priority``: ``[b, n]``
+    float (``+inf`` = protected). Returns ``[b, n_keep]`` ascending slot indices.
+    """
+    priority = priority.float().masked_fill(~info.valid, float("-inf"))
+    n = priority.shape[-1]
+    recent_first = torch.arange(n - 1, -1, -1, device=priority.device).expand_as(priority)
+    p = priority.gather(-1, recent_first)
+    order = torch.sort(p, dim=-1, descending=True, stable=True).indices
+    kept = recent_first.gather(-1, order[:, : info.n_keep])
+    return kept.sort(dim=-1).values
+
+
+def recent_mask(info: TokenInfo, window: int) -> torch.Tensor:
+    """``[b, n]`` True on the ``window`` most recent slots of each row (slots are in arrival order)."""
+    n = info.shape[1]
+    return (torch.arange(n, device=info.positions.device) >= n - window).expand(info.shape)
+
+
+def first_valid_mask(info: TokenInfo, count: int) -> torch.Tensor:
+    """``[b, n]`` True on the first ``count`` real (non-pad) slots of each row (attention sinks)."""
+    rank = info.valid.long().cumsum(-1)
+    return info.valid & (rank <= count)

@@ -1,0 +1,273 @@
+"""``dynts.generate``: Hugging Face ``generate`` with a bounded, evicting KV cache."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .attention import recording_attention
+from .budget import Budget
+from .cache import BoundedCache
+from .evictors import Evictor, make_evictor
+from .predictor import ImportancePredictor
+
+__all__ = ["GenerationResult", "attach", "build_cache", "generate", "load_predictor"]
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`generate`.
+
+    Attributes:
+        sequences: ``[b, new]`` generated token ids (prompt excluded; finished rows padded).
+        texts: decoded ``sequences`` (when a tokenizer was given), special tokens skipped.
+        stats: ``peak_cache_tokens``, ``evictions``, ``new_tokens``, ``seconds``,
+            ``tokens_per_second``, ``peak_kv_bytes`` and more (see :func:`generate`).
+        cache: the cache after decoding, for inspection.
+    """
+
+    sequences: torch.Tensor
+    texts: list[str] | None
+    stats: dict[str, Any]
+    cache: BoundedCache | None = field(default=None, repr=False)
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The module producing the final hidden state (the input of the LM head)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    for name in ("norm", "final_layernorm", "ln_f"):
+        if isinstance(getattr(decoder, name, None), torch.nn.Module):
+            return getattr(decoder, name)
+    raise ValueError(f"cannot find the final norm of {type(model).__name__}; DynTS needs it to score tokens")
+
+
+def load_predictor(predictor: ImportancePredictor | str | Path, model: torch.nn.Module) -> ImportancePredictor:
+    """Load/check a predictor for ``model`` (hidden size must match) and move it to its device."""
+    if isinstance(predictor, (str, Path)):
+        predictor = ImportancePredictor.from_pretrained(predictor)
+    if not isinstance(predictor, ImportancePredictor):
+        raise ValueError(f"predictor must be an ImportancePredictor or a directory, got {type(predictor).__name__}")
+    hidden = model.config.get_text_config().hidden_size
+    if predictor.hidden_size != hidden:
+        raise ValueError(
+            f"predictor hidden size {predictor.hidden_size} != model hidden size {hidden}; "
+            "train/load a predictor for this backbone"
+        )
+    param = next(model.parameters())
+    return predictor.to(param.device).eval()
+
+
+def build_cache(
+    model: torch.nn.Module,
+    evictor: Evictor,
+    budget: Budget | None,
+    think_end_token_id: int | None = None,
+    **cache_options: Any,
+) -> BoundedCache:
+    """A :class:`BoundedCache` sized for ``model``."""
+    return BoundedCache(
+        model.config.get_text_config().num_hidden_layers,
+        evictor,
+        budget if getattr(evictor, "bounded", True) else None,
+        think_end_token_id=think_end_token_id,
+        **cache_options,
+    )
+
+
+@contextmanager
+def attach(
+    model: torch.nn.Module, cache: BoundedCache, predictor: ImportancePredictor | None = None
+) -> Iterator[BoundedCache]:
+    """Drive ``model`` with ``cache`` inside the block: every forward that uses ``cache`` evicts,
+    gets the validity mask, records the statistics its evictor needs, and (with ``predictor``)
+    scores its new tokens from the final hidden state of the same forward."""
+
+    def before(module, args, kwargs):
+        used = kwargs.get("cache", kwargs.get("past_key_values"))
+        if used is not cache:
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        ref = ids if ids is not None else embeds
+        mask = cache.begin_forward(ids, kwargs.get("attention_mask"), ref.shape[0], ref.shape[1], ref.device)
+        kwargs["attention_mask"] = mask
+        return args, kwargs
+
+    def after(module, args, kwargs, output):
+        if kwargs.get("cache", kwargs.get("past_key_values")) is cache:
+            cache.end_forward()
+
+    def score(module, args, output):
+        if cache.pending:
+            with torch.no_grad():
+                cache.write_scores(predictor(output))
+
+    if "scores" in cache.requires and predictor is None:
+        raise ValueError(f"method={cache.evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
+    with ExitStack() as stack:
+        handles = [
+            model.register_forward_pre_hook(before, with_kwargs=True),
+            model.register_forward_hook(after, with_kwargs=True),
+        ]
+        if predictor is not None:
+            handles.append(final_norm(model).register_forward_hook(score))
+        stack.callback(lambda: [h.remove() for h in handles])
+        if cache.requires & {"attention", "window_attention"}:
+            stack.enter_context(recording_attention(model, lambda module, probs: cache.record_attention(probs)))
+        yield cache
+
+
+def _encode(tokenizer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids for raw strings (tokenizer's special tokens added) or chats (template applied)."""
+    if tokenizer is None:
+        raise ValueError("prompts=... needs tokenizer=...; or pass input_ids=... instead")
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts is empty; pass a string or a non-empty list")
+    chats = [not isinstance(p, str) for p in prompts]
+    if any(chats) and not all(chats):
+        raise ValueError("prompts mixes strings and chat message lists; pass one kind per call")
+    texts = (
+        [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        if chats[0]
+        else list(prompts)
+    )
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chats[0])
+    finally:
+        tokenizer.padding_side = side
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _think_end_id(tokenizer, think_end: str | int | None) -> int | None:
+    if think_end is None or isinstance(think_end, int):
+        return think_end
+    if tokenizer is None:
+        return None
+    ids = tokenizer.encode(think_end, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def generate(
+    model: torch.nn.Module,
+    tokenizer=None,
+    prompts: str | Sequence[str] | Sequence[Sequence[dict]] | None = None,
+    *,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    method: str | Evictor = "dynts",
+    budget: int | None = None,
+    local_window: int | None = None,
+    retention: float = 0.4,
+    predictor: ImportancePredictor | str | Path | None = None,
+    max_new_tokens: int,
+    think_end: str | int | None = "</think>",
+    method_options: dict[str, Any] | None = None,
+    **generate_kwargs: Any,
+) -> GenerationResult:
+    """Generate with a KV cache bounded to ``budget`` entries, evicting with ``method``.
+
+    Args:
+        model: a Hugging Face causal LM (Llama, Qwen2, Qwen3, ... families).
+        tokenizer: needed with ``prompts`` and for ``texts``.
+        prompts: a string, a list of strings (left-padded batch), or chat message lists (the
+            chat template is applied).
+        input_ids / attention_mask: pre-tokenised ``[b, M]`` input instead of ``prompts``.
+        method: a name from :func:`dynts.available_methods` or an :class:`Evictor`.
+        budget: ``B``, the most KV entries held (not needed for ``full``).
+        local_window: ``W_l`` recent tokens always kept.
+        retention: fraction of the selection window kept at each eviction event.
+        predictor: :class:`ImportancePredictor` or its directory (required by ``dynts``).
+        max_new_tokens: generation length cap.
+        think_end: token closing the thinking segment (tokens after it are kept as answer).
+        method_options: fields of the method's dataclass (e.g. ``{"sink_size": 4}``).
+        **generate_kwargs: passed to ``model.generate`` (``do_sample``, ``temperature``, ...).
+    """
+    evictor = make_evictor(method, **(method_options or {}))
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    if input_ids is None:
+        if prompts is None:
+            raise ValueError("pass prompts=... (with tokenizer=...) or input_ids=...")
+        input_ids, attention_mask = _encode(tokenizer, prompts)
+    elif input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    config = model.config.get_text_config()
+    max_positions = getattr(config, "max_position_embeddings", None)
+    prompt_length = input_ids.shape[1]
+    if max_positions and prompt_length > max_positions:
+        raise ValueError(
+            f"prompts are {prompt_length} tokens but the model accepts at most {max_positions} "
+            "(max_position_embeddings); shorten the prompts"
+        )
+    bounds = None
+    if getattr(evictor, "bounded", True):
+        if budget is None or local_window is None:
+            raise ValueError(f"method={evictor.name!r} needs budget=... and local_window=... (e.g. 1024 and 128)")
+        bounds = Budget(budget, local_window, retention)
+        bounds.check_question(prompt_length)
+    if "scores" in evictor.requires:
+        if predictor is None:
+            raise ValueError(f"method={evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
+        predictor = load_predictor(predictor, model)
+    elif predictor is not None:
+        predictor = None  # only score-based methods use it; skip the per-token MLP
+    cache = build_cache(model, evictor, bounds, _think_end_id(tokenizer, think_end))
+    device = next(model.parameters()).device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    if tokenizer is not None and generate_kwargs.get("pad_token_id") is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        generate_kwargs["pad_token_id"] = pad
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    generate_kwargs.setdefault("do_sample", False)
+    start = time.perf_counter()
+    with torch.no_grad(), attach(model, cache, predictor):
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            **{cache_kw: cache},
+            **generate_kwargs,
+        )
+    seconds = time.perf_counter() - start
+    sequences = out[:, prompt_length:]
+    lengths = _generated_lengths(sequences, model.generation_config.eos_token_id, generate_kwargs)
+    new_tokens = int(sum(lengths))
+    stats = {
+        "method": evictor.name,
+        "budget": budget if bounds else None,
+        "n_keep": cache.n_keep,
+        "peak_cache_tokens": cache.stats.peak_cache_tokens,
+        "evictions": cache.stats.evictions,
+        "evicted_tokens": cache.stats.evicted_tokens,
+        "new_tokens": new_tokens,
+        "lengths": lengths,
+        "seconds": seconds,
+        "tokens_per_second": new_tokens / seconds if seconds > 0 else float("inf"),
+        "peak_kv_bytes": cache.stats.peak_kv_bytes,
+        "allocated_kv_bytes": cache.allocated_kv_bytes,
+    }
+    texts = tokenizer.batch_decode(sequences, skip_special_tokens=True) if tokenizer is not None else None
+    return GenerationResult(sequences=sequences, texts=texts, stats=stats, cache=cache)
+
+
+def _generated_lengths(sequences: torch.Tensor, default_eos, generate_kwargs: dict) -> list[int]:
+    """Tokens generated per row, up to and including the first EOS."""
+    eos = generate_kwargs.get("eos_token_id", default_eos)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos_ids:
+        return [sequences.shape[1]] * sequences.shape[0]
+    is_eos = torch.isin(sequences, torch.tensor(eos_ids, device=sequences.device))
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(is_eos[:, 0], sequences.shape[1], dtype=torch.long))
+    return first.tolist()
