@@ -1,0 +1,53 @@
+"""ImportancePredictor: shape contract, safetensors round trip, clear errors on bad files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynts
+from dynts.predictor import WEIGHTS_NAME
+
+
+def test_architecture_and_roundtrip(tmp_path):
+    torch.manual_seed(0)
+    p = dynts.ImportancePredictor(48, activation="softplus", backbone="tiny")
+    shapes = [tuple(m.weight.shape) for m in p.mlp if isinstance(m, torch.nn.Linear)]
+    assert shapes == [(96, 48), (24, 96), (1, 24)]  # d -> 2d -> d/2 -> 1
+    h = torch.randn(2, 5, 48)
+    assert p(h).shape == (2, 5)
+    p.save_pretrained(tmp_path)
+    q = dynts.ImportancePredictor.from_pretrained(tmp_path)
+    assert q.config.backbone == "tiny"
+    torch.testing.assert_close(p(h), q(h))
+
+
+def test_corrupted_and_missing_files(tmp_path):
+    dynts.ImportancePredictor(16).save_pretrained(tmp_path)
+    (tmp_path / WEIGHTS_NAME).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="corrupted"):
+        dynts.ImportancePredictor.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="predictor_config.json"):
+        dynts.ImportancePredictor.from_pretrained(tmp_path / "missing")
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="activation"):
+        dynts.ImportancePredictor(16, activation="swishy")
+    with pytest.raises(ValueError, match="hidden_size"):
+        dynts.ImportancePredictor(0)
+
+
+def test_scores_come_from_the_same_forward(qwen2):
+    """Each new token is scored once, from the final hidden state of the forward that produced it."""
+    calls = []
+    predictor = dynts.ImportancePredictor(qwen2.config.hidden_size)
+    predictor.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
+    ids = torch.randint(3, 100, (1, 7))
+    result = dynts.generate(
+        qwen2, input_ids=ids, method="dynts", budget=200, local_window=4, predictor=predictor,
+        max_new_tokens=5, pad_token_id=0, eos_token_id=None,
+    )
+    assert calls == [7, 1, 1, 1, 1]  # prefill, then one token per decode step; no second forward
+    cache = result.cache
+    assert not cache.scores[0, : cache.length].isnan().any()
