@@ -22,6 +22,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "attention_rows", "recording_attention"]
 ATTN_IMPLEMENTATION = "dynts_sdpa"
 Recorder = Callable[[torch.nn.Module, torch.Tensor], None]
 _RECORDER: ContextVar[Recorder | None] = ContextVar("dynts_attention_recorder", default=None)
+_LAST_ROWS: ContextVar[int | None] = ContextVar("dynts_attention_last_rows", default=None)
 
 
 def attention_rows(
@@ -59,6 +60,11 @@ def _recording_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
     )
     recorder = _RECORDER.get()
     if recorder is not None:
+        rows = _LAST_ROWS.get()
+        if rows is not None and rows < query.shape[2]:  # only the last `rows` queries (answer rows)
+            query = query[:, :, -rows:]
+            if attention_mask is not None and attention_mask.shape[-2] > 1:
+                attention_mask = attention_mask[..., -rows:, :]
         recorder(module, attention_rows(query, key, attention_mask, scaling if scaling is not None else module.scaling))
     return out
 
@@ -68,13 +74,21 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 @contextmanager
-def recording_attention(model: torch.nn.Module, recorder: Recorder) -> Iterator[None]:
-    """Within the block, every attention layer of ``model`` calls ``recorder(module, probs)``."""
+def recording_attention(model: torch.nn.Module, recorder: Recorder, last_rows: int | None = None) -> Iterator[None]:
+    """Within the block, every attention layer of ``model`` calls ``recorder(module, probs)``.
+
+    ``last_rows``: compute ``probs`` only for the last ``last_rows`` query rows of each forward
+    (``[b, heads, last_rows, n]``), e.g. the answer rows of a full-sequence forward; default: all rows.
+    """
+    if last_rows is not None and (not isinstance(last_rows, int) or last_rows < 1):
+        raise ValueError(f"last_rows={last_rows!r} must be a positive int or None (all query rows)")
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     token = _RECORDER.set(recorder)
+    rows_token = _LAST_ROWS.set(last_rows)
     try:
         yield
     finally:
+        _LAST_ROWS.reset(rows_token)
         _RECORDER.reset(token)
         model.set_attn_implementation(previous)

@@ -117,7 +117,8 @@ class BoundedCache(Cache):
         budget: the :class:`Budget`; ``None`` only for the full cache.
         think_end_token_id: token id that closes the thinking segment (``</think>``); tokens after
             it are :attr:`Segment.ANSWER`.
-        observation_window: number of recent query rows kept for ``window_attention`` (SnapKV).
+        observation_window: number of recent query rows kept for ``window_attention`` (SnapKV);
+            default: the evictor's ``observation_window`` field if it has one, else 8.
         keys_layer: layer whose keys feed ``TokenInfo.keys`` (R-KV); default the last one.
     """
 
@@ -128,7 +129,7 @@ class BoundedCache(Cache):
         budget: Budget | None = None,
         *,
         think_end_token_id: int | None = None,
-        observation_window: int = 8,
+        observation_window: int | None = None,
         keys_layer: int = -1,
     ):
         super().__init__(layers=[BoundedLayer(self, i) for i in range(num_layers)])
@@ -139,6 +140,10 @@ class BoundedCache(Cache):
         self.budget = budget
         self.think_end_token_id = think_end_token_id
         self.requires = frozenset(evictor.requires) if self.bounded else frozenset()
+        if observation_window is None:
+            observation_window = getattr(evictor, "observation_window", 8)
+        if not isinstance(observation_window, int) or observation_window < 1:
+            raise ValueError(f"observation_window={observation_window!r} must be a positive int")
         self.observation_window = observation_window
         self.keys_layer = keys_layer % num_layers
         self.stats = CacheStats()
@@ -153,6 +158,7 @@ class BoundedCache(Cache):
         self.attention: torch.Tensor | None = None
         self.window_attention: torch.Tensor | None = None
         self.in_answer: torch.Tensor | None = None
+        self.holds_pads = False  # host flag: may a stored slot be padding? (avoids a per-step device read)
 
     # ------------------------------------------------------------------ forward protocol
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -160,7 +166,10 @@ class BoundedCache(Cache):
         """Evict if the new tokens would overflow the budget, record their metadata, return the mask.
 
         Returns the 2-D ``attention_mask`` the model must use (``[b, seen + q]``), or ``None`` when
-        every stored slot is a real token.
+        every stored slot is a real token. Whether pads are held is a host flag, so a decode step
+        never reads the device (no per-step sync on CUDA): the mask of a forward is read back once
+        for prefills / multi-token forwards and on CPU; a single-token CUDA forward's mask entry is
+        taken as 1, as ``generate`` always passes (send padding in multi-token forwards).
         """
         q = query_length
         if input_ids is None:
@@ -170,6 +179,8 @@ class BoundedCache(Cache):
             if attention_mask is not None
             else torch.ones(batch_size, q, dtype=torch.bool, device=device)
         )
+        if attention_mask is not None and (self.positions is None or q > 1 or new_valid.device.type == "cpu"):
+            self.holds_pads = self.holds_pads or not bool(new_valid.all())
         if self.positions is None:
             self._allocate(batch_size, q, device)
             segments = torch.where(new_valid, int(Segment.QUESTION), int(Segment.PAD))
@@ -185,12 +196,14 @@ class BoundedCache(Cache):
         self.scores[:, sl] = float("nan")
         if self.attention is not None:
             self.attention[:, sl] = 0.0
+        if self.window_attention is not None:
+            self.window_attention[:, :, sl] = 0.0  # columns left stale by a compaction
         self.pending = q
         self._window_fresh = True
         self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, self.length + q)
-        valid = self.segments[:, : self.length + q] != Segment.PAD
-        if bool(valid.all()):
+        if not self.holds_pads:
             return None
+        valid = self.segments[:, : self.length + q] != Segment.PAD
         mask = torch.ones(batch_size, self.seen + q, dtype=torch.bool, device=device)
         mask[:, self.seen - self.length :] = valid
         return mask
@@ -271,6 +284,8 @@ class BoundedCache(Cache):
             w = self.window_attention.shape[1]
             idx = kept.unsqueeze(1).expand(-1, w, -1)
             self.window_attention[:, :, :k] = self.window_attention[:, :, : self.length].gather(2, idx)
+        if self.holds_pads:  # pads are evicted first; re-check once per event, not per step
+            self.holds_pads = bool((self.segments[:, :k] == Segment.PAD).any())
         self.stats.evictions += 1
         self.stats.evicted_tokens += self.length - k
         self.stats.event_steps.append(self.seen)

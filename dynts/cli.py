@@ -11,6 +11,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dynts.demo:main", "compare eviction methods on the bundled default model"),
     "generate": ("dynts.demo:generate_main", "generate with a bounded cache from the command line"),
     "testbed": ("trainers.testbed_cli:main", "train / sample / report the embedded testbed models"),
+    "analyze": ("eval.analyze_cli:main", "Pareto retention, sparsity and POS-by-importance analyses (paper 3.1-3.2, B.2)"),
+    "cost": ("dynts.cost_cli:main", "decode FLOPs / KV bytes / break-even eviction volume for a model config (paper 5, KV-Rescue D)"),
+    "train-predictor": ("trainers.predictor_cli:main", "train the DynTS importance predictor (LightningCLI: fit / validate)"),
+    "pipeline": ("trainers.pipeline:main", "traces -> importance -> predictor training -> export, resumable"),
+    "eval": ("eval.cli:main", "pass@1 / tokens/s / peak KV of methods x budgets x benchmarks, ablations, resumable"),
+    "rescue": ("eval.rescue_eval:main", "KV-Rescue: evicted base + full-context helper + PRM; generate, or bench vs best-of-N"),
 }
 
 

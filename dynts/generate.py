@@ -193,6 +193,8 @@ def generate(
         **generate_kwargs: passed to ``model.generate`` (``do_sample``, ``temperature``, ...).
     """
     evictor = make_evictor(method, **(method_options or {}))
+    if tokenizer is not None:
+        evictor.bind(tokenizer)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
     if input_ids is None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, PreTrainedTokenizerFast
 
 __all__ = ["BUNDLED", "checkpoints_dir", "load", "smollm2_dir"]
 
@@ -107,5 +108,19 @@ def load(
         local_files_only=True,
         trust_remote_code=trust_remote_code,
     )
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), load_tokenizer(path, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The directory's tokenizer, exactly as saved.
+
+    transformers 5 maps ``AutoTokenizer`` to the model family's class (a byte-level BPE for qwen2),
+    which garbles a plain ``tokenizer.json`` saved with ``tokenizer_class: TokenizersBackend`` /
+    ``PreTrainedTokenizerFast`` (the testbed's word-level vocabulary); load those as they are.
+    """
+    config_file = Path(path) / "tokenizer_config.json"
+    if config_file.is_file() and (Path(path) / "tokenizer.json").is_file():
+        declared = json.loads(config_file.read_text()).get("tokenizer_class")
+        if declared in {"TokenizersBackend", "PreTrainedTokenizerFast"}:
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)

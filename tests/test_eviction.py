@@ -33,7 +33,14 @@ def decode_with_cache(model, ids, mask, method, budget, steps, predictor=None):
     return seq, torch.stack(logits, 1), visible, sizes, cache
 
 
-@pytest.mark.parametrize("method", ["window", "streamingllm", "dynts"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "window", "streamingllm", "dynts", "h2o", "snapkv", "rkv",
+        # SepLLM with every 4th id of the tiny vocabulary as a separator
+        pytest.param(dynts.make_evictor("sepllm", separator_token_ids=tuple(range(3, 128, 4))), id="sepllm"),
+    ],
+)
 @pytest.mark.parametrize("lengths", [[10], [10, 6]], ids=["batch1", "batch2-padded"])
 def test_logits_match_explicit_mask(family_model, method, lengths):
     model = family_model

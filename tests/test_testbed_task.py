@@ -179,7 +179,7 @@ def test_oracle_keeps_question_critical_and_recent():
 
     assert EVICTORS["testbed-oracle"] is OracleEvictor
     probs = [task.make_problem(s, min_think=200, max_think=200) for s in (1, 2)]
-    rows = [list(p.tokens[: task.END_THINK and p.tokens.index(task.END_THINK)]) for p in probs]
+    rows = [list(p.tokens[: p.tokens.index(task.END_THINK)]) for p in probs]
     rows[1] = rows[1][:-5]  # ragged batch: row 1 is left-padded
     info = _info(rows, n_keep=40)
     kept = make_evictor("testbed-oracle")(info)

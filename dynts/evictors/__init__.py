@@ -1,6 +1,6 @@
 """Eviction methods. Each file registers one method; ``available_methods()`` lists them."""
 
-from . import dual_window, full, streamingllm, window  # noqa: F401  (registration side effects)
+from . import dual_window, fixed, full, h2o, rkv, sepllm, snapkv, streamingllm, window  # noqa: F401  (registration side effects)
 from .base import (
     EVICTORS,
     Evictor,
@@ -12,6 +12,7 @@ from .base import (
     recent_mask,
     register,
 )
+from .sepllm import separator_ids
 
 __all__ = [
     "EVICTORS",
@@ -23,4 +24,5 @@ __all__ = [
     "make_evictor",
     "recent_mask",
     "register",
+    "separator_ids",
 ]

@@ -17,6 +17,8 @@ from typing import Callable, ClassVar
 
 import torch
 
+from ..kernels import keep_top_indices
+
 __all__ = [
     "EVICTORS",
     "Evictor",
@@ -101,6 +103,12 @@ class Evictor(ABC):
     def select(self, info: TokenInfo) -> torch.Tensor:
         """Return the kept slot indices, ``[b, info.n_keep]`` int64, ascending in each row."""
 
+    def bind(self, tokenizer) -> None:
+        """Adapt settings that depend on the vocabulary (e.g. SepLLM's separator ids).
+
+        :func:`dynts.generate` calls it with its tokenizer before decoding; the default does nothing.
+        """
+
     def __call__(self, info: TokenInfo) -> torch.Tensor:
         kept = self.select(info)
         if kept.shape != (info.shape[0], info.n_keep):
@@ -155,13 +163,7 @@ def keep_top(priority: torch.Tensor, info: TokenInfo) -> torch.Tensor:
     Ties are broken deterministically in favour of the more recent slot. ``priority``: ``[b, n]``
     float (``+inf`` = protected). Returns ``[b, n_keep]`` ascending slot indices.
     """
-    priority = priority.float().masked_fill(~info.valid, float("-inf"))
-    n = priority.shape[-1]
-    recent_first = torch.arange(n - 1, -1, -1, device=priority.device).expand_as(priority)
-    p = priority.gather(-1, recent_first)
-    order = torch.sort(p, dim=-1, descending=True, stable=True).indices
-    kept = recent_first.gather(-1, order[:, : info.n_keep])
-    return kept.sort(dim=-1).values
+    return keep_top_indices(priority, info.valid, info.n_keep)  # torch, or Triton on CUDA (dynts.kernels)
 
 
 def recent_mask(info: TokenInfo, window: int) -> torch.Tensor:

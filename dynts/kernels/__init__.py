@@ -1,5 +1,20 @@
-"""Eviction-event kernels: a torch reference everywhere, Triton on CUDA where it is installed."""
+"""Eviction-event kernels: a torch reference everywhere, Triton on CUDA where it is installed.
 
-from .compact import compact_
+Every kernel has a torch path and a Triton path with the same signature; :func:`backend_for` picks
+one per call (``DYNTS_KERNELS=auto|torch|triton`` overrides it). The Triton module is imported only
+when its path is taken, so importing ``dynts`` never imports ``triton``.
+"""
 
-__all__ = ["compact_"]
+from .compact import compact_, compact_torch_
+from .dispatch import BACKEND_ENV, backend_for, triton_available
+from .select import keep_top_indices, keep_top_torch
+
+__all__ = [
+    "BACKEND_ENV",
+    "backend_for",
+    "compact_",
+    "compact_torch_",
+    "keep_top_indices",
+    "keep_top_torch",
+    "triton_available",
+]

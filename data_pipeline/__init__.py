@@ -1,0 +1,1 @@
+"""Data pipelines for dynts: traces, datasets and the synthetic testbed."""

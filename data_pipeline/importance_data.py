@@ -1,0 +1,149 @@
+"""Add answer-to-thinking importance (and optionally fp16 final hidden states) to a trace dataset.
+
+Input: the trace dataset of :mod:`data_pipeline.traces`. Output: the same rows and columns plus
+``importance`` (``list[float]``, one per ``input_ids`` entry, 0.0 on answer positions) and, with
+``save_hidden``, ``hidden`` (``[len(input_ids), d]`` float16, the post-norm final hidden states the
+predictor reads). One forward per batch of traces (:func:`dynts.importance.sequence_importance`),
+answer rows only; shards are atomic and the job resumes (:mod:`data_pipeline.shards`).
+
+Run: ``python -m data_pipeline.importance_data --config configs/predictor/testbed.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Array2D, Dataset, Features, Sequence as ListOf, Value, load_from_disk
+
+from data_pipeline.shards import ShardStore
+from data_pipeline.traces import KEY, TRACE_FEATURES
+from dynts.importance import sequence_importance
+
+__all__ = ["ImportanceConfig", "add_importance", "importance_features", "load_trace_dataset"]
+
+
+@dataclass
+class ImportanceConfig:
+    """Importance extraction settings (the ``importance:`` section of a pipeline YAML).
+
+    Args:
+        model: ``dynts.load`` name or local HF directory (the model that generated the traces).
+        traces_dir: the trace dataset directory (``<traces output_dir>/dataset``).
+        output_dir: where ``shards/`` and the merged ``dataset/`` go.
+        save_hidden: also store fp16 final hidden states (the predictor's training inputs).
+        max_batch_tokens: padded tokens per forward (long traces go one at a time).
+        shard_size: traces per shard.
+        dtype: model dtype; device: ``cpu`` / ``cuda`` / ``auto``.
+        threads: ``torch.set_num_threads`` for this job.
+    """
+
+    model: str = "testbed"
+    traces_dir: str = "runs/pipeline-testbed/traces/dataset"
+    output_dir: str = "runs/pipeline-testbed/importance"
+    save_hidden: bool = True
+    max_batch_tokens: int = 16384
+    shard_size: int = 256
+    dtype: str = "float32"
+    device: str = "auto"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.shard_size < 1:
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} and shard_size={self.shard_size} must be >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ImportanceConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown importance settings {unknown}; valid: {sorted(known)}")
+        return cls(**values)
+
+
+def importance_features(hidden_size: int | None = None) -> Features:
+    """Trace features + ``importance`` (+ ``hidden [T, hidden_size]`` float16)."""
+    feats = dict(TRACE_FEATURES)
+    feats["importance"] = ListOf(Value("float32"))
+    if hidden_size is not None:
+        feats["hidden"] = Array2D(shape=(None, hidden_size), dtype="float16")
+    return Features(feats)
+
+
+def load_trace_dataset(path: str | Path, required: tuple[str, ...] = tuple(TRACE_FEATURES)) -> Dataset:
+    """Load a trace/importance dataset directory and check its columns."""
+    path = Path(path)
+    if not (path / "dataset_info.json").is_file():
+        raise ValueError(f"{path} is not a datasets directory (save_to_disk); run the traces stage first")
+    data = load_from_disk(str(path))
+    missing = [c for c in required if c not in data.column_names]
+    if missing:
+        raise ValueError(f"dataset {path} lacks columns {missing}; it must come from data_pipeline.traces / importance_data")
+    return data
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dict[str, Any]:
+    """Score every trace; skip what is done. Returns the merged dataset's ``stats.json``."""
+    cfg = config if isinstance(config, ImportanceConfig) else ImportanceConfig.from_dict(config)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    traces = load_trace_dataset(cfg.traces_dir)
+    if model is None:
+        from data_pipeline.loading import load_model
+
+        model, _ = load_model(cfg.model, cfg.dtype, _device(cfg.device))
+    hidden_size = model.config.get_text_config().hidden_size
+    store = ShardStore(cfg.output_dir, importance_features(hidden_size if cfg.save_hidden else None), KEY)
+    if store.is_complete():
+        return store.stats()
+    store.clean_partial()
+    done = store.done()
+    todo = [i for i, key in enumerate(zip(traces["question_id"], traces["sample_id"])) if tuple(key) not in done]
+    pad = model.config.get_text_config().pad_token_id or 0
+    for start in range(0, len(todo), cfg.shard_size):
+        rows = traces.select(todo[start : start + cfg.shard_size])
+        scored = sequence_importance(
+            model, rows["input_ids"], rows["answer_start"], max_batch_tokens=cfg.max_batch_tokens,
+            return_hidden_states=cfg.save_hidden, pad_token_id=pad,
+        )
+        records = []
+        for row, imp in zip(rows, scored):
+            record = dict(row, importance=imp.scores.float().cpu().tolist())
+            if cfg.save_hidden:
+                record["hidden"] = imp.hidden_states.to(torch.float16).cpu().numpy()
+            records.append(record)
+        store.write(records, [((r["question_id"], r["sample_id"]), "kept") for r in records])
+    order = {key: i for i, key in enumerate(zip(traces["question_id"], traces["sample_id"]))}
+    settings = {k: v for k, v in asdict(cfg).items() if k != "threads"}
+    store.merge(sort_key=lambda k: order.get((k["question_id"], k["sample_id"]), len(order)),
+                extra_stats={"config": settings, "hidden_size": hidden_size})
+    return store.stats()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Add answer-to-thinking importance to a trace dataset (resumable).")
+    parser.add_argument("--config", required=True, help="YAML with an importance: section (or the settings at top level)")
+    args = parser.parse_args(argv)
+    import yaml
+
+    values = yaml.safe_load(Path(args.config).read_text()) or {}
+    stats = add_importance(values.get("importance", values))
+    print(json.dumps({k: v for k, v in stats.items() if k != "config"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

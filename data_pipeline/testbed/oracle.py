@@ -1,0 +1,80 @@
+"""Oracle evictor for the testbed: keeps the question, the ground-truth critical tokens and the
+most recent tokens ("eviction matters" experiment).
+
+The answer ``</think> rK= v`` copies the value written right after the asked key ``rK=`` in the
+thinking. The oracle reads the asked key from the question (``find rK``, always kept) and protects
+every thinking slot holding ``rK=`` and the slot right after it (its value); everything else is
+kept by recency. Slots carry absolute positions, so the value is found one position after a protected key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from data_pipeline.testbed import task
+from dynts.evictors.base import EVICTORS, Evictor, Segment, TokenInfo, keep_top, register
+
+_ID = {t: i for i, t in enumerate(task.VOCAB)}
+FIND_ID = _ID[task.FIND]
+QUERY_TO_KEY = {_ID[q]: _ID[k] for q, k in zip(task.QUERY_KEYS, task.RESULT_KEYS)}
+
+
+def asked_key_ids(info: TokenInfo) -> torch.Tensor:
+    """``[b]`` id of the asked result key (``rK=``) per row, read from ``find rK`` in the question;
+    -1 where the question holds none."""
+    ids, q = info.token_ids, info.segments == Segment.QUESTION
+    is_find = (ids == FIND_ID) & q
+    out = torch.full((ids.shape[0],), -1, dtype=torch.long, device=ids.device)
+    for b in range(ids.shape[0]):
+        hits = is_find[b, :-1].nonzero().flatten()
+        if len(hits):
+            out[b] = QUERY_TO_KEY.get(int(ids[b, hits[0] + 1]), -1)
+    return out
+
+
+def critical_mask(info: TokenInfo, key_ids: torch.Tensor, before: int = 0, after: int = 1) -> torch.Tensor:
+    """``[b, n]`` True on thinking slots holding the asked key, and on the slots up to ``before``
+    positions earlier and ``after`` positions later (``after=1``: its value)."""
+    thinking = info.segments == Segment.THINKING
+    is_key = thinking & (info.token_ids == key_ids[:, None])
+    pos = info.positions.masked_fill(~info.valid, -(10**9))
+    key_pos = pos.masked_fill(~is_key, -(10**9))  # [b, n]; only key slots carry real positions
+    offset = pos[:, :, None] - key_pos[:, None, :]  # [b, n, n]: slot minus key position
+    near = ((offset >= -before) & (offset <= after) & is_key[:, None, :]).any(-1)
+    return near & info.valid
+
+
+@dataclass
+class OracleEvictor(Evictor):
+    """Question + ground-truth critical tokens (asked key and its value) + the most recent tokens.
+
+    Args:
+        key_ids: optional asked ``rK=`` token id per row; read from the question when ``None``.
+        keep_step: keep the whole step that wrote the asked key (``x xv op y yv gives rK= v ;``),
+            not only the key and its value.
+
+    Shapes: ``info.*`` are ``[b, n]``; returns ``[b, n_keep]`` ascending slot indices.
+    """
+
+    key_ids: list[int] | None = None
+    keep_step: bool = False
+
+    def __post_init__(self) -> None:
+        if self.key_ids is not None and any(k not in QUERY_TO_KEY.values() for k in self.key_ids):
+            raise ValueError(f"key_ids={self.key_ids!r} must be ids of result keys r1= .. r{task.MAX_KEY}=")
+
+    def select(self, info: TokenInfo) -> torch.Tensor:
+        if self.key_ids is not None:
+            keys = torch.tensor(self.key_ids, dtype=torch.long, device=info.token_ids.device)
+        else:
+            keys = asked_key_ids(info)
+        priority = torch.arange(info.shape[1], device=info.positions.device).float().expand(info.shape)
+        span = (task.STEP_TOKENS - 3, 2) if self.keep_step else (0, 1)
+        protect = (info.segments == Segment.QUESTION) | (info.segments == Segment.ANSWER) | critical_mask(info, keys, *span)
+        return keep_top(priority.masked_fill(protect, float("inf")), info)
+
+
+if "testbed-oracle" not in EVICTORS:
+    register("testbed-oracle")(OracleEvictor)

@@ -1,0 +1,303 @@
+"""Reasoning-trace generation (DynTS paper B.1 / C.2) as a Lightning predict loop.
+
+``k`` samples per question with the paper's sampling (temperature 0.6, top-p 0.95, top-k 20);
+complete traces (thinking delimiter + a non-empty answer, finished with EOS) whose answer is correct
+are kept. Records go to atomic shards (:mod:`data_pipeline.shards`), so a job killed at any moment
+and restarted finishes without losing or duplicating a ``(question_id, sample_id)``; every decided
+item is recorded with its status (``kept``, ``no_delimiter``, ``no_answer``, ``no_thinking``,
+``truncated``, ``incorrect``) and counted in ``dataset/stats.json``.
+
+Lightning places the model, draws progress bars and runs several devices (each rank writes its own
+shards). The optional vLLM backend (``backend: vllm``) samples the same work items with the same
+record logic, for GPU users.
+
+Run: ``python -m data_pipeline.traces --config configs/predictor/testbed.yaml`` (its ``traces:``
+section) or the whole chain with ``dynts pipeline --config ...``. Schema: ``docs/pipeline.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import lightning as L
+import torch
+from datasets import Features, Sequence as ListOf, Value
+from lightning.pytorch.callbacks import BasePredictionWriter
+
+from data_pipeline.loading import load_model, load_tokenizer
+from data_pipeline.grading import ANSWER_RULES, find_answer_start, make_grader
+from data_pipeline.questions import Question, QuestionDataModule, load_questions
+from data_pipeline.shards import ShardStore
+
+__all__ = ["TRACE_FEATURES", "TraceConfig", "TraceSampler", "generate_traces", "make_record"]
+
+TRACE_FEATURES = Features(
+    {
+        "question_id": Value("string"),
+        "sample_id": Value("int64"),
+        "input_ids": ListOf(Value("int32")),
+        "question_len": Value("int64"),
+        "answer_start": Value("int64"),
+        "text": Value("string"),
+        "gold": Value("string"),
+        "correct": Value("bool"),
+    }
+)
+KEY = ("question_id", "sample_id")
+
+
+@dataclass
+class TraceConfig:
+    """Trace generation settings (the ``traces:`` section of a pipeline YAML).
+
+    Args:
+        model: ``dynts.load`` name or local HF directory.
+        questions: question source (see :mod:`data_pipeline.questions`).
+        output_dir: where ``shards/`` and the merged ``dataset/`` go.
+        limit: use the first ``limit`` questions.
+        samples_per_question: ``k`` (paper: 5).
+        temperature / top_p / top_k: sampling (paper: 0.6 / 0.95 / 20).
+        max_new_tokens: generation cap (paper: 16384).
+        batch_size: prompts per generation batch.
+        shard_size: work items per shard (smaller = less redone after a kill).
+        answer_rule: how the answer start is found (:data:`data_pipeline.grading.ANSWER_RULES`).
+        think_end: the thinking delimiter for ``answer_rule: delimiter``.
+        grader: ``math`` / ``testbed`` / ``exact`` / ``any`` / ``module:function``.
+        require_correct: keep only correct traces (the paper); False keeps every complete trace.
+        require_eos: reject traces cut by ``max_new_tokens`` (no EOS).
+        system / suffix: instruction added to every question.
+        seed: sampling seed (per batch: ``seed + batch index``).
+        backend: ``hf`` (Lightning) or ``vllm``.
+        accelerator / devices / precision: passed to the Lightning ``Trainer``.
+        dtype: model weights dtype (``float32``, ``bfloat16``, ``float16``).
+        progress: show a progress bar.
+        threads: ``torch.set_num_threads`` for this job (CPU; tiny models decode fastest with 1).
+    """
+
+    model: str = "testbed"
+    questions: str = "testbed:pipeline:64"
+    output_dir: str = "runs/pipeline-testbed/traces"
+    limit: int | None = None
+    samples_per_question: int = 5
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    max_new_tokens: int = 16384
+    batch_size: int = 8
+    shard_size: int = 64
+    answer_rule: str = "delimiter"
+    think_end: str = "</think>"
+    grader: str = "math"
+    require_correct: bool = True
+    require_eos: bool = True
+    system: str | None = None
+    suffix: str = ""
+    seed: int = 0
+    backend: str = "hf"
+    accelerator: str = "auto"
+    devices: int | str = 1
+    dtype: str = "float32"
+    progress: bool = True
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.answer_rule not in ANSWER_RULES:
+            raise ValueError(f"answer_rule={self.answer_rule!r} must be one of {ANSWER_RULES}")
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"backend={self.backend!r} must be 'hf' or 'vllm'")
+        for name in ("samples_per_question", "max_new_tokens", "batch_size", "shard_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
+        if not 0 < self.top_p <= 1 or self.temperature <= 0 or self.top_k < 0:
+            raise ValueError(
+                f"sampling temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k} must satisfy "
+                "temperature > 0, 0 < top_p <= 1, top_k >= 0"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        make_grader(self.grader)  # fail early on a bad name
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TraceConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown traces settings {unknown}; valid: {sorted(known)}")
+        return cls(**values)
+
+
+def make_record(
+    question: Question,
+    sample_id: int,
+    prompt: Sequence[int],
+    generated: Sequence[int],
+    tokenizer,
+    config: TraceConfig,
+    grader,
+) -> tuple[dict[str, Any] | None, str]:
+    """``(record, "kept")`` or ``(None, reason)`` for one sample.
+
+    ``generated`` is the raw continuation (may hold EOS and padding after it); it is cut after the
+    first EOS.
+    """
+    eos = tokenizer.eos_token_id
+    generated = list(generated)
+    finished = eos is not None and eos in generated
+    if finished:
+        generated = generated[: generated.index(eos) + 1]
+    start, reason = find_answer_start(generated, tokenizer, config.answer_rule, config.think_end)
+    if start is None:
+        return None, reason
+    if config.require_eos and not finished:
+        return None, "truncated"
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    answer_text = tokenizer.decode(generated[start:], skip_special_tokens=True)
+    if config.answer_rule == "delimiter":
+        answer_text = answer_text.split(config.think_end, 1)[-1]
+    correct = bool(grader(question, text, answer_text))
+    if config.require_correct and not correct:
+        return None, "incorrect"
+    record = {
+        "question_id": question.question_id,
+        "sample_id": int(sample_id),
+        "input_ids": [int(t) for t in prompt] + generated,
+        "question_len": len(prompt),
+        "answer_start": len(prompt) + start,
+        "text": text,
+        "gold": question.gold,
+        "correct": correct,
+    }
+    return record, "kept"
+
+
+class TraceSampler(L.LightningModule):
+    """Samples one continuation per prompt row with Hugging Face ``generate``; ``predict_step``
+    returns ``[(key, record or None, status)]`` per row."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: TraceConfig, data: QuestionDataModule) -> None:
+        super().__init__()
+        self.model, self.tokenizer, self.config, self.data = model, tokenizer, config, data
+        self.grader = make_grader(config.grader)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[tuple[tuple, dict | None, str]]:
+        cfg = self.config
+        torch.manual_seed(cfg.seed + 1_000_003 * self.global_rank + batch_idx)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        out = self.model.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_new_tokens=cfg.max_new_tokens,
+            pad_token_id=pad,
+        )
+        new = out[:, batch["input_ids"].shape[1] :].tolist()
+        results = []
+        for row, generated in enumerate(new):
+            qi, sid = int(batch["question_index"][row]), int(batch["sample_id"][row])
+            question = self.data.questions[qi]
+            record, status = make_record(question, sid, self.data.prompts[qi], generated, self.tokenizer, cfg, self.grader)
+            results.append(((question.question_id, sid), record, status))
+        return results
+
+
+class ShardWriter(BasePredictionWriter):
+    """Buffers decided items per rank and writes a shard every ``shard_size`` items and at the end."""
+
+    def __init__(self, store: ShardStore, shard_size: int) -> None:
+        super().__init__(write_interval="batch")
+        self.store, self.shard_size = store, shard_size
+        self.records: list[dict] = []
+        self.decided: list[tuple[tuple, str]] = []
+
+    def add(self, results: list[tuple[tuple, dict | None, str]], rank: int = 0) -> None:
+        for key, record, status in results:
+            self.decided.append((key, status))
+            if record is not None:
+                self.records.append(record)
+        if len(self.decided) >= self.shard_size:
+            self.flush(rank)
+
+    def flush(self, rank: int = 0) -> None:
+        if self.decided:
+            self.store.write(self.records, self.decided, rank)
+        self.records, self.decided = [], []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        self.add(prediction, trainer.global_rank)
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        self.flush(trainer.global_rank)
+
+
+def _question_order(questions: Sequence[Question]):
+    order = {q.question_id: i for i, q in enumerate(questions)}
+    return lambda key: (order.get(key["question_id"], len(order)), key["sample_id"])
+
+
+def generate_traces(config: TraceConfig | dict[str, Any], model=None, tokenizer=None) -> dict[str, Any]:
+    """Generate, filter and store traces; skip everything already done. Returns ``stats.json``.
+
+    ``model``/``tokenizer`` override ``config.model`` (tests, notebooks).
+    """
+    cfg = config if isinstance(config, TraceConfig) else TraceConfig.from_dict(config)
+    store = ShardStore(cfg.output_dir, TRACE_FEATURES, KEY)
+    if store.is_complete():
+        return store.stats()
+    store.clean_partial()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    questions = load_questions(cfg.questions, cfg.limit, system=cfg.system, suffix=cfg.suffix)
+    if model is None or tokenizer is None:
+        if cfg.backend == "vllm":
+            tokenizer = load_tokenizer(cfg.model)
+        else:
+            model, tokenizer = load_model(cfg.model, cfg.dtype)
+    done = store.done()
+    data = QuestionDataModule(questions, tokenizer, cfg.samples_per_question, cfg.batch_size, done=set(done))
+    writer = ShardWriter(store, cfg.shard_size)
+    if data.items and cfg.backend == "vllm":
+        from data_pipeline.vllm_backend import run_vllm
+
+        run_vllm(cfg, data, writer, tokenizer)
+    elif data.items:
+        module = TraceSampler(model.eval(), tokenizer, cfg, data)
+        trainer = L.Trainer(
+            accelerator=cfg.accelerator,
+            devices=cfg.devices,
+            callbacks=[writer],
+            logger=False,
+            enable_progress_bar=cfg.progress,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.predict(module, datamodule=data, return_predictions=False)
+        if trainer.world_size > 1:
+            trainer.strategy.barrier()
+            if trainer.global_rank != 0:
+                return {}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("progress", "threads")}
+    store.merge(sort_key=_question_order(questions), extra_stats={"questions": len(questions), "config": settings})
+    return store.stats()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Generate reasoning traces (resumable).")
+    parser.add_argument("--config", required=True, help="YAML with a traces: section (or the settings at top level)")
+    args = parser.parse_args(argv)
+    import yaml
+
+    values = yaml.safe_load(Path(args.config).read_text()) or {}
+    stats = generate_traces(values.get("traces", values))
+    print(json.dumps({k: v for k, v in stats.items() if k != "config"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""R-KV, redundancy-aware KV compression for reasoning models (Cai et al., NeurIPS 2025,
+arXiv:2505.24133), with the settings of KV-Rescue's appendix C (``../shared/papers/kv-rescue.txt``:
+mix weight ``lambda = 0.1``, a protected recent window, a headroom buffer between events).
+
+Score of cached slot ``j`` at an eviction event (``V`` = the row's real slots)::
+
+    importance  I_j = pool_k( mean_{q in window} A_qj / sum_j' A_qj' )
+    similarity  S^h_ij = cos(k^h_i, k^h_j) for i != j,  S^h_ii = 0          (per KV head h)
+                for every i: the most recent j with S^h_ij > threshold gets S^h_ij := 0
+    redundancy  R^h_j = softmax_{j in V}( mean_{i in V} S^h_ij ),   R_j = mean_h R^h_j
+    score       Z_j = lambda * I_j - (1 - lambda) * R_j
+
+``A`` is the observation window's attention (``TokenInfo.window_attention``, the last ``w`` query rows,
+summed over layers and heads: each row is normalised to a distribution, i.e. averaged over layers and
+heads), ``pool_k`` the max pooling of R-KV's code (kernel 7) over the slots before the local window,
+and the keys are those of one reference layer (``TokenInfo.keys``, the last layer by default). The
+redundancy term is R-KV's ``cal_similarity`` (threshold 0.5, ``retain_direction="last"``: of a set of
+similar keys the most recent copy is spared). A token scores high when the window attends to it and
+few other cached keys repeat it. The local window ``W_l`` is always kept and ``n_keep`` is shared by
+every method (DynTS paper C.3); R-KV's "buffer" is the eviction volume ``K = B - n_keep``.
+
+Differences from the reference code, forced by one selection serving all layers and heads (as in
+the DynTS reference code): R-KV selects per layer and per KV head with that layer's attention; here
+importance is averaged over layers and heads and redundancy over the KV heads of one layer. Rows
+with no similar key do not zero their similarity to slot 0 (an artefact of R-KV's ``argmax``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Evictor, Segment, TokenInfo, keep_top, recent_mask, register
+from .options import check_flag, check_pooling, check_window
+from .snapkv import pooled_outside_window
+
+
+def window_importance(window_attention: torch.Tensor) -> torch.Tensor:
+    """``[b, w, n]`` summed attention rows -> ``[b, n]`` mean attention distribution of the window.
+
+    Each query row is normalised to sum to 1 (averaging over layers and heads); rows never filled
+    (fewer than ``w`` queries seen) are skipped.
+    """
+    rows = window_attention.float()
+    mass = rows.sum(-1, keepdim=True)
+    filled = (mass > 0).float()
+    return (rows / mass.clamp(min=1e-30) * filled).sum(1) / filled.sum(1).clamp(min=1.0)
+
+
+def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """R-KV's redundancy ``[b, n]`` of keys ``[b, h, n, d]`` (mean over heads; 0 on invalid slots)."""
+    b, h, n, _ = keys.shape
+    pair = valid.unsqueeze(2) & valid.unsqueeze(1)  # [b, n, n] both real
+    pair &= ~torch.eye(n, dtype=torch.bool, device=keys.device)
+    col = torch.arange(n, device=keys.device)
+    count = valid.sum(-1, keepdim=True).clamp(min=1).float()
+    total = torch.zeros(b, n, device=keys.device)
+    for head in range(h):  # one [b, n, n] similarity at a time
+        k = keys[:, head].float()
+        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+        sim = (k @ k.transpose(-1, -2)).masked_fill(~pair, 0.0)
+        similar = (sim > threshold) & pair
+        last = torch.where(similar, col, -1).amax(-1)  # [b, n] most recent similar slot, -1 if none
+        spare = similar & (col == last.unsqueeze(-1))
+        sim = sim.masked_fill(spare, 0.0)
+        mean = sim.sum(1) / count  # mean over rows i -> score of column j
+        total += torch.softmax(mean.masked_fill(~valid, float("-inf")), dim=-1).nan_to_num(0.0)
+    return total / h
+
+
+@register("rkv")
+@dataclass
+class RKV(Evictor):
+    """Keep the local window + the slots of highest ``lambda * importance - (1 - lambda) * redundancy``.
+
+    Args:
+        mix_lambda: ``lambda`` in [0, 1] (KV-Rescue: 0.1; R-KV's code: 0.07).
+        observation_window: queries whose attention gives the importance (R-KV: 8).
+        kernel_size: odd pooling kernel of the importance (R-KV: 7).
+        pooling: ``"max"`` (R-KV) or ``"avg"``.
+        similarity_threshold: cosine above which two keys count as copies (R-KV: 0.5), in [-1, 1].
+        keep_question: also protect the prompt (off in R-KV; an option for ablations).
+
+    Uses ``info.window_attention`` ``[b, W, n]`` and ``info.keys`` ``[b, h_kv, n, d]``.
+    """
+
+    requires: ClassVar[frozenset[str]] = frozenset({"window_attention", "keys"})
+
+    mix_lambda: float = 0.1
+    observation_window: int = 8
+    kernel_size: int = 7
+    pooling: str = "max"
+    similarity_threshold: float = 0.5
+    keep_question: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mix_lambda, bool) or not isinstance(self.mix_lambda, (int, float)) or not 0.0 <= self.mix_lambda <= 1.0:
+            raise ValueError(f"mix_lambda={self.mix_lambda!r} must lie in [0, 1] (KV-Rescue uses 0.1)")
+        check_window(self.observation_window)
+        check_pooling(self.kernel_size, self.pooling)
+        t = self.similarity_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not -1.0 <= t <= 1.0:
+            raise ValueError(f"similarity_threshold={t!r} must lie in [-1, 1] (R-KV uses 0.5)")
+        check_flag("keep_question", self.keep_question)
+
+    def scores(self, info: TokenInfo) -> torch.Tensor:
+        """``[b, n]`` R-KV score ``Z`` of every slot (before protection)."""
+        if info.window_attention is None or info.keys is None:
+            raise RuntimeError("R-KV needs window attention and keys; the cache must record both")
+        importance = window_importance(info.window_attention[:, -self.observation_window :])
+        importance = pooled_outside_window(importance, info, self.kernel_size, self.pooling)
+        redundancy = key_redundancy(info.keys, info.valid, float(self.similarity_threshold))
+        return self.mix_lambda * importance - (1.0 - self.mix_lambda) * redundancy
+
+    def select(self, info: TokenInfo) -> torch.Tensor:
+        protected = recent_mask(info, info.local_window)
+        if self.keep_question:
+            protected = protected | (info.segments == Segment.QUESTION)
+        return keep_top(self.scores(info).masked_fill(protected, float("inf")), info)

@@ -1,0 +1,165 @@
+"""Answer-to-thinking importance (DynTS paper 3.1, Eq. 6 and appendix B.1) without ``T x T`` attention.
+
+One forward pass over ``question + thinking + answer``; the attention of every answer token to every
+earlier token, summed over all layers, all heads and all answer rows, gives one score per token::
+
+    importance[j] = sum_layers sum_heads sum_{i >= answer_start} softmax(q_i k^T / sqrt(d))[j]
+
+Only the answer rows ``[b, heads, N_answer, T]`` are ever computed (through
+:func:`dynts.attention.recording_attention` with ``last_rows``), one layer at a time, and summed
+into a ``[b, T]`` accumulator at once: memory stays linear in ``T`` (``scripts/bench_importance.py``).
+Question tokens are scored too (the paper's Fig. 2, left); answer positions get 0.
+
+The final hidden states of the same forward (the input of the LM head, what the
+:class:`~dynts.ImportancePredictor` reads) can be returned alongside, for predictor training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .attention import recording_attention
+
+__all__ = ["Importance", "answer_importance", "sequence_importance"]
+
+
+@dataclass
+class Importance:
+    """Output of :func:`answer_importance`.
+
+    Attributes:
+        scores: ``[b, T]`` float32 importance per token; 0 on answer positions and padding.
+        hidden_states: ``[b, T, d]`` final (post-norm) hidden states, or ``None``.
+    """
+
+    scores: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformer body without the LM head (skips ``T x vocab`` logits)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+@torch.no_grad()
+def answer_importance(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    answer_start: torch.Tensor | Sequence[int],
+    attention_mask: torch.Tensor | None = None,
+    *,
+    return_hidden_states: bool = False,
+) -> Importance:
+    """Importance of every token for the answer, from one forward pass.
+
+    Args:
+        model: a Hugging Face causal LM (any family whose attention goes through
+            ``ALL_ATTENTION_FUNCTIONS``: Llama, Qwen2, Qwen3, Mistral, ...).
+        input_ids: ``[b, T]`` question + thinking + answer, LEFT-padded when ``b > 1``.
+        answer_start: ``[b]`` column (in the padded row) of the first answer token, e.g. the
+            ``</think>`` delimiter; every column from there to ``T - 1`` is an answer row.
+        attention_mask: ``[b, T]`` 1 for real tokens, 0 for left padding (default: all ones).
+        return_hidden_states: also return the final hidden states ``[b, T, d]``.
+
+    Returns:
+        :class:`Importance` with ``scores [b, T]`` (float32, sum over layers, heads and answer rows).
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    b, length = input_ids.shape
+    device = input_ids.device
+    starts = torch.as_tensor(answer_start, dtype=torch.long, device=device).reshape(-1)
+    if starts.numel() != b:
+        raise ValueError(f"answer_start has {starts.numel()} entries but input_ids has {b} rows; give one per row")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    elif attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    attention_mask = attention_mask.to(device)
+    if attention_mask[:, -1].eq(0).any():
+        raise ValueError("input_ids must be LEFT-padded (answers end every row); pad on the left")
+    first_real = attention_mask.long().argmax(dim=1)
+    if (starts <= first_real).any() or (starts >= length).any():
+        raise ValueError(
+            f"answer_start={starts.tolist()} must lie after the first real token and before the end "
+            f"(length {length}): the answer needs at least one earlier token to attend to"
+        )
+    rows = int(length - starts.min())
+    # row r of the recorded block is column length - rows + r; it is an answer row of sequence b
+    # when that column is >= answer_start[b]
+    columns = torch.arange(length - rows, length, device=device)
+    row_weight = (columns[None, :] >= starts[:, None]).float()  # [b, rows]
+    scores = torch.zeros(b, length, dtype=torch.float32, device=device)
+
+    def record(module: torch.nn.Module, probs: torch.Tensor) -> None:
+        # probs: [b, heads, rows, T]; sum over heads and answer rows
+        scores.add_(torch.einsum("bhrt,br->bt", probs, row_weight))
+
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with recording_attention(model, record, last_rows=rows):
+        out = _decoder(model)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+    answer = torch.arange(length, device=device)[None, :] >= starts[:, None]
+    scores.masked_fill_(answer | attention_mask.eq(0), 0.0)
+    hidden = out.last_hidden_state if return_hidden_states else None
+    return Importance(scores=scores, hidden_states=hidden)
+
+
+def sequence_importance(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    answer_starts: Sequence[int],
+    *,
+    max_batch_tokens: int = 16384,
+    return_hidden_states: bool = False,
+    pad_token_id: int = 0,
+) -> list[Importance]:
+    """:func:`answer_importance` for unpadded sequences of different lengths.
+
+    Sequences are grouped (by length) into left-padded batches of at most ``max_batch_tokens``
+    padded tokens (one sequence per batch when it alone is longer). ``answer_starts[i]`` indexes
+    ``sequences[i]``. Returns one :class:`Importance` per sequence, in input order, with
+    ``scores [T_i]`` and ``hidden_states [T_i, d]`` (or ``None``).
+    """
+    if len(sequences) != len(answer_starts):
+        raise ValueError(f"got {len(sequences)} sequences but {len(answer_starts)} answer_starts; give one per sequence")
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens={max_batch_tokens} must be >= 1")
+    device = next(model.parameters()).device
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    results: list[Importance | None] = [None] * len(sequences)
+    batch: list[int] = []
+
+    def flush() -> None:
+        width = max(len(sequences[i]) for i in batch)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        starts = []
+        for row, i in enumerate(batch):
+            n = len(sequences[i])
+            ids[row, width - n :] = torch.as_tensor(list(sequences[i]), dtype=torch.long)
+            mask[row, width - n :] = 1
+            starts.append(width - n + int(answer_starts[i]))
+        out = answer_importance(
+            model, ids.to(device), starts, mask.to(device), return_hidden_states=return_hidden_states
+        )
+        for row, i in enumerate(batch):
+            n = len(sequences[i])
+            hidden = out.hidden_states[row, width - n :] if out.hidden_states is not None else None
+            results[i] = Importance(scores=out.scores[row, width - n :], hidden_states=hidden)
+        batch.clear()
+
+    for i in order:
+        if not sequences[i]:
+            raise ValueError(f"sequences[{i}] is empty")
+        if batch and len(sequences[i]) * (len(batch) + 1) > max_batch_tokens:
+            flush()
+        batch.append(i)
+    if batch:
+        flush()
+    return results  # type: ignore[return-value]

@@ -1,0 +1,158 @@
+"""Triton kernels of the eviction event (imported only when the Triton path is taken).
+
+* :func:`compact_triton_` moves the kept K/V slots of every layer to the front of its buffer, in
+  place, in ONE launch: the grid is ``(buffers, b * h_kv)`` and each program walks one row.
+* :func:`keep_top_triton` selects the ``n_keep`` best slots of each row, one program per row, with
+  the same total order as :func:`dynts.kernels.select.keep_top_torch`.
+
+In-place gather safety. ``kept`` is ascending with ``kept[i] >= i`` (``k <= length`` distinct
+indices). Slot ``s`` is written only by output ``i = s`` and read only by the output ``j`` with
+``kept[j] = s``, so ``j <= s``: a slot is never read after a *later* output wrote it. A program
+walks its row front to back in tiles of ``BLOCK_N`` outputs; tile ``t`` reads slots ``>= t*BLOCK_N``
+and writes slots ``< (t+1)*BLOCK_N``, so tiles ``< t`` never wrote what tile ``t`` reads. Inside a
+tile a thread may read a slot another thread of the same tile writes (``kept[j] = i``, ``j < i``):
+the whole tile is loaded, then ``tl.debug_barrier()`` (a CTA barrier), then stored. Rows (batch x
+head x buffer) are disjoint, so programs never race with each other. Identity moves
+(``kept[i] == i``, e.g. the protected question window) are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["compact_triton_", "keep_top_triton"]
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _compact_kernel(
+    table,  # int64 [n_buffers]: data pointers of the buffers (same shape, dtype, contiguous)
+    kept_ptr,  # int64 [b, k]
+    k,
+    kept_stride,
+    n_heads,
+    capacity,
+    head_dim,
+    DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    buf = tl.program_id(0)
+    row = tl.program_id(1)  # b * n_heads + head
+    batch = row // n_heads
+    base = tl.load(table + buf).to(tl.pointer_type(DTYPE))
+    row_ptr = base + row.to(tl.int64) * capacity * head_dim
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < head_dim
+    for start in range(0, k, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        nmask = offs < k
+        src = tl.load(kept_ptr + batch * kept_stride + offs, mask=nmask, other=0)
+        move = (nmask & (src != offs))[:, None] & dmask[None, :]
+        vals = tl.load(row_ptr + src[:, None] * head_dim + offs_d[None, :], mask=move)
+        tl.debug_barrier()  # every read of this tile happens before any write of it
+        tl.store(row_ptr + offs[:, None] * head_dim + offs_d[None, :], vals, mask=move)
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _pointer_table(group: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Device int64 tensor of the buffers' addresses, cached: preallocated buffers keep their
+    addresses between events, so the host-to-device copy happens once, not at every event."""
+    key = (str(device), *(t.data_ptr() for t in group))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        table = _TABLES[key] = torch.tensor(key[1:], dtype=torch.int64, device=device)
+    return table
+
+
+def compact_triton_(buffers: list[torch.Tensor], kept: torch.Tensor, length: int) -> None:
+    """Triton path of :func:`dynts.kernels.compact_` (same signature and result)."""
+    kept = kept.contiguous()
+    b, k = kept.shape
+    if k > length:
+        raise ValueError(f"kept has {k} slots but only length={length} are live")
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in buffers:
+        if not t.is_contiguous() or t.dtype not in _TL_DTYPES or t.shape[0] != b or t.device != kept.device:
+            raise ValueError(
+                f"compact_triton_ needs contiguous {sorted(map(str, _TL_DTYPES))} buffers [b={b}, h, capacity, d] "
+                f"on {kept.device}; got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+        groups.setdefault((tuple(t.shape), t.dtype), []).append(t)
+    for (shape, dtype), group in groups.items():  # one launch per layout; one layout in practice
+        _, heads, capacity, head_dim = shape
+        table = _pointer_table(group, kept.device)
+        _compact_kernel[(len(group), b * heads)](
+            table, kept, k, kept.stride(0), heads, capacity, head_dim,
+            DTYPE=_TL_DTYPES[dtype], BLOCK_N=64, BLOCK_D=triton.next_power_of_2(head_dim),
+        )
+
+
+@triton.jit
+def _keep_top_kernel(
+    prio_ptr,  # float [b, n]
+    valid_ptr,  # int8 [b, n]
+    out_ptr,  # int64 [b, n_keep]
+    n,
+    n_keep,
+    prio_stride,
+    valid_stride,
+    out_stride,
+    BLOCK: tl.constexpr,
+    LOG_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    inb = offs < n
+    p = tl.load(prio_ptr + row * prio_stride + offs, mask=inb, other=0.0).to(tl.float32)
+    valid = tl.load(valid_ptr + row * valid_stride + offs, mask=inb, other=0) != 0
+    p = tl.where(valid, p, float("-inf"))
+    p = tl.where(p == 0.0, 0.0, p)  # -0.0 ties with 0.0
+    # order-preserving map float32 -> [0, 2^32): flip the magnitude bits of negatives, shift by 2^31
+    bits = p.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+    key = tl.where(p != p, 4294967295, key)  # NaN above +inf, all NaNs tie
+    key = tl.where(inb, key, -1)  # out-of-row lanes below everything
+    # threshold: the largest T with #{key >= T} >= n_keep (bisection over the 32-bit key space)
+    lo = tl.sum(offs * 0, axis=0).to(tl.int64)
+    hi = lo + 4294967295
+    for _ in range(32):
+        mid = (lo + hi + 1) >> 1
+        ok = tl.sum((key >= mid).to(tl.int32), axis=0) >= n_keep
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    above = key > lo
+    tied = key == lo
+    need = n_keep - tl.sum(above.to(tl.int32), axis=0)
+    # ties go to the most recent slots: the largest I with #{tied, slot >= I} >= need
+    lo_i = tl.sum(offs * 0, axis=0)
+    hi_i = lo_i + BLOCK - 1
+    for _ in range(LOG_BLOCK + 1):
+        mid = (lo_i + hi_i + 1) >> 1
+        ok = tl.sum((tied & (offs >= mid)).to(tl.int32), axis=0) >= need
+        lo_i = tl.where(ok, mid, lo_i)
+        hi_i = tl.where(ok, hi_i, mid - 1)
+    keep = above | (tied & (offs >= lo_i))
+    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + row * out_stride + slot, offs.to(tl.int64), mask=keep)
+
+
+def keep_top_triton(priority: torch.Tensor, valid: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Triton path of :func:`dynts.kernels.keep_top_indices` (same signature and result)."""
+    b, n = priority.shape
+    priority = priority.float().contiguous()
+    valid = valid.to(torch.int8).contiguous()
+    out = torch.empty(b, n_keep, dtype=torch.int64, device=priority.device)
+    block = max(16, triton.next_power_of_2(n))
+    _keep_top_kernel[(b,)](
+        priority, valid, out, n, n_keep, priority.stride(0), valid.stride(0), out.stride(0),
+        BLOCK=block, LOG_BLOCK=block.bit_length() - 1, num_warps=4 if block <= 2048 else 8,
+    )
+    return out

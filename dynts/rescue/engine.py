@@ -1,0 +1,219 @@
+"""Batched step decoding over :class:`~dynts.rescue.rows.RaggedCache` rows.
+
+A :class:`Policy` wraps one model (the evicted base or the full-context helper) and knows how to
+prefill a prompt, append committed tokens in one forward (then evict), and decode a batch of
+candidate steps until each hits the step delimiter, EOS, its token cap, or the degeneration
+detector. Candidates of every problem in flight share one batch; a finished candidate stays in the
+batch as a padded row (its cache untouched) until the batch is squeezed.
+
+A :class:`State` is a committed model state: one row of a cache plus the logits that row predicts
+for its next token. Forking a state is :meth:`RaggedCache.stack` with that row repeated.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..attention import recording_attention  # noqa: F401  (registers the "dynts_sdpa" attention)
+from ..budget import Budget
+from ..evictors import Evictor, make_evictor
+from ..generate import attach
+from ..predictor import ImportancePredictor
+from .detector import CandidateScreen
+from .rows import RaggedCache
+from .sampling import Sampler, entropy
+
+__all__ = ["Candidate", "Policy", "State"]
+
+
+@dataclass
+class State:
+    """A committed state: row ``row`` of ``cache`` and its next-token ``logits`` ``[V]``."""
+
+    cache: RaggedCache
+    row: int
+    logits: torch.Tensor
+
+
+@dataclass
+class Candidate:
+    """One candidate step being decoded (or done).
+
+    ``status``: ``live`` while decoding; then ``delimiter`` / ``eos`` / ``cap`` (complete) or
+    ``aborted`` (the detector fired; ``abort_reason`` says which test).
+    """
+
+    owner: Any
+    source: str
+    index: int
+    generator: torch.Generator
+    limit: int
+    screen: CandidateScreen | None = None
+    tokens: list[int] = field(default_factory=list)
+    status: str = "live"
+    abort_reason: str | None = None
+    state: State | None = None
+    score: float | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.status in ("delimiter", "eos", "cap")
+
+
+class Policy:
+    """One model driven through :func:`dynts.attach` with ragged rows.
+
+    Args:
+        model: a Hugging Face causal LM.
+        method: eviction method name or :class:`Evictor` (``"full"`` for the helper).
+        budget: :class:`Budget` for bounded methods, else ``None``.
+        predictor: :class:`ImportancePredictor` for score-based methods (DynTS).
+        think_end_token_id: closes the thinking segment (answer tokens are protected by DynTS).
+        pad_token_id: token fed to rows that sit out a forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, method: str | Evictor = "full", budget: Budget | None = None, *,
+                 predictor: ImportancePredictor | None = None, think_end_token_id: int | None = None,
+                 pad_token_id: int = 0, method_options: dict[str, Any] | None = None):
+        self.model = model
+        self.evictor = make_evictor(method, **(method_options or {}))
+        self.bounded = getattr(self.evictor, "bounded", True)
+        self.budget = budget if self.bounded else None
+        self.predictor = predictor if "scores" in self.evictor.requires else None
+        self.think_end_token_id = think_end_token_id
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.forwards = 0
+
+    def new_cache(self) -> RaggedCache:
+        return RaggedCache(self.num_layers, self.evictor, self.budget, think_end_token_id=self.think_end_token_id)
+
+    @torch.no_grad()
+    def forward(self, cache: RaggedCache, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Feed ``ids`` ``[r, q]`` (``valid`` marks real tokens; others are padding) and return the
+        logits ``[r, V]`` at the last position."""
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        positions = cache.position_ids(valid)
+        with attach(self.model, cache, self.predictor):
+            out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
+                             logits_to_keep=1, use_cache=True, **{self._cache_kw: cache})
+        self.forwards += 1
+        return out.logits[:, -1].float()
+
+    def prefill(self, prompt_ids: Sequence[int]) -> State:
+        """Encode one prompt into a fresh one-row cache."""
+        cache = self.new_cache()
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        logits = self.forward(cache, ids, torch.ones_like(ids, dtype=torch.bool))
+        return State(cache, 0, logits[0])
+
+    def fork(self, states: Sequence[State], copies: int) -> tuple[RaggedCache, torch.Tensor]:
+        """One batch holding ``copies`` rows of each state, in order, and their logits ``[r, V]``."""
+        parts = _group_rows([(s.cache, s.row) for s in states for _ in range(copies)])
+        cache = RaggedCache.stack(parts)
+        logits = torch.stack([s.logits for s in states for _ in range(copies)])
+        return cache, logits
+
+    def append(self, states: Sequence[State], tokens: Sequence[Sequence[int]]) -> list[State]:
+        """Encode ``tokens[i]`` after ``states[i]`` in ONE batched forward (left-padded), then apply
+        the evictor to every row over budget; no history is re-encoded. Returns the new states."""
+        cache = RaggedCache.stack(_group_rows([(s.cache, s.row) for s in states]))
+        width = max(len(t) for t in tokens)
+        ids = torch.full((len(states), width), self.pad_token_id, dtype=torch.long)
+        valid = torch.zeros(len(states), width, dtype=torch.bool)
+        for i, t in enumerate(tokens):
+            if len(t):
+                ids[i, width - len(t) :] = torch.tensor(list(t))
+                valid[i, width - len(t) :] = True
+        logits = self.forward(cache, ids, valid)
+        if self.bounded:
+            cache.evict()  # rows over n_keep after the step are evicted now (paper: "then applies eviction")
+        cache = RaggedCache.stack([(cache, range(len(states)))])  # squeeze the padding out of each row
+        return [State(cache, i, logits[i] if len(t) else s.logits) for i, (s, t) in enumerate(zip(states, tokens))]
+
+    def decode(self, cache: RaggedCache, logits: torch.Tensor, candidates: Sequence[Candidate], sampler: Sampler,
+               *, stop_ids: frozenset[int], eos_ids: frozenset[int], decode_text, squeeze_below: float = 0.5) -> int:
+        """Decode every candidate (row ``i`` of ``cache`` is ``candidates[i]``) to completion.
+
+        Each candidate samples from its own generator; a token in ``eos_ids`` ends it unfed, a token
+        in ``stop_ids`` (the step delimiter) or reaching ``limit`` ends it after feeding the token (so
+        its state holds the whole step); a detector firing aborts it. Completed candidates get their
+        :class:`State`. When fewer than ``squeeze_below`` of the rows are live, finished rows are
+        moved out of the batch. Returns the number of tokens sampled.
+        """
+        batch = list(candidates)  # batch[r]: candidate in row r
+        sampled = 0
+        while True:
+            live = [r for r, c in enumerate(batch) if c is not None and c.status == "live"]
+            if not live:
+                break
+            idx = torch.tensor(live)
+            row_logits = logits[idx]
+            tokens = sampler(row_logits, [batch[r].generator for r in live]).tolist()
+            needs_entropy = [r for r in live if batch[r].screen is not None]
+            ent = entropy(logits[torch.tensor(needs_entropy)]).tolist() if needs_entropy else []
+            ent_of = dict(zip(needs_entropy, ent))
+            feed = []
+            for r, tok in zip(live, tokens):
+                c = batch[r]
+                c.tokens.append(tok)
+                sampled += 1
+                if c.screen is not None:
+                    text = decode_text(c.tokens) if c.screen.detector.needs_text else None
+                    reason = c.screen.update(ent_of[r], text)
+                    if reason:
+                        c.status, c.abort_reason = "aborted", reason
+                        continue
+                if tok in eos_ids:
+                    c.status = "eos"  # the trajectory ends with this step: no next state needed
+                    continue
+                if tok in stop_ids:
+                    c.status = "delimiter"
+                elif len(c.tokens) >= c.limit:
+                    c.status = "cap"
+                feed.append(r)
+            if not feed:
+                break
+            ids = torch.full((len(batch), 1), self.pad_token_id, dtype=torch.long)
+            valid = torch.zeros(len(batch), 1, dtype=torch.bool)
+            for r in feed:
+                ids[r, 0] = batch[r].tokens[-1]
+                valid[r, 0] = True
+            new_logits = self.forward(cache, ids, valid)
+            fed = torch.tensor(feed)
+            logits[fed] = new_logits[fed]
+            for r in feed:
+                if batch[r].status != "live":
+                    batch[r].state = State(cache, r, logits[r].clone())
+            still = [r for r, c in enumerate(batch) if c is not None and c.status == "live"]
+            if still and len(batch) > 8 and len(still) < squeeze_below * len(batch):
+                cache, logits, batch = self._squeeze(cache, logits, batch, still)
+        return sampled
+
+    @staticmethod
+    def _squeeze(cache: RaggedCache, logits: torch.Tensor, batch: list, live: list[int]):
+        """Move finished rows into their own cache and keep only ``live`` rows in the batch."""
+        done = [r for r, c in enumerate(batch) if c is not None and c.status != "live" and c.state is not None]
+        if done:
+            parked = RaggedCache.stack([(cache, done)])
+            for i, r in enumerate(done):
+                batch[r].state = State(parked, i, batch[r].state.logits)
+        new_cache = RaggedCache.stack([(cache, live)])
+        return new_cache, logits[torch.tensor(live)], [batch[r] for r in live]
+
+
+def _group_rows(rows: Sequence[tuple[RaggedCache, int]]) -> list[tuple[RaggedCache, list[int]]]:
+    """Consecutive rows of the same cache as one ``stack`` part (keeps the order)."""
+    parts: list[tuple[RaggedCache, list[int]]] = []
+    for cache, row in rows:
+        if parts and parts[-1][0] is cache:
+            parts[-1][1].append(row)
+        else:
+            parts.append((cache, [row]))
+    return parts

@@ -1,0 +1,343 @@
+"""KV-Rescue: stepwise interleaving of an evicted base and a full-context helper (paper, Method and
+Algorithm 1; Appendix C for the fork-based engine).
+
+Per problem and step ``t``: ``n_base`` candidates are forked from the base's evicted cache (a copy
+of its live kept entries, one row each) and ``n_helper`` from the helper's full cache; each is
+decoded until the step delimiter, EOS or ``max_step_tokens``; base candidates the degeneration
+detector flags are aborted mid-decode; the PRM scores the survivors and the best is committed.
+If a base candidate wins, its fork *is* the next base state and the helper appends the step; if a
+helper candidate wins, its fork is the next helper state and the base encodes the step in one
+forward, then evicts. Nothing is ever re-prefilled. With ``n_helper = 0`` this is eviction-only
+stepwise best-of-N (the paper's baseline).
+
+Problems are decoded in rounds: all candidates of every problem in flight form one batch per model
+(``max_rows`` rows at most); a finished problem's slot is refilled at the next round. Every
+candidate samples from its own seeded generator, so results do not depend on the batching.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..budget import Budget
+from ..generate import _encode, _think_end_id, load_predictor
+from ..predictor import ImportancePredictor
+from .detector import DegenerationDetector
+from .engine import Candidate, Policy, State
+from .prm import StepRequest, StepScorer, load_prm
+from .results import ProblemResult, RescueResult, Step, summarize
+from .sampling import Sampler, candidate_generator
+
+__all__ = ["delimiter_token_ids", "rescue_generate"]
+
+
+@dataclass
+class _Problem:
+    index: int
+    question: str
+    prompt_ids: list[int]
+    base: State | None = None
+    helper: State | None = None
+    steps: list[Step] = field(default_factory=list)
+    end: str | None = None
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.steps)
+
+
+_COUNTERS = (
+    "base_tokens", "helper_tokens", "base_candidates", "helper_candidates", "early_exits", "exit_entropy",
+    "exit_compression", "base_encoded_tokens", "helper_encoded_tokens", "scored_candidates",
+)
+
+_DELIMITERS: dict[tuple[int, str], frozenset[int]] = {}
+
+
+def delimiter_token_ids(tokenizer: Any, delimiter: str) -> frozenset[int]:
+    """Ids of every vocabulary token whose text contains ``delimiter`` (a step ends at the first one)."""
+    key = (id(tokenizer), delimiter)
+    if key not in _DELIMITERS:
+        size = len(tokenizer)
+        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
+        special = set(getattr(tokenizer, "all_special_ids", []))
+        _DELIMITERS[key] = frozenset(i for i, t in enumerate(texts) if delimiter in t and i not in special)
+    return _DELIMITERS[key]
+
+
+def _question(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    users = [m["content"] for m in prompt if m.get("role") == "user"]
+    return users[-1] if users else str(prompt[-1]["content"])
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+
+
+def rescue_generate(
+    base: torch.nn.Module,
+    helper: torch.nn.Module | None,
+    prm: StepScorer | Callable | tuple | str | None,
+    tokenizer: Any,
+    prompts: str | Sequence[str] | Sequence[Sequence[dict]],
+    *,
+    helper_tokenizer: Any = None,
+    base_method: str = "dynts",
+    budget: int | None = None,
+    local_window: int | None = None,
+    retention: float = 0.4,
+    predictor: ImportancePredictor | str | Path | None = None,
+    method_options: dict[str, Any] | None = None,
+    n_base: int = 4,
+    n_helper: int = 4,
+    step_delimiter: str = "\n\n",
+    max_steps: int = 1024,
+    max_step_tokens: int = 512,
+    max_tokens: int = 4096,
+    detector: DegenerationDetector | dict | bool | None = True,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    top_k: int = 20,
+    seed: int = 0,
+    think_end: str | int | None = "</think>",
+    max_rows: int = 64,
+    progress: Callable[[int, ProblemResult], None] | None = None,
+    on_candidate: Callable[[Candidate], None] | None = None,
+) -> RescueResult:
+    """Decode ``prompts`` with KV-Rescue (or, with ``n_helper=0``, eviction-only stepwise best-of-N).
+
+    Args:
+        base: the evicted base model; helper: the full-context helper (``None`` iff ``n_helper=0``).
+        prm: a :class:`StepScorer`, a ``(model, tokenizer)`` pair, ``"testbed-prm"``, a PRM directory or
+            a callable ``fn(question, steps) -> float`` (see :func:`load_prm`); may be ``None`` only
+            when each step has a single candidate.
+        tokenizer: the base tokenizer; ``helper_tokenizer`` must have the same vocabulary (the two
+            models extend one token trajectory).
+        prompts: a string, strings, or chat message lists (the chat template is applied).
+        base_method, budget, local_window, retention, predictor, method_options: the base's eviction
+            (as in :func:`dynts.generate`; ``dynts`` needs ``predictor``).
+        n_base, n_helper: candidates per step from each model (``n_base + n_helper >= 1``).
+        step_delimiter: text ending a step (paper: ``"\\n\\n"``; the testbed: ``";"``).
+        max_steps, max_step_tokens, max_tokens: caps on committed steps, tokens per candidate and
+            committed output tokens.
+        detector: the online degeneration detector for base candidates: ``True`` (paper defaults),
+            a :class:`DegenerationDetector`, a dict of its fields, or ``None``/``False`` (off).
+        temperature, top_p, top_k: sampling (paper: 0.8, 0.95, 20); ``seed``: candidate streams.
+        max_rows: most candidate rows per batched forward (sets how many problems are in flight).
+        progress: called as ``progress(index, result)`` when a problem finishes.
+        on_candidate: called with every decoded :class:`~dynts.rescue.engine.Candidate` after scoring
+            (its tokens, status, PRM score and detector ``screen`` statistics: for calibration).
+
+    Returns:
+        :class:`RescueResult`. Per-problem ``stats``: ``committed_steps``, ``output_tokens``,
+        ``base_tokens`` / ``helper_tokens`` (every token sampled by that model's candidates, losers
+        and aborted ones included), ``base_candidates``, ``early_exits`` (aborted base candidates,
+        split into ``exit_entropy`` / ``exit_compression``), ``helper_steps``, ``helper_share``,
+        ``base_encoded_tokens`` (helper steps the base absorbed), ``end``.
+    """
+    for name, value, low in (("n_base", n_base, 0), ("n_helper", n_helper, 0), ("max_steps", max_steps, 1),
+                             ("max_step_tokens", max_step_tokens, 1), ("max_tokens", max_tokens, 1), ("max_rows", max_rows, 1)):
+        _check_int(name, value, low)
+    if n_base + n_helper < 1:
+        raise ValueError(f"n_base + n_helper must be >= 1 (got n_base={n_base}, n_helper={n_helper}); e.g. n_base=4, n_helper=4")
+    if n_helper and helper is None:
+        raise ValueError(f"n_helper={n_helper} needs a helper model; pass helper=... or n_helper=0 (best-of-N)")
+    if helper_tokenizer is not None and helper_tokenizer is not tokenizer:
+        if helper_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(
+                "helper_tokenizer has a different vocabulary from the base tokenizer; KV-Rescue interleaves token "
+                "steps, so base and helper must share one tokenizer (e.g. a smaller model of the same family)"
+            )
+    if prm is None and n_base + n_helper > 1:
+        raise ValueError(f"{n_base + n_helper} candidates per step need a prm=... to choose between them")
+    scorer = load_prm(prm, step_delimiter=step_delimiter) if prm is not None else None
+    if detector is True:
+        detector = DegenerationDetector()
+    elif isinstance(detector, dict):
+        detector = DegenerationDetector(**detector)
+    elif detector is False:
+        detector = None
+    if detector is not None and not isinstance(detector, DegenerationDetector):
+        raise ValueError(f"detector={detector!r} must be True, False/None, a dict or a DegenerationDetector")
+    sampler = Sampler(temperature, top_k, top_p)
+
+    stop_ids = delimiter_token_ids(tokenizer, step_delimiter)
+    if not stop_ids:
+        raise ValueError(
+            f"step_delimiter={step_delimiter!r} is not in any token of the tokenizer's vocabulary; pass the text "
+            "the model writes between steps (e.g. '\\n\\n' for Qwen2.5-Math, ';' for the testbed)"
+        )
+    eos_ids = set()
+    configs = [base] + ([helper] if n_helper else [])
+    sources = [tokenizer.eos_token_id] + [c for m in configs for c in (m.generation_config.eos_token_id, m.config.eos_token_id)]
+    for source in sources:
+        eos_ids |= {source} if isinstance(source, int) else set(source or [])
+    eos_ids = frozenset(eos_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
+    think_id = _think_end_id(tokenizer, think_end)
+    if think_id is not None and think_id in (tokenizer.unk_token_id, tokenizer.pad_token_id):
+        think_id = None  # the vocabulary has no such token
+
+    from ..evictors import make_evictor
+
+    evictor = make_evictor(base_method, **(method_options or {}))
+    if hasattr(evictor, "bind"):
+        evictor.bind(tokenizer)
+    bounds = None
+    if getattr(evictor, "bounded", True):
+        if budget is None or local_window is None:
+            raise ValueError(f"base_method={evictor.name!r} needs budget=... and local_window=... (e.g. 64 and 16)")
+        bounds = Budget(budget, local_window, retention)
+    if "scores" in evictor.requires:
+        if predictor is None:
+            raise ValueError(f"base_method={evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
+        predictor = load_predictor(predictor, base)
+    base_policy = Policy(base, evictor, bounds, predictor=predictor, think_end_token_id=think_id, pad_token_id=pad_id)
+    helper_policy = Policy(helper, "full", think_end_token_id=think_id, pad_token_id=pad_id) if n_helper else None
+
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        prompts = [prompts]
+    problems = []
+    for i, prompt in enumerate(prompts):
+        ids, mask = _encode(tokenizer, [prompt])
+        prompt_ids = ids[0][mask[0].bool()].tolist()
+        if bounds is not None:
+            bounds.check_question(len(prompt_ids))
+        problems.append(_Problem(i, _question(prompt), prompt_ids))
+    width = max(n_base, n_helper)
+    in_flight = max(1, max_rows // width)
+
+    start = time.perf_counter()
+    pending = list(problems)
+    active: list[_Problem] = []
+    results: dict[int, ProblemResult] = {}
+    while pending or active:
+        while pending and len(active) < in_flight:
+            p = pending.pop(0)
+            p.base = base_policy.prefill(p.prompt_ids) if n_base else None
+            p.helper = helper_policy.prefill(p.prompt_ids) if helper_policy else None
+            active.append(p)
+        _round(active, base_policy, helper_policy, scorer, sampler, detector, tokenizer, n_base, n_helper,
+               stop_ids, eos_ids, seed, max_step_tokens, max_tokens, max_steps, on_candidate)
+        for p in [p for p in active if p.end]:
+            active.remove(p)
+            results[p.index] = _finish(p, tokenizer)
+            if progress is not None:
+                progress(p.index, results[p.index])
+    seconds = time.perf_counter() - start
+    ordered = [results[i] for i in range(len(problems))]
+    stats = summarize(ordered)
+    stats.update({"seconds": seconds, "n_base": n_base, "n_helper": n_helper, "base_method": evictor.name,
+                  "budget": budget if bounds else None, "base_forwards": base_policy.forwards,
+                  "helper_forwards": helper_policy.forwards if helper_policy else 0})
+    return RescueResult(ordered, stats)
+
+
+def _round(active, base_policy, helper_policy, scorer, sampler, detector, tokenizer, n_base, n_helper,
+           stop_ids, eos_ids, seed, max_step_tokens, max_tokens, max_steps, on_candidate=None) -> None:
+    """One step for every active problem: fork, decode, screen, score, commit."""
+    decode_text = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    by_problem: dict[int, list[Candidate]] = {p.index: [] for p in active}
+    for policy, source, copies in ((base_policy, "base", n_base), (helper_policy, "helper", n_helper)):
+        if not copies:
+            continue
+        states = [p.base if source == "base" else p.helper for p in active]
+        cache, logits = policy.fork(states, copies)
+        candidates = []
+        for p in active:
+            limit = min(max_step_tokens, max_tokens - p.output_tokens)
+            context = tokenizer.decode(p.prompt_ids + [t for s in p.steps for t in s.tokens]) if (
+                detector is not None and detector.include_context and source == "base") else ""
+            for j in range(copies):
+                screen = detector.screen(context) if (detector is not None and detector.enabled and source == "base") else None
+                gen = candidate_generator(seed, p.index, len(p.steps), source, j)
+                candidates.append(Candidate(p, source, j, gen, limit, screen))
+        policy.decode(cache, logits, candidates, sampler, stop_ids=stop_ids, eos_ids=eos_ids, decode_text=decode_text)
+        for c in candidates:
+            by_problem[c.owner.index].append(c)
+            counters = c.owner.counters
+            counters[f"{source}_tokens"] += len(c.tokens)
+            counters[f"{source}_candidates"] += 1
+            if c.status == "aborted":
+                counters["early_exits"] += 1
+                counters[f"exit_{c.abort_reason}"] += 1
+
+    pool = {p.index: [c for c in by_problem[p.index] if c.complete] for p in active}
+    requests, owners = [], []
+    for p in active:
+        if scorer is None:
+            continue
+        for c in pool[p.index]:
+            requests.append(StepRequest(p.question, p.prompt_ids, [s.tokens for s in p.steps], c.tokens, tokenizer))
+            owners.append(c)
+    if requests:
+        for c, score in zip(owners, scorer.score(requests)):
+            c.score = score
+            c.owner.counters["scored_candidates"] += 1
+    if on_candidate is not None:
+        for p in active:
+            for c in by_problem[p.index]:
+                on_candidate(c)
+
+    base_appends: list[tuple[_Problem, list[int]]] = []
+    helper_appends: list[tuple[_Problem, list[int]]] = []
+    for p in active:
+        options = pool[p.index]
+        if not options:
+            p.end = "degenerate"
+            continue
+        best = max(range(len(options)), key=lambda i: (options[i].score if options[i].score is not None else 0.0, -i))
+        win = options[best]
+        text = tokenizer.decode(win.tokens, skip_special_tokens=True)
+        p.steps.append(Step(list(win.tokens), text, win.source, win.score, win.index))
+        if win.status == "eos":
+            p.end = "eos"
+        elif p.output_tokens >= max_tokens:
+            p.end = "max_tokens"
+        elif len(p.steps) >= max_steps:
+            p.end = "max_steps"
+        if p.end:
+            continue
+        if win.source == "base":
+            p.base = win.state
+            if helper_policy is not None:
+                helper_appends.append((p, win.tokens))
+        else:
+            p.helper = win.state
+            if n_base:
+                base_appends.append((p, win.tokens))
+    if helper_appends:
+        states = helper_policy.append([p.helper for p, _ in helper_appends], [t for _, t in helper_appends])
+        for (p, tokens), state in zip(helper_appends, states):
+            p.helper = state
+            p.counters["helper_encoded_tokens"] += len(tokens)
+    if base_appends:
+        states = base_policy.append([p.base for p, _ in base_appends], [t for _, t in base_appends])
+        for (p, tokens), state in zip(base_appends, states):
+            p.base = state
+            p.counters["base_encoded_tokens"] += len(tokens)
+
+
+def _finish(p: _Problem, tokenizer: Any) -> ProblemResult:
+    committed = len(p.steps)
+    helper_steps = sum(s.source == "helper" for s in p.steps)
+    stats = dict(p.counters)
+    stats.update({
+        "committed_steps": committed,
+        "output_tokens": p.output_tokens,
+        "helper_steps": helper_steps,
+        "helper_share": helper_steps / committed if committed else 0.0,
+        "end": p.end,
+    })
+    p.base = p.helper = None  # free the caches
+    text = tokenizer.decode([t for s in p.steps for t in s.tokens], skip_special_tokens=True)
+    return ProblemResult(text, p.steps, p.end, stats)

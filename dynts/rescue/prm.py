@@ -1,0 +1,348 @@
+"""Process reward models behind one small interface: ``scorer.score(requests) -> list[float]``.
+
+A :class:`StepRequest` is one candidate step ``s`` in its committed context ``c_t = (q, s_<t)``;
+the scorer returns ``R(c_t, s)`` in ``[0, 1]`` (higher = better). Three kinds:
+
+* :class:`QwenMathPRM` -- the Qwen2.5-Math-PRM recipe (model card; paper, Appendix C): system
+  prompt, the steps (split at ``"\\n\\n"``) joined and followed by ``<extra_0>`` in the assistant
+  turn of the chat template, and ``softmax(logits)[..., 1]`` at each ``<extra_0>``; the candidate's
+  score is the one at its own (last) separator.
+* :class:`TokenClassificationPRM` -- a 2-label token classifier scored at a separator token that
+  ends each step, on the raw trajectory text (the testbed PRM: ``;``).
+* :class:`CallablePRM` -- any ``fn(question, steps) -> float`` scoring the last of ``steps``.
+
+:func:`load_prm` builds one from a name (``"testbed-prm"``), a local directory, a
+``(model, tokenizer)`` pair or a callable. Nothing is downloaded; ``trust_remote_code`` is used only
+when the caller passes it.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .prefix import PrefixScorer
+
+__all__ = [
+    "QWEN_MATH_SYSTEM",
+    "CallablePRM",
+    "QwenMathPRM",
+    "StepRequest",
+    "StepScorer",
+    "TokenClassificationPRM",
+    "load_prm",
+    "load_tokenizer",
+]
+
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass
+class StepRequest:
+    """One candidate step in its committed context.
+
+    Attributes:
+        question: the question as a user would read it (a chat's last user message, or the prompt).
+        prompt_ids: the rendered prompt as the policy saw it (chat template applied).
+        steps: committed steps, token ids of the policy tokenizer.
+        candidate: the candidate step's token ids.
+        tokenizer: the policy tokenizer (to decode ids).
+    """
+
+    question: str
+    prompt_ids: list[int]
+    steps: list[list[int]]
+    candidate: list[int]
+    tokenizer: Any = field(repr=False, default=None)
+
+    def step_texts(self) -> list[str]:
+        """Committed steps and then the candidate, decoded (special tokens skipped)."""
+        return [self.tokenizer.decode(s, skip_special_tokens=True) for s in (*self.steps, self.candidate)]
+
+
+class StepScorer(ABC):
+    """Scores candidate steps; subclasses batch as they see fit."""
+
+    @abstractmethod
+    def score(self, requests: Sequence[StepRequest]) -> list[float]:
+        """``R(c_t, s)`` for each request, in order."""
+
+    def __call__(self, requests: Sequence[StepRequest]) -> list[float]:
+        return self.score(requests)
+
+
+class CallablePRM(StepScorer):
+    """Wraps ``fn(question: str, steps: list[str]) -> float`` (score of the last step)."""
+
+    def __init__(self, fn: Callable[[str, list[str]], float]):
+        if not callable(fn):
+            raise ValueError(f"prm={fn!r} is not callable")
+        self.fn = fn
+
+    def score(self, requests: Sequence[StepRequest]) -> list[float]:
+        return [float(self.fn(r.question, r.step_texts())) for r in requests]
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """Token-classification logits ``[b, T, labels]`` from a model output (ModelOutput or tuple)."""
+    logits = getattr(output, "logits", None)
+    return logits if logits is not None else output[0]
+
+
+def _groups(requests: Sequence[StepRequest]) -> list[list[int]]:
+    """Indices of requests that share a committed context (the candidates of one step)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(requests):
+        key = (r.question, tuple(r.prompt_ids), tuple(t for s in r.steps for t in s))
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+class _TokenScorer(StepScorer):
+    """Shared batching: score each row of token ids at one position (right padding; causal models).
+
+    With ``reuse_prefix`` (default) the candidates of a step are scored as continuations of their
+    committed context, which is encoded once and extended step by step (:mod:`.prefix`); this is
+    verified once against full forwards and falls back to them for non-causal backbones.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, positive_label: int = 1, batch_size: int = 16,
+                 reuse_prefix: bool = True, prefix_entries: int = 32):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.positive_label, self.batch_size = positive_label, batch_size
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = 0 if pad is None else int(pad)
+        self.prefix = PrefixScorer(self.model, self.pad_id, prefix_entries) if reuse_prefix else None
+
+    def _positive(self, probs: torch.Tensor) -> list[float]:
+        if probs.shape[-1] <= self.positive_label:
+            raise ValueError(
+                f"PRM outputs {probs.shape[-1]} labels per token; positive_label={self.positive_label} "
+                "needs a token-classification PRM with at least 2 labels"
+            )
+        return probs[:, self.positive_label].tolist()
+
+    def score_rows(self, rows: Sequence[list[int]], positions: Sequence[int], groups: Sequence[list[int]]) -> list[float]:
+        """Positive-label probability at ``positions[i]`` of ``rows[i]``; ``groups`` lists rows that
+        share their committed context."""
+        if self.prefix is not None and groups and self.prefix.check([rows[i] for i in groups[0]], [positions[i] for i in groups[0]]):
+            out = [0.0] * len(rows)
+            for group in groups:
+                probs = self.prefix.score_group([rows[i] for i in group], [positions[i] for i in group])
+                for i, p in zip(group, self._positive(probs)):
+                    out[i] = p
+            return out
+        return self.score_ids(rows, positions)
+
+    @torch.no_grad()
+    def score_ids(self, rows: Sequence[list[int]], positions: Sequence[int]) -> list[float]:
+        """Positive-label probability at ``positions[i]`` of ``rows[i]`` (full forwards)."""
+        device = next(self.model.parameters()).device
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        out = [0.0] * len(rows)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            width = max(len(rows[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, i in enumerate(chunk):
+                ids[j, : len(rows[i])] = torch.tensor(rows[i])
+                mask[j, : len(rows[i])] = 1
+            logits = _logits(self.model(input_ids=ids.to(device), attention_mask=mask.to(device)))
+            at = torch.tensor([positions[i] for i in chunk], device=logits.device)
+            probs = logits[torch.arange(len(chunk), device=logits.device), at].float().softmax(-1)
+            for i, p in zip(chunk, self._positive(probs)):
+                out[i] = p
+        return out
+
+
+class QwenMathPRM(_TokenScorer):
+    """The Qwen2.5-Math-PRM recipe.
+
+    ``system`` + user ``question`` + assistant ``"<extra_0>".join(steps) + "<extra_0>"`` through the
+    tokenizer's chat template; the score is ``softmax(logits)[positive_label]`` at the candidate's
+    separator (the last one). Steps are stripped of the ``step_delimiter`` the policy generated.
+    """
+
+    def __init__(self, model, tokenizer, *, system: str = QWEN_MATH_SYSTEM, separator: str = "<extra_0>",
+                 step_delimiter: str = "\n\n", positive_label: int = 1, batch_size: int = 8, reuse_prefix: bool = True):
+        super().__init__(model, tokenizer, positive_label, batch_size, reuse_prefix)
+        ids = tokenizer.encode(separator, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"separator={separator!r} must be one token of the PRM tokenizer (got {len(ids)} tokens)")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the PRM tokenizer has no chat template; the Qwen2.5-Math-PRM recipe needs one")
+        self.separator, self.separator_id = separator, ids[0]
+        self.system, self.step_delimiter = system, step_delimiter
+
+    def encode(self, question: str, steps: Sequence[str]) -> list[int]:
+        """Token ids of the recipe's conversation for ``steps``."""
+        clean = [s.strip() if self.step_delimiter.strip() == "" else s.replace(self.step_delimiter, "").strip() for s in steps]
+        messages = [
+            {"role": "system", "content": self.system},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": self.separator.join(clean) + self.separator},
+        ]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @torch.no_grad()
+    def step_rewards(self, question: str, steps: Sequence[str]) -> list[float]:
+        """The model card's ``make_step_rewards`` for one solution: one score per step."""
+        ids = torch.tensor([self.encode(question, steps)], device=next(self.model.parameters()).device)
+        probs = _logits(self.model(input_ids=ids)).float().softmax(-1)[0]
+        return probs[ids[0] == self.separator_id, self.positive_label].tolist()
+
+    def score(self, requests: Sequence[StepRequest]) -> list[float]:
+        rows = [self.encode(r.question, r.step_texts()) for r in requests]
+        positions = []
+        for row in rows:
+            seps = [i for i, t in enumerate(row) if t == self.separator_id]
+            positions.append(seps[-1])
+        return self.score_rows(rows, positions, _groups(requests))
+
+
+class TokenClassificationPRM(_TokenScorer):
+    """A token classifier scored at the ``separator`` ending the candidate, on the raw trajectory.
+
+    The trajectory is ``prompt + steps + candidate`` as the policy wrote it; when the candidate does
+    not end with the separator (EOS or the per-step cap), EOS is dropped and the separator appended,
+    as the Qwen recipe appends ``<extra_0>`` after every step. When the PRM and the policy share a
+    vocabulary the policy's ids are used as they are; otherwise the decoded text is re-tokenised.
+    """
+
+    def __init__(self, model, tokenizer, *, separator: str = ";", positive_label: int = 1, batch_size: int = 16,
+                 reuse_prefix: bool = True):
+        super().__init__(model, tokenizer, positive_label, batch_size, reuse_prefix)
+        ids = tokenizer.encode(separator, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"separator={separator!r} must be one token of the PRM tokenizer (got {len(ids)} tokens)")
+        self.separator, self.separator_id = separator, ids[0]
+        self._same_vocab: dict[int, bool] = {}
+
+    def _shares_vocab(self, policy_tokenizer: Any) -> bool:
+        key = id(policy_tokenizer)
+        if key not in self._same_vocab:
+            self._same_vocab[key] = policy_tokenizer is self.tokenizer or policy_tokenizer.get_vocab() == self.tokenizer.get_vocab()
+        return self._same_vocab[key]
+
+    def encode(self, request: StepRequest) -> list[int]:
+        tok = request.tokenizer
+        special = set(getattr(tok, "all_special_ids", []))
+        candidate = list(request.candidate)
+        while candidate and candidate[-1] in special:
+            candidate.pop()
+        ids = list(request.prompt_ids) + [t for s in request.steps for t in s] + candidate
+        if self._shares_vocab(tok):
+            row = ids
+        else:
+            row = self.tokenizer.encode(tok.decode(ids, skip_special_tokens=False), add_special_tokens=False)
+        if not row or row[-1] != self.separator_id:
+            row = row + [self.separator_id]
+        return row
+
+    def score(self, requests: Sequence[StepRequest]) -> list[float]:
+        rows = [self.encode(r) for r in requests]
+        return self.score_rows(rows, [len(r) - 1 for r in rows], _groups(requests))
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """A directory's tokenizer, offline. transformers 5 maps every ``qwen2`` directory to the byte-level
+    ``Qwen2Tokenizer`` in ``AutoTokenizer``, which mangles a word-level vocabulary (the testbed's);
+    directories saved with the generic fast class are therefore read with it directly."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    config = path / "tokenizer_config.json"
+    cls = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def _load_dir(path: Path, trust_remote_code: bool, dtype: torch.dtype, device: str | torch.device):
+    from transformers import AutoModel, AutoModelForTokenClassification
+
+    config = json.loads((path / "config.json").read_text())
+    remote = "AutoModel" in (config.get("auto_map") or {})
+    if remote and not trust_remote_code:
+        raise ValueError(
+            f"PRM {str(path)!r} ships its own model code (auto_map {config['auto_map'].get('AutoModel')!r}); "
+            "pass trust_remote_code=True if you trust that directory"
+        )
+    if remote:
+        model = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=True, trust_remote_code=True)
+    elif any(a.endswith("ForTokenClassification") for a in config.get("architectures") or []):
+        model = AutoModelForTokenClassification.from_pretrained(path, dtype=dtype, local_files_only=True)
+    else:
+        raise ValueError(
+            f"PRM {str(path)!r} is neither a token-classification model (architectures "
+            f"{config.get('architectures')}) nor a remote-code PRM with auto_map.AutoModel"
+        )
+    return model.to(device).eval(), load_tokenizer(path, trust_remote_code)
+
+
+def load_prm(
+    prm: Any,
+    *,
+    kind: str | None = None,
+    separator: str | None = None,
+    step_delimiter: str = "\n\n",
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    **options: Any,
+) -> StepScorer:
+    """Build a :class:`StepScorer`.
+
+    Args:
+        prm: a :class:`StepScorer`; a callable ``fn(question, steps) -> float``; a
+            ``(model, tokenizer)`` pair; ``"testbed-prm"``; or a local directory.
+        kind: ``"qwen"`` (chat-template recipe) or ``"token"`` (raw trajectory); default: ``"qwen"``
+            when the tokenizer knows ``<extra_0>``, else ``"token"``.
+        separator: the scored separator token (default ``<extra_0>`` / ``;``).
+        step_delimiter: the policy's step delimiter (stripped from steps by the Qwen recipe).
+        trust_remote_code: allow a directory's own model code (Qwen2.5-Math-PRM ships
+            ``Qwen2ForProcessRewardModel``); never implied.
+        **options: ``positive_label``, ``batch_size``, ``system`` (Qwen recipe).
+    """
+    if isinstance(prm, StepScorer):
+        return prm
+    if kind not in (None, "qwen", "token"):
+        raise ValueError(f"kind={kind!r} must be 'qwen', 'token' or None (auto)")
+    if isinstance(prm, (str, Path)):
+        name = str(prm)
+        if name.startswith("testbed"):
+            from ..models import _resolve, load
+
+            model, _ = load(name, dtype=dtype, device=device, token_classification=True)
+            tokenizer = load_tokenizer(_resolve(name)[0])
+            kind, separator = kind or "token", separator or ";"
+        else:
+            path = Path(name).expanduser()
+            if not (path / "config.json").is_file():
+                raise ValueError(f"prm={name!r} is not 'testbed-prm' nor a local directory with config.json")
+            model, tokenizer = _load_dir(path, trust_remote_code, dtype, device)
+        prm = (model, tokenizer)
+    if isinstance(prm, tuple) and len(prm) == 2 and isinstance(prm[0], torch.nn.Module):
+        model, tokenizer = prm
+        if kind is None:
+            kind = "qwen" if "<extra_0>" in tokenizer.get_vocab() else "token"
+        if kind == "qwen":
+            return QwenMathPRM(model, tokenizer, separator=separator or "<extra_0>", step_delimiter=step_delimiter, **options)
+        return TokenClassificationPRM(model, tokenizer, separator=separator or ";", **options)
+    if isinstance(prm, torch.nn.Module):
+        raise ValueError("prm=<model> needs its tokenizer: pass prm=(model, tokenizer)")
+    if callable(prm):
+        return CallablePRM(prm)
+    raise ValueError(
+        f"prm={prm!r} must be a StepScorer, a callable fn(question, steps) -> float, a (model, tokenizer) pair, "
+        "'testbed-prm' or a local PRM directory"
+    )

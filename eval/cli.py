@@ -1,0 +1,203 @@
+"""``dynts eval``: accuracy, throughput and peak KV memory of eviction methods on benchmarks.
+
+Examples::
+
+    dynts eval --model smollm2-135m --benchmark gsm8k,math500 --limit 20 --k 1 \\
+        --method full,window,streamingllm --budget 512,1024 --local-window 128 --max-new-tokens 512
+    # Table 2 ablations (DynTS needs its trained predictor):
+    dynts eval --model testbed --benchmark testbed --predictor checkpoints/testbed-predictor \\
+        --method dynts --ablations --budget 64 --local-window 16
+    # local-window / retention sweeps (Fig. 6), any registered method with its own settings:
+    dynts eval ... --method dynts,streamingllm:sink_size=8 --local-window 16,32,48 --retention 0.2,0.4,0.6
+    # your own JSONL (AIME25, GPQA-Diamond):
+    dynts eval ... --benchmark gpqa_diamond.jsonl --question-field Question --answer-field "Correct Answer" \\
+        --choices-field "Correct Answer,Incorrect Answer 1,Incorrect Answer 2,Incorrect Answer 3" --shuffle-choices
+
+Re-running the same command resumes: finished cells are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from .methods import ABLATIONS
+
+__all__ = ["main", "parse_float_list", "parse_int_list"]
+
+
+def parse_int_list(text: str, flag: str) -> list[int]:
+    """``"512,1024"`` -> ``[512, 1024]``; anything but integers raises ``ValueError`` naming ``flag``."""
+    values = []
+    for item in (i.strip() for i in str(text).split(",")):
+        if not item:
+            continue
+        try:
+            values.append(int(item))
+        except ValueError:
+            raise ValueError(f"{flag}: {item!r} is not an integer; give a comma-separated list like 512,1024") from None
+    if not values:
+        raise ValueError(f"{flag} is empty; give a comma-separated list like 512,1024")
+    return values
+
+
+def parse_float_list(text: str, flag: str) -> list[float]:
+    values = []
+    for item in (i.strip() for i in str(text).split(",")):
+        if not item:
+            continue
+        try:
+            values.append(float(item))
+        except ValueError:
+            raise ValueError(f"{flag}: {item!r} is not a number; give a comma-separated list like 0.2,0.4") from None
+    if not values:
+        raise ValueError(f"{flag} is empty; give a comma-separated list like 0.2,0.4")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dynts eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="dynts.load name (smollm2-135m, testbed) or a local HF directory")
+    p.add_argument("--benchmark", action="append", default=None,
+                   help="comma list of gsm8k, math500, aime24, amc23, gaokao2023en, olympiadbench, "
+                        "testbed[:n=100,set=test] or path.jsonl (repeatable)")
+    p.add_argument("--method", action="append", default=None,
+                   help="comma list of method specs, e.g. full,window,dynts:selection=random (repeatable); "
+                        "'all' = every registered method (default)")
+    p.add_argument("--ablations", action="store_true",
+                   help="add DynTS's Table 2 ablations: " + ", ".join(ABLATIONS))
+    p.add_argument("--budget", default=None, help="comma list of cache budgets B, e.g. 1024,2048")
+    p.add_argument("--local-window", default=None, help="comma list of local windows W_l (default: half of each budget)")
+    p.add_argument("--retention", default="0.4", help="comma list of retention ratios (default 0.4)")
+    p.add_argument("--k", type=str, default="5", help="samples per question; pass@1 is their mean (paper: 5)")
+    p.add_argument("--limit", type=int, default=None, help="first N questions of each benchmark")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generation cap (default: 16384, testbed: max_think+200)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per generate call")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (k must be 1)")
+    p.add_argument("--predictor", default=None, help="ImportancePredictor directory (needed by dynts)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-dir", default=None, help="results directory (default: runs/eval/<model>-<settings hash>)")
+    p.add_argument("--question-field", default="question", help="JSONL benchmarks: question field")
+    p.add_argument("--answer-field", default="answer", help="JSONL benchmarks: gold answer field")
+    p.add_argument("--id-field", default=None, help="JSONL benchmarks: id field (default: line number)")
+    p.add_argument("--choices-field", default=None, help="JSONL multiple choice: a list field, or comma list of fields")
+    p.add_argument("--shuffle-choices", action="store_true", help="JSONL multiple choice: shuffle options per question")
+    p.add_argument("--no-chat-template", action="store_true", help="send raw text instead of the chat template")
+    p.add_argument("--think-end", default="</think>", help="token closing the thinking segment")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's choice; 1 is much faster for tiny models on a busy machine)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--list", action="store_true", help="list benchmarks, methods and ablation presets, then exit")
+    return p
+
+
+def _methods(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Method spec strings; 'all' expands to every registered method (score-based ones only with
+    a predictor). Returns (specs, notes)."""
+    import dynts
+    from dynts.evictors.base import EVICTORS
+
+    from .methods import split_specs
+
+    specs, notes = [], []
+    for value in args.method or ["all"]:
+        for spec in split_specs(value):
+            if spec != "all":
+                specs.append(spec)
+                continue
+            for name in sorted(dynts.available_methods(), key=lambda n: n != "full"):  # the reference first
+                if "scores" in EVICTORS[name].requires and args.predictor is None:
+                    notes.append(f"'all' skips {name}: it needs --predictor")
+                    continue
+                try:
+                    dynts.make_evictor(name)
+                except ValueError:
+                    notes.append(f"'all' skips {name}: it has required settings (give them as {name}:key=value)")
+                    continue
+                specs.append(name)
+    if args.ablations:
+        specs += ["dynts", *ABLATIONS]
+    return specs, notes
+
+
+def config_from_args(args: argparse.Namespace):
+    from .benchmarks import JsonlFields
+    from .config import EvalConfig
+
+    benchmarks = [b.strip() for v in (args.benchmark or ["gsm8k"]) for b in v.split(",") if b.strip()]
+    methods, notes = _methods(args)
+    for note in notes:
+        print(f"dynts eval: {note}", file=sys.stderr)
+    k = parse_int_list(args.k, "--k")
+    if len(k) != 1:
+        raise ValueError(f"--k takes one integer, got {args.k!r}")
+    fields = JsonlFields(
+        question=args.question_field, answer=args.answer_field, id=args.id_field,
+        choices=tuple(c.strip() for c in args.choices_field.split(",")) if args.choices_field else (),
+        shuffle_choices=args.shuffle_choices,
+    )
+    config = EvalConfig(
+        model=args.model, benchmarks=benchmarks, methods=methods,
+        budgets=parse_int_list(args.budget, "--budget") if args.budget else [],
+        local_windows=parse_int_list(args.local_window, "--local-window") if args.local_window else None,
+        retentions=parse_float_list(args.retention, "--retention"), k=k[0], limit=args.limit,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, greedy=args.greedy, predictor=args.predictor, seed=args.seed,
+        run_dir=args.run_dir or "runs/eval", fields=fields, chat_template=not args.no_chat_template,
+        think_end=args.think_end, progress=not args.no_progress,
+    )
+    if args.run_dir is None:
+        digest = hashlib.sha256(json.dumps(config.shared_settings(), sort_keys=True).encode()).hexdigest()[:8]
+        config.run_dir = Path("runs/eval") / f"{Path(args.model).name}-{digest}"
+    return config
+
+
+def _list() -> None:
+    import dynts
+
+    from .benchmarks import available_benchmarks
+    from .methods import PLUGINS
+
+    print("benchmarks:", ", ".join(available_benchmarks()), "+ any .jsonl file")
+    print("methods:   ", ", ".join(dynts.available_methods()), "| plugins:", ", ".join(PLUGINS))
+    print("ablations: ", ", ".join(f"{k} = {v}" for k, v in ABLATIONS.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list:
+        _list()
+        return 0
+    from .harness import run
+    from .report import markdown_table
+
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"dynts eval: error: --threads={args.threads} must be >= 1", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        config = config_from_args(args)
+        print(f"dynts eval: run dir {config.run_dir}", file=sys.stderr)
+        results = run(config)
+    except ValueError as err:
+        print(f"dynts eval: error: {err}", file=sys.stderr)
+        return 2
+    print(markdown_table(results))
+    print(f"\nresults: {config.run_dir}/results.md, results.csv, results.json")
+    plot = config.run_dir / "accuracy_vs_budget.png"
+    if plot.is_file():
+        print(f"plot: {plot}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

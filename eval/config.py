@@ -1,0 +1,143 @@
+"""``EvalConfig``: the settings of one ``dynts eval`` run, validated up front (bad input raises
+``ValueError`` naming the parameter before anything is loaded or generated)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from .benchmarks import JsonlFields
+from .methods import MethodSpec, parse_methods
+
+__all__ = ["EvalConfig", "fingerprint"]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class EvalConfig:
+    """Everything ``dynts eval`` needs.
+
+    Args:
+        model: ``dynts.load`` name or a local HF directory.
+        benchmarks: benchmark specs (:func:`eval.benchmarks.load_benchmark`).
+        methods: method specs (:mod:`eval.methods`), e.g. ``["full", "window", "dynts"]``.
+        budgets: cache budgets ``B`` (bounded methods run once per value).
+        local_windows: ``W_l`` values; ``None`` = half of each budget.
+        retentions: selection-window retention ratios.
+        k: samples per question (pass@1 is their mean).
+        limit: first ``limit`` questions of each benchmark (``None`` = all).
+        max_new_tokens: generation cap (``None`` = each benchmark's default; paper 16,384).
+        batch_size: sequences per ``dynts.generate`` call (the ``k`` samples of a question count).
+        temperature / top_p / top_k: sampling (paper); ``greedy`` decodes greedily (needs ``k == 1``).
+        predictor: ImportancePredictor directory, needed by methods that require scores (DynTS).
+        seed: base seed; batch ``j`` of every cell draws from ``seed`` and ``j`` (common random
+            numbers across methods).
+        run_dir: where results go (resumable).
+        fields: how to read ``.jsonl`` benchmarks.
+        chat_template: render prompts with the tokenizer's chat template.
+        think_end: token closing the thinking segment.
+        progress: show tqdm progress bars.
+    """
+
+    model: str
+    benchmarks: Sequence[str]
+    methods: Sequence[str]
+    budgets: Sequence[int] = ()
+    local_windows: Sequence[int] | None = None
+    retentions: Sequence[float] = (0.4,)
+    k: int = 5
+    limit: int | None = None
+    max_new_tokens: int | None = None
+    batch_size: int = 8
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    greedy: bool = False
+    predictor: str | None = None
+    seed: int = 0
+    run_dir: str | Path = "runs/eval"
+    fields: JsonlFields = field(default_factory=JsonlFields)
+    chat_template: bool = True
+    think_end: str = "</think>"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.benchmarks:
+            raise ValueError("benchmarks is empty; e.g. benchmarks=['gsm8k'] (--benchmark gsm8k)")
+        self.method_specs: list[MethodSpec] = parse_methods(self.methods)
+        for name, values in (("budgets", self.budgets), ("local_windows", self.local_windows or ())):
+            bad = [v for v in values if not _is_int(v) or v < (1 if name == "budgets" else 0)]
+            if bad:
+                raise ValueError(f"{name} must be {'positive' if name == 'budgets' else 'non-negative'} integers; got {bad}")
+        if any(m.bounded for m in self.method_specs) and not self.budgets:
+            raise ValueError("bounded methods need budgets, e.g. budgets=[1024] (--budget 1024)")
+        bad = [r for r in self.retentions if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1]
+        if bad or not self.retentions:
+            raise ValueError(f"retentions must be numbers in (0, 1], e.g. 0.4; got {list(self.retentions) or 'nothing'}")
+        if not _is_int(self.k) or self.k < 1:
+            raise ValueError(f"k={self.k!r} must be an integer >= 1 (samples per question)")
+        if self.greedy and self.k > 1:
+            raise ValueError(f"greedy decoding with k={self.k} repeats identical samples; use k=1 or sampling")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size!r} must be an integer >= 1")
+        if self.limit is not None and (not _is_int(self.limit) or self.limit < 1):
+            raise ValueError(f"limit={self.limit!r} must be a positive integer or None")
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
+        if not self.greedy and (self.temperature <= 0 or not 0 < self.top_p <= 1 or not _is_int(self.top_k) or self.top_k < 0):
+            raise ValueError("sampling needs temperature > 0, top_p in (0, 1] and an integer top_k >= 0 (0 = off)")
+        needs_scores = [m.label for m in self.method_specs if "scores" in m.requires]
+        if needs_scores and self.predictor is None:
+            raise ValueError(f"methods {needs_scores} need a trained predictor: predictor=DIR (--predictor DIR)")
+        if self.predictor is not None and not (Path(self.predictor) / "predictor_config.json").is_file():
+            raise ValueError(f"predictor={self.predictor!r} is not a directory written by ImportancePredictor.save_pretrained")
+        self.run_dir = Path(self.run_dir)
+
+    def sampling(self) -> dict[str, Any]:
+        if self.greedy:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+    def shared_settings(self) -> dict[str, Any]:
+        """Settings every cell of a run shares; a resumed run must have the same."""
+        return {
+            "model": self.model,
+            "model_fingerprint": fingerprint(self.model),
+            "predictor": str(self.predictor) if self.predictor else None,
+            "predictor_fingerprint": fingerprint(self.predictor) if self.predictor else None,
+            "k": self.k,
+            "limit": self.limit,
+            "max_new_tokens": self.max_new_tokens,
+            "batch_size": self.batch_size,
+            "sampling": self.sampling(),
+            "seed": self.seed,
+            "fields": dataclasses.asdict(self.fields),
+            "chat_template": self.chat_template,
+            "think_end": self.think_end,
+        }
+
+
+def fingerprint(path_or_name: str | os.PathLike | None) -> str | None:
+    """Names, sizes and mtimes of the weight files of a local directory (or of a bundled model's),
+    so that a run dir never mixes results of two different checkpoints."""
+    if path_or_name is None:
+        return None
+    path = Path(path_or_name)
+    if not path.is_dir():
+        from dynts.models import TESTBED, checkpoints_dir
+
+        if str(path_or_name) not in TESTBED:
+            return None
+        path = checkpoints_dir() / TESTBED[str(path_or_name)]
+    if not path.is_dir():
+        return None
+    files = sorted(f for f in path.iterdir() if f.suffix in {".safetensors", ".json"})
+    text = ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,334 @@
+"""The evaluation harness: methods x budgets x local windows x retentions x benchmarks.
+
+One *cell* is one benchmark under one method setting. A cell generates ``k`` samples per question
+(paper 6.1: 5 samples, temperature 0.6, top-p 0.95, top-k 20), several questions per
+``dynts.generate`` call, and reports pass@1 (the mean over samples and questions), throughput,
+peak KV memory and mean generated length.
+
+Layout of a run directory::
+
+    run.json                   settings shared by all cells (a resumed run must match them)
+    cells/<key>.json           one finished cell: settings + metrics (written last, atomically)
+    cells/<key>.partial.jsonl  finished batches of an unfinished cell (one JSON line per batch)
+    samples/<key>.jsonl        every sample of a finished cell: text, extracted answer, correct
+    results.{json,csv,md}      rendered after every cell (:mod:`eval.report`)
+    accuracy_vs_*.png          plots, rendered when the run ends
+
+Interrupt it at any point and run the same command again: finished cells are read back, an
+unfinished cell restarts from its last finished batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+import dynts
+
+from .benchmarks import Benchmark, load_benchmark
+from .config import EvalConfig
+from .methods import MethodSpec
+from .prompts import encode_prompts, left_pad, user_message
+
+__all__ = ["Cell", "EvalConfig", "plan_cells", "run", "summarize", "write_atomic"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One benchmark under one method setting (``budget`` etc. are ``None`` for the full cache)."""
+
+    benchmark: str
+    method: MethodSpec
+    budget: int | None
+    local_window: int | None
+    retention: float | None
+
+    @property
+    def key(self) -> str:
+        """File-name-safe, unique and readable."""
+        parts = [self.benchmark, self.method.label]
+        if self.budget is not None:
+            parts += [f"B{self.budget}", f"W{self.local_window}", f"r{self.retention}"]
+        text = "_".join(parts)
+        slug = "".join(c if c.isalnum() or c in "-." else "-" for c in text)[:80]
+        return f"{slug}-{hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:8]}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "benchmark": self.benchmark,
+            "method": self.method.as_dict(),
+            "budget": self.budget,
+            "local_window": self.local_window,
+            "retention": self.retention,
+        }
+
+
+def plan_cells(config: EvalConfig) -> list[Cell]:
+    """All cells, benchmark-major; the full cache runs once per benchmark."""
+    cells = []
+    for bench in config.benchmarks:
+        for method in config.method_specs:
+            if not method.bounded:
+                cells.append(Cell(bench, method, None, None, None))
+                continue
+            for budget in config.budgets:
+                for lw in config.local_windows or [budget // 2]:
+                    for retention in config.retentions:
+                        cells.append(Cell(bench, method, budget, lw, float(retention)))
+    return cells
+
+
+# ------------------------------------------------------------------ files
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file + rename (never a half-written file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _check_run_dir(config: EvalConfig) -> None:
+    run_json = config.run_dir / "run.json"
+    settings = json.loads(json.dumps(config.shared_settings()))  # as stored (tuples become lists)
+    if run_json.is_file():
+        old = json.loads(run_json.read_text())
+        diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        if diff:
+            raise ValueError(
+                f"run dir {config.run_dir} holds results made with other settings ({', '.join(diff)}); "
+                "use a new --run-dir (cells of one run must be comparable)"
+            )
+    else:
+        write_atomic(run_json, json.dumps(settings, indent=2))
+
+
+def _read_partial(path: Path) -> dict[int, dict]:
+    """Finished batches of an unfinished cell (a torn last line from a kill is ignored)."""
+    done: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                batch = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[batch["batch"]] = batch
+    return done
+
+
+def _append_line(path: Path, obj: dict) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(obj) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------ running
+
+
+@dataclass
+class _Context:
+    """What all cells of one benchmark share."""
+
+    model: Any
+    tokenizer: Any
+    predictor: Any
+    bench: Benchmark
+    prompt_ids: list[list[int]]
+    max_new_tokens: int
+
+
+def _batches(ctx: _Context, k: int, batch_size: int) -> list[list[tuple[int, int]]]:
+    """``(question, sample)`` pairs in batches, sorted by prompt length (less padding)."""
+    pairs = sorted(((i, s) for i in range(len(ctx.prompt_ids)) for s in range(k)), key=lambda p: (len(ctx.prompt_ids[p[0]]), p))
+    return [pairs[j : j + batch_size] for j in range(0, len(pairs), batch_size)]
+
+
+def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[int, int]], index: int) -> dict:
+    torch.manual_seed(config.seed * 1_000_003 + index)
+    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
+    input_ids, attention_mask = left_pad([ctx.prompt_ids[i] for i, _ in pairs], pad)
+    bounds = {} if cell.budget is None else {"budget": cell.budget, "local_window": cell.local_window, "retention": cell.retention}
+    result = dynts.generate(
+        ctx.model, ctx.tokenizer, input_ids=input_ids, attention_mask=attention_mask,
+        method=cell.method.name, method_options=dict(cell.method.options), predictor=ctx.predictor,
+        max_new_tokens=ctx.max_new_tokens, think_end=config.think_end, **bounds, **config.sampling(),
+    )
+    stats = result.stats
+    eos = ctx.model.generation_config.eos_token_id
+    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
+    finished = torch.isin(result.sequences.cpu(), eos).any(1).tolist()
+    records = []
+    for (i, s), text, length, done in zip(pairs, result.texts, stats["lengths"], finished):
+        example = ctx.bench.examples[i]
+        grade = ctx.bench.grader.grade(example.answer, text)
+        records.append({
+            "question": i, "sample": s, "id": example.id, "correct": grade.correct, "extracted": grade.extracted,
+            "source": grade.source, "tokens": length, "truncated": not done, "text": text,
+        })
+    return {
+        "batch": index, "pairs": [list(p) for p in pairs], "rows": len(pairs), "seconds": stats["seconds"],
+        "new_tokens": stats["new_tokens"], "peak_cache_tokens": stats["peak_cache_tokens"],
+        "peak_kv_bytes": stats["peak_kv_bytes"], "evictions": stats["evictions"],
+        "evicted_tokens": stats["evicted_tokens"], "records": records,
+    }
+
+
+def summarize(batches: Sequence[dict], n_questions: int, k: int) -> dict[str, Any]:
+    """Cell metrics from its batches.
+
+    ``pass@1`` = mean over questions of the fraction of its ``k`` samples graded correct;
+    ``pass@1_std`` = standard deviation of the accuracy of the ``k`` sample runs (0 when k = 1);
+    ``tokens_per_second`` = generated tokens / generation seconds; ``peak_kv_mib_per_sequence`` =
+    the largest batch's peak K/V bytes divided by its rows.
+    """
+    records = [r for b in batches for r in b["records"]]
+    per_question: dict[int, list[bool]] = {}
+    per_sample: dict[int, list[bool]] = {}
+    for r in records:
+        per_question.setdefault(r["question"], []).append(r["correct"])
+        per_sample.setdefault(r["sample"], []).append(r["correct"])
+    runs = [sum(v) / len(v) for v in per_sample.values()]
+    seconds = sum(b["seconds"] for b in batches)
+    new_tokens = sum(b["new_tokens"] for b in batches)
+    return {
+        "questions": n_questions,
+        "samples": len(records),
+        "k": k,
+        "pass@1": statistics.mean(sum(v) / len(v) for v in per_question.values()),
+        "pass@1_std": statistics.pstdev(runs) if len(runs) > 1 else 0.0,
+        "parse_rate": sum(r["extracted"] is not None for r in records) / len(records),
+        "truncated_rate": sum(r["truncated"] for r in records) / len(records),
+        "mean_generated_tokens": statistics.mean(r["tokens"] for r in records),
+        "tokens_per_second": new_tokens / seconds if seconds > 0 else math.inf,
+        "seconds": seconds,
+        "peak_cache_tokens": max(b["peak_cache_tokens"] for b in batches),
+        "peak_kv_mib_per_sequence": max(b["peak_kv_bytes"] / b["rows"] for b in batches) / 2**20,
+        "evictions": sum(b["evictions"] for b in batches),
+        "evicted_tokens": sum(b["evicted_tokens"] for b in batches),
+    }
+
+
+def _check_budget(cell: Cell, ctx: _Context) -> None:
+    if cell.budget is None:
+        return
+    longest = max(len(p) for p in ctx.prompt_ids)
+    need = longest + cell.local_window + 1
+    if cell.budget < need:
+        raise ValueError(
+            f"budget={cell.budget} cannot hold the longest {cell.benchmark} prompt ({longest} tokens) + "
+            f"local_window ({cell.local_window}) + 1: raise the budget to >= {need} or lower --local-window"
+        )
+
+
+def run_cell(ctx: _Context, cell: Cell, config: EvalConfig, bar: Callable | None = None) -> dict[str, Any]:
+    """Generate, grade and summarise one cell (resuming from its finished batches)."""
+    cells_dir = config.run_dir / "cells"
+    partial_path = cells_dir / f"{cell.key}.partial.jsonl"
+    plan = _batches(ctx, config.k, config.batch_size)
+    done = {j: b for j, b in _read_partial(partial_path).items() if j < len(plan) and b["pairs"] == [list(p) for p in plan[j]]}
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    progress = bar(total=len(plan), desc=cell.key[:48], leave=False, initial=len(done)) if bar else None
+    for j, pairs in enumerate(plan):
+        if j in done:
+            continue
+        done[j] = _run_batch(ctx, cell, config, pairs, j)
+        _append_line(partial_path, done[j])
+        if progress:
+            progress.update(1)
+    if progress:
+        progress.close()
+    batches = [done[j] for j in range(len(plan))]
+    records = sorted((r for b in batches for r in b["records"]), key=lambda r: (r["question"], r["sample"]))
+    write_atomic(config.run_dir / "samples" / f"{cell.key}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    result = {
+        "key": cell.key, **cell.as_dict(), "benchmark_size": len(ctx.prompt_ids),
+        "max_new_tokens": ctx.max_new_tokens, **summarize(batches, len(ctx.prompt_ids), config.k),
+    }
+    write_atomic(cells_dir / f"{cell.key}.json", json.dumps(result, indent=2))  # the cell is finished once this exists
+    partial_path.unlink(missing_ok=True)
+    return result
+
+
+def load_model(name_or_path: str):
+    """``dynts.load``, keeping a directory's own fast tokenizer class: transformers 5 maps every
+    ``model_type: qwen2`` directory to ``Qwen2Tokenizer`` in ``AutoTokenizer``, a byte-level BPE that
+    silently mangles the testbed's word-level vocabulary (``find`` -> ``d``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from dynts.models import TESTBED, checkpoints_dir
+
+    model, tokenizer = dynts.load(name_or_path)
+    path = checkpoints_dir() / TESTBED[name_or_path] if name_or_path in TESTBED else Path(name_or_path)
+    config_file = path / "tokenizer_config.json"
+    if config_file.is_file():
+        wanted = json.loads(config_file.read_text()).get("tokenizer_class")
+        if wanted in {"TokenizersBackend", "PreTrainedTokenizerFast"} and type(tokenizer).__name__ != wanted:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+def _contexts(config: EvalConfig, benches: dict[str, Benchmark], todo: Sequence[Cell]) -> dict[str, _Context]:
+    """Load the model once and tokenize the prompts of every benchmark that has work left."""
+    from dynts.generate import load_predictor
+
+    model, tokenizer = load_model(config.model)
+    predictor = load_predictor(config.predictor, model) if config.predictor is not None else None
+    contexts = {}
+    for spec in dict.fromkeys(c.benchmark for c in todo):
+        bench = benches[spec]
+        messages = [user_message(e, bench) for e in bench.examples]
+        contexts[spec] = _Context(
+            model, tokenizer, predictor, bench, encode_prompts(tokenizer, messages, config.chat_template),
+            config.max_new_tokens or bench.max_new_tokens,
+        )
+    for cell in todo:  # fail before generating anything, not after hours
+        _check_budget(cell, contexts[cell.benchmark])
+    return contexts
+
+
+def run(config: EvalConfig, after_cell: Callable[[dict], None] | None = None) -> list[dict[str, Any]]:
+    """Run (or resume) every cell of ``config``; returns the cell results in plan order. Tables are
+    rendered into the run dir after each finished cell (``after_cell`` is called too), plots at the end."""
+    from tqdm.auto import tqdm
+
+    from .report import write_reports
+
+    cells = plan_cells(config)
+    benches = {spec: load_benchmark(spec, config.fields).head(config.limit) for spec in dict.fromkeys(config.benchmarks)}
+    _check_run_dir(config)
+    results: dict[str, dict] = {}
+    for cell in cells:
+        path = config.run_dir / "cells" / f"{cell.key}.json"
+        if path.is_file():
+            results[cell.key] = json.loads(path.read_text())
+    todo = [c for c in cells if c.key not in results]
+    contexts = _contexts(config, benches, todo) if todo else {}
+    bar = tqdm if config.progress else None
+    with tqdm(total=len(cells), initial=len(cells) - len(todo), desc="cells", disable=not config.progress) as outer:
+        for cell in todo:
+            results[cell.key] = run_cell(contexts[cell.benchmark], cell, config, bar)
+            write_reports(config.run_dir, [results[c.key] for c in cells if c.key in results], plots=False)
+            if after_cell:
+                after_cell(results[cell.key])
+            outer.update(1)
+    ordered = [results[c.key] for c in cells]
+    write_reports(config.run_dir, ordered)
+    return ordered

@@ -1,0 +1,504 @@
+"""``dynts rescue``: KV-Rescue on a benchmark, with its baselines and the decode-cost columns of the
+KV-Rescue paper (Fig. 5, Tables 1-2).
+
+Settings (each a resumable cell, one JSON file):
+
+* ``full``   -- the base with its full KV cache, plain sampling (the A_full reference);
+* ``helper`` -- the helper alone, full cache, plain sampling;
+* ``evict``  -- the evicted base, plain sampling (no steps, no PRM);
+* ``bon``    -- eviction-only stepwise best-of-N (``n_base = N``, ``n_helper = 0``, no detector;
+  the A_evict of the recovered fraction, as in the paper);
+* ``kvr``    -- KV-Rescue, best-of-(N+N) with the online degeneration detector;
+* ``kvr-noexit`` -- KV-Rescue without the detector (Table 2's "+ interleaving" row).
+
+Examples::
+
+    dynts rescue bench --benchmark testbed:n=40,set=test --base testbed --helper testbed-helper \\
+        --prm testbed-prm --method dynts,window --predictor checkpoints/testbed-predictor \\
+        --budget 64 --local-window 16 --n 4 --delimiter ';' --out reports/rescue-testbed
+    dynts rescue generate --base testbed --helper testbed-helper --prm testbed-prm --method window \\
+        --budget 64 --local-window 16 --delimiter ';' --chat "a 6 b 6 c 0 d 4 e 8 find r2"
+
+Re-running the same ``bench`` command resumes: finished cells are read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["RescueEvalConfig", "SETTINGS", "evaluate", "main", "summary_table"]
+
+SETTINGS = ("full", "helper", "evict", "bon", "kvr", "kvr-noexit")
+STEPWISE = ("bon", "kvr", "kvr-noexit")
+
+
+@dataclass
+class RescueEvalConfig:
+    """One comparison: every setting in ``settings`` for every eviction ``method`` of the base.
+
+    ``degen_steps``: a trajectory is *degenerate* when it is incorrect and has at least this many
+    committed steps (paper Table 2: 256 of at most 1024 steps; default ``max_steps // 4``).
+    ``detector``: fields of :class:`dynts.rescue.DegenerationDetector` (paper defaults if empty).
+    """
+
+    benchmark: str
+    out: str
+    base: str = "testbed"
+    helper: str = "testbed-helper"
+    prm: str = "testbed-prm"
+    methods: tuple[str, ...] = ("dynts", "window")
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    predictor: str | None = None
+    budget: int = 64
+    local_window: int = 16
+    retention: float = 0.4
+    n: int = 4
+    delimiter: str = "\n\n"
+    max_tokens: int | None = None
+    max_steps: int = 1024
+    max_step_tokens: int = 512
+    degen_steps: int | None = None
+    detector: dict[str, Any] = field(default_factory=dict)
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 20
+    seed: int = 0
+    limit: int | None = None
+    settings: tuple[str, ...] = SETTINGS
+    max_rows: int = 64
+    think_end: str | None = "</think>"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.settings) - set(SETTINGS)
+        if unknown:
+            raise ValueError(f"settings {sorted(unknown)} are unknown; choose from {list(SETTINGS)}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={self.n!r} must be an int >= 1 (candidates per model per step)")
+        if self.degen_steps is None:
+            self.degen_steps = max(1, self.max_steps // 4)
+
+    def cell_settings(self, setting: str, method: str | None) -> dict[str, Any]:
+        """What a cell's result depends on (its file is reused only when these match)."""
+        keep = {k: v for k, v in asdict(self).items() if k not in ("out", "settings", "methods", "max_rows", "method_options")}
+        keep.update(setting=setting, method=method, method_options=self.method_options.get(method or "", {}))
+        if setting in ("full", "helper"):
+            for k in ("budget", "local_window", "retention", "predictor", "prm", "n", "detector", "method_options"):
+                keep.pop(k)
+        return keep
+
+
+def testbed_step_verifier(question: str, steps: Sequence[str]) -> float:
+    """An exact step checker for the testbed, usable as ``prm=`` (a :class:`~dynts.rescue.CallablePRM`):
+    the *ideal* process reward the trained testbed PRM approximates, for an upper-bound reference.
+
+    A thinking step (``x xv op y yv gives rK= v ;``) scores 1 when it is the next key, copies the
+    question's operand values and computes ``v`` right; an answer step (``</think> rK= v``) scores 1
+    when it names the asked key and carries the value that key has in the committed steps; else 0.
+    """
+    from data_pipeline.testbed import task
+
+    parsed = task.parse_question(question)
+    if parsed is None:
+        return 0.0
+    operands, asked = parsed
+    words = steps[-1].split()
+    if task.END_THINK in words:
+        return float(task.check_answer(question, " ".join([*" ".join(steps[:-1]).split(), *words])))
+    found = task.parse_steps(words + ([task.SEP] if words and words[-1] != task.SEP else []))
+    if len(found) != 1:
+        return 0.0
+    x, xv, op, y, yv, key, v = found[0]
+    done = len(task.parse_steps(" ".join(steps[:-1])))
+    value = operands[task.VARIABLES.index(x)], operands[task.VARIABLES.index(y)]
+    right = (xv, yv) == value and v == task.OPS[op](xv, yv) and key == done + 1  # type: ignore[operator]
+    return float(right)
+
+
+def _prm(name: str, delimiter: str, trust_remote_code: bool = False):
+    from dynts.rescue import CallablePRM, load_prm
+
+    if name == "testbed-verifier":
+        return CallablePRM(testbed_step_verifier)
+    return load_prm(name, step_delimiter=delimiter, trust_remote_code=trust_remote_code)
+
+
+def _load(name: str):
+    import dynts
+    from dynts.models import _resolve
+    from dynts.rescue.prm import load_tokenizer
+
+    model, _ = dynts.load(name)
+    return model, load_tokenizer(_resolve(name)[0])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    from eval.harness import write_atomic
+
+    write_atomic(path, text)
+
+
+def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, bounded: bool, max_tokens: int) -> tuple[list[str], list[int], float]:
+    """Plain sampling (``dynts.generate``) of every prompt; texts, generated lengths and seconds."""
+    import dynts
+
+    from eval.prompts import left_pad
+
+    texts, lengths, seconds = [], [], 0.0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    kw = dict(budget=config.budget, local_window=config.local_window, retention=config.retention,
+              predictor=config.predictor, method_options=config.method_options.get(method)) if bounded else {}
+    for start in range(0, len(prompts), 32):
+        torch.manual_seed(config.seed * 1_000_003 + start)
+        ids, mask = left_pad(prompts[start : start + 32], pad)
+        out = dynts.generate(model, tokenizer, input_ids=ids, attention_mask=mask, method=method, max_new_tokens=max_tokens,
+                             think_end=config.think_end, do_sample=True, temperature=config.temperature,
+                             top_p=config.top_p, top_k=config.top_k, **kw)
+        texts += out.texts
+        lengths += out.stats["lengths"]
+        seconds += out.stats["seconds"]
+    return texts, lengths, seconds
+
+
+def _cell(config: RescueEvalConfig, setting: str, method: str | None, models: dict, bench, prompts) -> dict[str, Any]:
+    from dynts.rescue import rescue_generate
+
+    max_tokens = config.max_tokens or bench.max_new_tokens
+    base, tokenizer = models["base"]
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    if setting in ("full", "helper", "evict"):
+        model, tok = models["helper"] if setting == "helper" else models["base"]
+        name = method if setting == "evict" else "full"
+        texts, lengths, _ = _plain(model, tok, prompts, config, name, setting == "evict", max_tokens)
+        for ex, text, length in zip(bench.examples, texts, lengths):
+            steps = text.count(config.delimiter) + (not text.rstrip().endswith(config.delimiter.strip() or config.delimiter))
+            records.append({"id": ex.id, "text": text, "output_tokens": length, "committed_steps": steps,
+                            "base_tokens": length if setting != "helper" else 0, "helper_tokens": length if setting == "helper" else 0,
+                            "ended": "eos" if length < max_tokens else "max_tokens"})
+    else:
+        helper = models["helper"][0] if setting != "bon" else None
+        detector = None if setting in ("bon", "kvr-noexit") else (config.detector or True)
+        chats = [[{"role": "user", "content": p}] for p in models["messages"]]
+        result = rescue_generate(
+            base, helper, models["prm"], tokenizer, chats, base_method=method, budget=config.budget,
+            local_window=config.local_window, retention=config.retention, predictor=config.predictor,
+            method_options=config.method_options.get(method), n_base=config.n, n_helper=0 if setting == "bon" else config.n,
+            step_delimiter=config.delimiter, max_steps=config.max_steps, max_step_tokens=config.max_step_tokens,
+            max_tokens=max_tokens, detector=detector, temperature=config.temperature, top_p=config.top_p,
+            top_k=config.top_k, seed=config.seed, think_end=config.think_end, max_rows=config.max_rows,
+        )
+        for ex, problem in zip(bench.examples, result.problems):
+            records.append({"id": ex.id, "text": problem.text, "ended": problem.end, "sources": "".join(s[0] for s in problem.sources),
+                            **{k: v for k, v in problem.stats.items() if k != "end"}})
+    seconds = time.perf_counter() - start
+    for ex, rec in zip(bench.examples, records):
+        grade = bench.grader.grade(ex.answer, rec["text"])
+        rec["correct"], rec["extracted"] = bool(grade.correct), grade.extracted
+    return {"setting": setting, "method": method, "seconds": seconds, "settings": config.cell_settings(setting, method),
+            "metrics": metrics(records, config.degen_steps), "records": records}
+
+
+def metrics(records: Sequence[dict[str, Any]], degen_steps: int) -> dict[str, Any]:
+    """pass@1 and the paper's decode-cost columns, means over problems."""
+    mean = lambda key: statistics.mean(r.get(key, 0) for r in records)  # noqa: E731
+    candidates = sum(r.get("base_candidates", 0) for r in records)
+    steps = sum(r["committed_steps"] for r in records)
+    return {
+        "problems": len(records),
+        "accuracy": mean("correct"),
+        "degeneration": sum((not r["correct"]) and r["committed_steps"] >= degen_steps for r in records) / len(records),
+        "length_capped": sum(r["ended"] != "eos" for r in records) / len(records),
+        "committed_steps": mean("committed_steps"),
+        "output_tokens": mean("output_tokens"),
+        "base_tokens": mean("base_tokens"),
+        "helper_tokens": mean("helper_tokens"),
+        "early_exit": sum(r.get("early_exits", 0) for r in records) / candidates if candidates else None,
+        "helper_share": sum(r.get("helper_steps", 0) for r in records) / steps if steps else 0.0,
+    }
+
+
+def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
+    """Run (or resume) every cell; write ``cells/*.json``, ``results.json`` and ``results.md`` under
+    ``config.out``; return the results."""
+    from eval.benchmarks import load_benchmark
+    from eval.prompts import encode_prompts, user_message
+
+    out = Path(config.out)
+    bench = load_benchmark(config.benchmark).head(config.limit)
+    models: dict[str, Any] = {"base": _load(config.base)}
+    if {"helper", "kvr", "kvr-noexit"} & set(config.settings):
+        models["helper"] = _load(config.helper)
+    if set(STEPWISE) & set(config.settings):
+        models["prm"] = _prm(config.prm, config.delimiter, config.trust_remote_code)
+    tokenizer = models["base"][1]
+    models["messages"] = [user_message(e, bench) for e in bench.examples]
+    prompts = encode_prompts(tokenizer, models["messages"])
+    cells = [(s, None) for s in ("full", "helper") if s in config.settings]
+    cells += [(s, m) for m in config.methods for s in ("evict", *STEPWISE) if s in config.settings]
+    results = []
+    for setting, method in cells:
+        key = setting if method is None else f"{setting}-{method}"
+        digest = hashlib.sha256(json.dumps(config.cell_settings(setting, method), sort_keys=True, default=str).encode()).hexdigest()[:10]
+        path = out / "cells" / f"{key}-{digest}.json"
+        if path.is_file():
+            cell = json.loads(path.read_text())
+        else:
+            cell = _cell(config, setting, method, models, bench, prompts)
+            _write_atomic(path, json.dumps(cell, indent=1))
+        m = cell["metrics"]
+        log(f"{key:22s} acc {m['accuracy']:.3f}  base tok {m['base_tokens']:8.1f}  helper share {m['helper_share']:.3f}  ({cell['seconds']:.0f} s)")
+        results.append(cell)
+    summary = {"config": asdict(config), "cells": [{k: c[k] for k in ("setting", "method", "seconds", "metrics")} for c in results]}
+    summary["comparison"] = compare(summary["cells"], config.methods)
+    _write_atomic(out / "results.json", json.dumps(summary, indent=2, default=str))
+    _write_atomic(out / "results.md", summary_table(summary))
+    return summary
+
+
+def compare(cells: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per base method: the recovered fraction ``(A_KVR - A_evict) / (A_full - A_evict)`` (A_evict =
+    eviction-only best-of-N, as in the paper), base tokens of KV-Rescue vs best-of-N, helper share and
+    the detector's firing rate."""
+    by = {(c["setting"], c["method"]): c["metrics"] for c in cells}
+    full = by.get(("full", None))
+    out = {}
+    for m in methods:
+        bon, kvr = by.get(("bon", m)), by.get(("kvr", m))
+        if not (bon and kvr):
+            continue
+        row = {"A_evict(bon)": bon["accuracy"], "A_kvr": kvr["accuracy"],
+               "base_tokens_bon": bon["base_tokens"], "base_tokens_kvr": kvr["base_tokens"],
+               "base_token_reduction": 1 - kvr["base_tokens"] / bon["base_tokens"] if bon["base_tokens"] else None,
+               "helper_share": kvr["helper_share"], "detector_firing_rate": kvr["early_exit"]}
+        if full:
+            gap = full["accuracy"] - bon["accuracy"]
+            row["A_full"] = full["accuracy"]
+            row["recovered_fraction"] = (kvr["accuracy"] - bon["accuracy"]) / gap if gap > 0 else None
+        out[m] = row
+    return out
+
+
+def _fmt(v: Any, pct: bool = False) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{100 * v:.1f}" if pct else f"{v:.1f}"
+    return str(v)
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """Markdown: one row per cell (accuracy and decode cost), then the recovery comparison."""
+    lines = ["| setting | base method | pass@1 % | degen. % | capped % | steps | out. len | base tok | helper tok | early exit % | helper share % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in summary["cells"]:
+        m = c["metrics"]
+        lines.append(f"| {c['setting']} | {c['method'] or '–'} | {_fmt(m['accuracy'], True)} | {_fmt(m['degeneration'], True)} | "
+                     f"{_fmt(m['length_capped'], True)} | {_fmt(m['committed_steps'])} | {_fmt(m['output_tokens'])} | "
+                     f"{_fmt(m['base_tokens'])} | {_fmt(m['helper_tokens'])} | {_fmt(m['early_exit'], True)} | {_fmt(m['helper_share'], True)} |")
+    comp = summary.get("comparison") or {}
+    if comp:
+        lines += ["", "| base method | A_full % | A_evict (BoN) % | A_KVR % | recovered | base tok BoN | base tok KVR | reduction % | helper share % | detector firing % |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for m, r in comp.items():
+            rec = r.get("recovered_fraction")
+            lines.append(f"| {m} | {_fmt(r.get('A_full'), True)} | {_fmt(r['A_evict(bon)'], True)} | {_fmt(r['A_kvr'], True)} | "
+                         f"{'–' if rec is None else f'{rec:.2f}'} | {_fmt(r['base_tokens_bon'])} | {_fmt(r['base_tokens_kvr'])} | "
+                         f"{_fmt(r['base_token_reduction'], True)} | {_fmt(r['helper_share'], True)} | {_fmt(r['detector_firing_rate'], True)} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ detector calibration
+
+
+def calibrate(config: RescueEvalConfig, method: str, log=print) -> dict[str, Any]:
+    """Paper Fig. 3 for a new model: run eviction-only best-of-N with a detector that never fires and
+    record, per base candidate, the peak moving-average entropy and the lowest gzip ratio. Candidates
+    that ran to ``max_step_tokens`` without a delimiter are the runaways (label-free proxy); the
+    result lists each signal's quantiles for both groups and the firing rates of candidate
+    thresholds, to pick ``tau_ent`` / ``tau_cmp`` on a dev set."""
+    from eval.benchmarks import load_benchmark
+    from eval.prompts import user_message
+
+    from dynts.rescue import DegenerationDetector, rescue_generate
+
+    bench = load_benchmark(config.benchmark).head(config.limit)
+    (base, tokenizer), prm = _load(config.base), _prm(config.prm, config.delimiter, config.trust_remote_code)
+    options = {**config.detector, "entropy_threshold": 1e9, "compress_threshold": 1e-9}
+    rows: list[tuple[bool, float, float]] = []
+
+    def record(c) -> None:
+        if c.source == "base" and c.screen is not None:
+            rows.append((c.status == "cap", c.screen.max_mean_entropy, c.screen.min_ratio))
+
+    chats = [[{"role": "user", "content": user_message(e, bench)}] for e in bench.examples]
+    rescue_generate(base, None, prm, tokenizer, chats, base_method=method, budget=config.budget,
+                    local_window=config.local_window, retention=config.retention, predictor=config.predictor,
+                    method_options=config.method_options.get(method), n_base=config.n, n_helper=0,
+                    step_delimiter=config.delimiter, max_steps=config.max_steps, max_step_tokens=config.max_step_tokens,
+                    max_tokens=config.max_tokens or bench.max_new_tokens, detector=DegenerationDetector(**options),
+                    temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=config.seed,
+                    think_end=config.think_end, max_rows=config.max_rows, on_candidate=record)
+    result: dict[str, Any] = {"candidates": len(rows), "capped": sum(r[0] for r in rows)}
+    for name, col, higher in (("entropy", 1, True), ("gzip", 2, False)):
+        groups = {g: sorted(r[col] for r in rows if r[0] == (g == "capped") and math.isfinite(r[col])) for g in ("capped", "other")}
+        result[name] = {g: [v[int(q * (len(v) - 1))] for q in (0.05, 0.25, 0.5, 0.75, 0.95)] if v else [] for g, v in groups.items()}
+        cuts = sorted({round(v, 2) for vs in groups.values() for v in vs})
+        rates = []
+        for cut in cuts:
+            rates.append((cut, *(sum((v > cut) if higher else (v < cut) for v in groups[g]) / max(1, len(groups[g]))
+                                 for g in ("capped", "other"))))
+        result[name]["firing(cut, capped, other)"] = rates[:: max(1, len(rates) // 25)]
+    log(json.dumps({k: v for k, v in result.items() if k not in ("entropy", "gzip")}))
+    for name in ("entropy", "gzip"):
+        log(f"{name}: quantiles 5/25/50/75/95% capped {_rounded(result[name]['capped'])} other {_rounded(result[name]['other'])}")
+        log("  firing rate at cut (capped, other): " + " ".join(f"{c:g}:({a:.2f},{b:.2f})" for c, a, b in result[name]["firing(cut, capped, other)"]))
+    return result
+
+
+def _rounded(values: Sequence[float]) -> list[float]:
+    return [round(v, 3) for v in values]
+
+
+# ------------------------------------------------------------------ command line
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", default="testbed", help="base model: a dynts.load name or a local HF directory")
+    p.add_argument("--helper", default="testbed-helper", help="full-context helper (same tokenizer as the base)")
+    p.add_argument("--prm", default="testbed-prm",
+                   help="PRM: testbed-prm, a local directory (Qwen2.5-Math-PRM recipe) or testbed-verifier (exact step checker)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
+    p.add_argument("--predictor", default=None, help="importance predictor directory (needed by --method dynts)")
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--local-window", type=int, default=16)
+    p.add_argument("--retention", type=float, default=0.4)
+    p.add_argument("--n", type=int, default=4, help="candidates per step from each model (paper: N=8)")
+    p.add_argument("--delimiter", default="\n\n", help="step delimiter (paper: a blank line; the testbed: ';')")
+    p.add_argument("--max-tokens", type=int, default=None, help="output token cap (default: the benchmark's)")
+    p.add_argument("--max-steps", type=int, default=1024)
+    p.add_argument("--max-step-tokens", type=int, default=512)
+    p.add_argument("--entropy-threshold", type=float, default=7.0, help="detector tau_ent in nats (<= 0: off)")
+    p.add_argument("--compress-threshold", type=float, default=0.18, help="detector tau_cmp (<= 0: off)")
+    p.add_argument("--compress-window", type=int, default=800, help="detector gzip window in characters")
+    p.add_argument("--guard", type=int, default=24)
+    p.add_argument("--entropy-window", type=int, default=12)
+    p.add_argument("--include-context", action="store_true", help="let the gzip window reach into committed text")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for tiny models on shared cores)")
+
+
+def _detector(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "entropy_threshold": args.entropy_threshold if args.entropy_threshold > 0 else None,
+        "compress_threshold": args.compress_threshold if args.compress_threshold > 0 else None,
+        "compress_window": args.compress_window, "guard": args.guard, "entropy_window": args.entropy_window,
+        "include_context": args.include_context,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dynts rescue", description="KV-Rescue: an evicted base + a full-context helper, PRM-selected steps")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="full / helper / evicted / best-of-N / KV-Rescue on a benchmark (resumable)")
+    bench.add_argument("--benchmark", required=True, help="e.g. testbed:n=40,set=test or gsm8k")
+    bench.add_argument("--method", default="dynts,window", help="base eviction methods, comma-separated")
+    bench.add_argument("--settings", default=",".join(SETTINGS), help=f"subset of {','.join(SETTINGS)}")
+    bench.add_argument("--limit", type=int, default=None, help="first N questions")
+    bench.add_argument("--degen-steps", type=int, default=None, help="steps that make an incorrect trajectory degenerate")
+    bench.add_argument("--max-rows", type=int, default=64, help="candidate rows per batched forward")
+    bench.add_argument("--out", required=True, help="run directory (re-run to resume)")
+    _common(bench)
+    cal = sub.add_parser("calibrate", help="detector statistics of best-of-N base candidates (paper Fig. 3), to pick thresholds")
+    cal.add_argument("--benchmark", required=True)
+    cal.add_argument("--method", default="window", help="the base's eviction method")
+    cal.add_argument("--limit", type=int, default=None)
+    cal.add_argument("--out", default=None, help="write the statistics as JSON here")
+    _common(cal)
+    gen = sub.add_parser("generate", help="KV-Rescue for a few prompts; prints the solution, step sources and costs")
+    gen.add_argument("prompts", nargs="+", help="prompts (raw text unless --chat)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--method", default="window", help="the base's eviction method")
+    gen.add_argument("--n-base", type=int, default=4)
+    gen.add_argument("--n-helper", type=int, default=4)
+    gen.add_argument("--no-detector", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print the results as JSON")
+    _common(gen)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dynts.rescue import rescue_generate
+
+    base, tokenizer = _load(args.base)
+    helper = _load(args.helper)[0] if args.n_helper else None
+    prm = _prm(args.prm, args.delimiter, args.trust_remote_code)
+    prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else list(args.prompts)
+    out = rescue_generate(
+        base, helper, prm, tokenizer, prompts, base_method=args.method, budget=args.budget,
+        local_window=args.local_window, retention=args.retention, predictor=args.predictor, n_base=args.n_base,
+        n_helper=args.n_helper, step_delimiter=args.delimiter, max_steps=args.max_steps,
+        max_step_tokens=args.max_step_tokens, max_tokens=args.max_tokens or 4096,
+        detector=None if args.no_detector else _detector(args), temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps({"stats": out.stats, "problems": [
+            {"text": p.text, "end": p.end, "sources": p.sources, "stats": p.stats} for p in out.problems]}, indent=2, default=str))
+        return 0
+    for prompt, p in zip(args.prompts, out.problems):
+        print(f"prompt: {prompt}\nsolution ({p.end}): {p.text}")
+        print("steps: " + " | ".join(f"[{s.source[0]}{'' if s.score is None else f' {s.score:.2f}'}] {s.text}" for s in p.steps))
+        print("cost: " + ", ".join(f"{k}={v}" for k, v in p.stats.items()) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "calibrate":
+        config = RescueEvalConfig(
+            benchmark=args.benchmark, out=args.out or "", base=args.base, prm=args.prm, predictor=args.predictor,
+            budget=args.budget, local_window=args.local_window, retention=args.retention, n=args.n,
+            delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
+            max_step_tokens=args.max_step_tokens, detector=_detector(args), temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit, trust_remote_code=args.trust_remote_code,
+        )
+        result = calibrate(config, args.method)
+        if args.out:
+            _write_atomic(Path(args.out), json.dumps(result, indent=1))
+        return 0
+    config = RescueEvalConfig(
+        benchmark=args.benchmark, out=args.out, base=args.base, helper=args.helper, prm=args.prm,
+        methods=tuple(m.strip() for m in args.method.split(",") if m.strip()), predictor=args.predictor,
+        budget=args.budget, local_window=args.local_window, retention=args.retention, n=args.n,
+        delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
+        max_step_tokens=args.max_step_tokens, degen_steps=args.degen_steps, detector=_detector(args),
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit,
+        settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), max_rows=args.max_rows,
+        trust_remote_code=args.trust_remote_code,
+    )
+    summary = evaluate(config)
+    print(summary_table(summary))
+    print(f"wrote {Path(config.out) / 'results.md'}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,468 @@
+"""Decode cost with a bounded cache vs the full cache: per-token latency by position, peak KV, FLOPs.
+
+For every model and batch size, all lanes (the full cache and each eviction method) advance together
+through the positions (default 1k / 4k / 8k / 16k tokens seen). A lane reaches position ``L`` by a
+chunked prefill THROUGH its own cache (chunks of at most the eviction volume ``K``, so a bounded cache
+evicts exactly as in decoding and never holds more than ``B``); the chunk schedule is planned so that
+a bounded cache holds ``B - N`` entries at ``L - N``. Then every lane decodes, round-robin so that
+machine noise hits all lanes alike:
+
+* ``top``: N steps at the top of the sawtooth (cache length B-N+1 .. B);
+* ``event``: 1 step that fires the eviction event (selection + compaction, all layers);
+* ``bottom``: N steps after it (length n_keep+2 .. n_keep+N+1).
+
+A fresh full cache filled to ``B - N`` (``full@B``) decodes N steps alongside the ``top`` phase at every
+position: ``t_full(B)``, the bound (a bounded step can at best cost what a full step at length B costs).
+
+Reported per position: ``t_full(L)``; per method ``top`` / ``bottom`` / ``event`` medians and the
+amortised per-token time ``t(L) = (top + bottom) / 2 + (event - bottom) / K`` (step time is linear
+in cache length over a sawtooth cycle); the speedup ``t_full(L) / t(L)``; the distance from the bound
+``t_top(L) / t_full(B)`` (same cache length: everything above 1 is our overhead) and
+``t(L) / t_full(B)``; DynTS vs window; peak KV bytes and their ratio to full; FLOPs/token from
+:mod:`dynts.cost`. A continuous decode of the small model traces the sawtooth of the paper's Fig. 5.
+Writes ``bench_decode.json`` and ``decode_latency.png`` under ``--out``.
+
+    flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_decode.py            # ~10 min on 2 cores
+    .venv/bin/python scripts/bench_decode.py --quick                               # tiny model, ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import dynts  # noqa: E402
+from dynts.cost import ModelShape, decode_flops, predictor_flops, selection_flops  # noqa: E402
+from dynts.kernels import backend_for  # noqa: E402
+from dynts.models import checkpoints_dir  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------- models
+def small_model() -> tuple[torch.nn.Module, str]:
+    """The testbed LRM if it has been trained, else a random Qwen2 of the testbed's shape."""
+    if (checkpoints_dir() / "testbed-lrm" / "config.json").is_file():
+        model, _ = dynts.load("testbed")
+        return model, "testbed-lrm"
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=True, attn_implementation="sdpa",
+    )
+    return Qwen2ForCausalLM(config).eval(), "random-qwen2-0.8M"
+
+
+def load_model(name: str) -> tuple[torch.nn.Module, str]:
+    if name == "small":
+        return small_model()
+    model, _ = dynts.load(name)
+    return model, name
+
+
+# ---------------------------------------------------------------------------------------------- lanes
+@dataclass
+class Lane:
+    """One cache driven through the model: the full cache, a method, or the full@B reference."""
+
+    name: str
+    cache: dynts.BoundedCache
+    predictor: dynts.ImportancePredictor | None
+    batch: int = 1
+    token: torch.Tensor | None = None  # last predicted token [b, 1]
+    times: dict = field(default_factory=dict)  # position -> {"top": [...], "event": [...], "bottom": [...]}
+    lengths: dict = field(default_factory=dict)  # position -> {"top": [...], ...} cache length after each step
+    peak_kv_bytes: dict = field(default_factory=dict)  # position -> peak live KV bytes so far
+
+    @property
+    def bounded(self) -> bool:
+        return self.cache.bounded
+
+
+class Driver:
+    """Runs forwards of one model for several lanes, each through ``dynts.attach`` of its own cache."""
+
+    def __init__(self, model: torch.nn.Module, vocab: int, seed: int = 0):
+        self.model = model
+        self.vocab = vocab
+        self.generator = torch.Generator().manual_seed(seed)
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.device = next(model.parameters()).device
+
+    def random_ids(self, batch: int, length: int) -> torch.Tensor:
+        return torch.randint(3, self.vocab, (batch, length), generator=self.generator).to(self.device)
+
+    @torch.no_grad()
+    def forward(self, lane: Lane, ids: torch.Tensor) -> float:
+        """One forward of ``ids`` [b, q] through ``lane``; returns seconds (the forward and the argmax)."""
+        with dynts.attach(self.model, lane.cache, lane.predictor):
+            sync(self.device)
+            start = time.perf_counter()
+            out = self.model(input_ids=ids, logits_to_keep=1, use_cache=True, **{self.cache_kw: lane.cache})
+            lane.token = out.logits[:, -1:].argmax(-1)
+            sync(self.device)
+            return time.perf_counter() - start
+
+    def step(self, lane: Lane, position: int, phase: str) -> None:
+        seconds = self.forward(lane, lane.token)
+        lane.times.setdefault(position, {}).setdefault(phase, []).append(seconds)
+        lane.lengths.setdefault(position, {}).setdefault(phase, []).append(lane.cache.length)
+
+    def advance(self, lane: Lane, chunks: list[int]) -> None:
+        for size in chunks:
+            self.forward(lane, self.random_ids(lane.batch, size))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plan_chunks(seen: int, length: int, target_seen: int, target_length: int, budget: int, n_keep: int) -> list[int]:
+    """Chunk sizes (each <= K = budget - n_keep) taking a bounded cache from ``(seen, length)`` to
+    ``(target_seen, target_length)``, with the cache's rule: a chunk of ``q`` evicts to ``n_keep``
+    first when ``length + q > budget`` and ``length > n_keep``."""
+    volume = budget - n_keep
+    distance = target_seen - seen
+    if distance < 0:
+        raise ValueError(f"cannot go back from {seen} to {target_seen} tokens")
+
+    def feed(chunks: list[int]) -> int:
+        current = length
+        for q in chunks:
+            if current + q > budget and current > n_keep:
+                current = n_keep
+            current += q
+            if current > budget:
+                raise AssertionError("a planned chunk overflows the budget")
+        return current
+
+    if length + distance == target_length <= budget:  # no eviction on the way
+        chunks = [volume] * (distance // volume) + ([distance % volume] if distance % volume else [])
+    else:
+        final = target_length - n_keep  # the last chunk follows an eviction
+        if not 1 <= final <= min(volume, distance):
+            raise ValueError(
+                f"cannot land on {target_length} cached entries at {target_seen} tokens (n_keep={n_keep}, K={volume}); "
+                "use positions <= budget or >= budget + K"
+            )
+        before = distance - final
+        odd = before % volume or (volume if before else 0)
+        chunks = ([odd] if odd else []) + [volume] * ((before - odd) // volume) + [final]
+    if feed(chunks) != target_length:
+        raise ValueError(
+            f"no chunk plan lands on {target_length} entries at {target_seen} tokens from ({seen}, {length}); "
+            "choose positions further apart"
+        )
+    return chunks
+
+
+def full_chunks(distance: int, chunk: int) -> list[int]:
+    return [chunk] * (distance // chunk) + ([distance % chunk] if distance % chunk else [])
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def method_options(name: str, vocab: int) -> dict:
+    """Settings a method needs beyond the defaults (prompts are random ids, so SepLLM gets 1 id in 16)."""
+    return {"separator_token_ids": tuple(range(3, vocab, 16))} if name == "sepllm" else {}
+
+
+def make_lane(model, name: str, budget: dynts.Budget | None, batch: int) -> Lane:
+    method = "full" if name.startswith("full") else name
+    evictor = dynts.make_evictor(method, **method_options(method, model.config.get_text_config().vocab_size))
+    cache = dynts.build_cache(model, evictor, budget)
+    predictor = None
+    if "scores" in cache.requires:
+        torch.manual_seed(0)  # speed does not depend on the weights: an untrained predictor scores the same way
+        predictor = dynts.ImportancePredictor(model.config.get_text_config().hidden_size).to(next(model.parameters()).device).eval()
+    return Lane(name, cache, predictor, batch)
+
+
+def bench_positions(model, model_name: str, batch: int, methods: list[str], positions: list[int], args) -> dict:
+    """Time every lane at every position (see the module docstring); returns the JSON record."""
+    config = model.config.get_text_config()
+    driver = Driver(model, config.vocab_size, seed=args.seed)
+    bounds = dynts.Budget(args.budget, args.local_window, args.retention)
+    m, n = args.prompt_tokens, args.steps
+    n_keep, volume = bounds.n_keep(m), bounds.eviction_volume(m)
+    if n >= volume:
+        raise ValueError(f"--steps {n} must be below the eviction volume K={volume}")
+    prompt = driver.random_ids(batch, m)
+    lanes = [make_lane(model, "full", None, batch)] + [make_lane(model, name, bounds, batch) for name in methods]
+    for lane in lanes:
+        driver.forward(lane, prompt)
+    started = time.perf_counter()
+    for position in positions:
+        for lane in lanes:  # reach L - N untimed
+            cache = lane.cache
+            if lane.bounded:
+                chunks = plan_chunks(cache.seen, cache.length, position - n, args.budget - n, args.budget, n_keep)
+            else:
+                chunks = full_chunks(position - n - cache.seen, args.full_chunk)
+            driver.advance(lane, chunks)
+            if lane.bounded and (cache.seen, cache.length) != (position - n, args.budget - n):
+                raise AssertionError(f"{lane.name}: at {cache.seen} tokens with {cache.length} cached, planned otherwise")
+        reference = make_lane(model, "full@B", None, batch)  # the bound, timed alongside
+        driver.forward(reference, prompt)
+        driver.advance(reference, full_chunks(args.budget - n - m, args.full_chunk))
+        for phase, count, members in (
+            ("top", n, lanes + [reference]),
+            ("event", 1, lanes),
+            ("bottom", n, lanes),
+        ):
+            for _ in range(count):
+                for lane in members:
+                    driver.step(lane, position, phase)
+        reference.cache = None
+        lanes[0].times[position]["full@B"] = reference.times[position]["top"]  # lanes[0] is the full cache
+        for lane in lanes:
+            lane.peak_kv_bytes[position] = lane.cache.stats.peak_kv_bytes
+        print(f"  [{model_name} b={batch}] position {position} done ({time.perf_counter() - started:.0f} s)", flush=True)
+    return summarize(model, model_name, batch, lanes, positions, bounds, args)
+
+
+def summarize(model, model_name, batch, lanes, positions, bounds, args) -> dict:
+    m = args.prompt_tokens
+    n_keep, volume = bounds.n_keep(m), bounds.eviction_volume(m)
+    shape = ModelShape.from_config(model.config.get_text_config().to_dict(), name=model_name,
+                                   bytes_per_element=next(model.parameters()).element_size())
+    med = min if args.stat == "min" else statistics.median
+    rows = []
+    for position in positions:
+        full = next(lane for lane in lanes if not lane.bounded)
+        ft = full.times[position]
+        t_full_l = med(ft["top"] + ft["event"] + ft["bottom"])
+        t_full_b = med(ft["full@B"])
+        row = dict(position=position, t_full_L=t_full_l, t_full_B=t_full_b,
+                   full_peak_kv_bytes=full.peak_kv_bytes[position],
+                   full_flops=decode_flops(shape, position) * batch, methods={})
+        for lane in lanes:
+            if not lane.bounded:
+                continue
+            t = lane.times[position]
+            top, bottom, event = med(t["top"]), med(t["bottom"]), t["event"][0]
+            amortised = (top + bottom) / 2 + max(event - bottom, 0.0) / volume
+            flops = decode_flops(shape, (args.budget + n_keep) / 2) + selection_flops(args.budget) / volume
+            if lane.predictor is not None:
+                flops += predictor_flops(shape.hidden_size)
+            row["methods"][lane.name] = dict(
+                t_top=top, t_bottom=bottom, t_event=event, t_amortised=amortised,
+                speedup=t_full_l / amortised,
+                top_over_full_B=top / t_full_b,
+                amortised_over_full_B=amortised / t_full_b,
+                event_extra=event - bottom,
+                peak_kv_bytes=lane.peak_kv_bytes[position],
+                kv_ratio=lane.peak_kv_bytes[position] / full.peak_kv_bytes[position],
+                lengths=lane.lengths[position],
+                flops=flops * batch,
+            )
+        if "dynts" in row["methods"] and "window" in row["methods"]:
+            d, w = row["methods"]["dynts"], row["methods"]["window"]
+            row["dynts_vs_window"] = dict(top=d["t_top"] / w["t_top"], amortised=d["t_amortised"] / w["t_amortised"],
+                                          event_extra_ms=1e3 * (d["event_extra"] - w["event_extra"]))
+        rows.append(row)
+    traces = {lane.name: {str(p): lane.times[p] for p in positions} for lane in lanes}
+    return dict(model=model_name, batch=batch, budget=args.budget, local_window=args.local_window,
+                retention=args.retention, prompt_tokens=m, n_keep=n_keep, eviction_volume=volume,
+                steps=args.steps, kv_bytes_per_token=shape.kv_bytes_per_token * batch, rows=rows, traces=traces)
+
+
+# ---------------------------------------------------------------------------------------------- sawtooth
+@torch.no_grad()
+def sawtooth(model, model_name: str, methods: list[str], length: int, args) -> dict:
+    """Every decode step timed from the prompt to ``length`` tokens (the paper's Fig. 5 shape)."""
+    config = model.config.get_text_config()
+    bounds = dynts.Budget(args.budget, args.local_window, args.retention)
+    driver = Driver(model, config.vocab_size, seed=args.seed)
+    prompt = driver.random_ids(1, args.prompt_tokens)
+    lanes = [make_lane(model, "full", None, 1)] + [make_lane(model, name, bounds, 1) for name in methods]
+    for lane in lanes:
+        driver.forward(lane, prompt)
+    for _ in range(length - args.prompt_tokens):
+        for lane in lanes:
+            driver.step(lane, 0, "trace")
+    return {lane.name: dict(seconds=lane.times[0]["trace"], lengths=lane.lengths[0]["trace"],
+                            events=lane.cache.stats.event_steps) for lane in lanes}
+
+
+# ---------------------------------------------------------------------------------------------- output
+def print_run(run: dict) -> None:
+    ms = 1e3
+    print(f"\n== {run['model']}  batch {run['batch']}  B={run['budget']} W_l={run['local_window']} "
+          f"retention={run['retention']} prompt={run['prompt_tokens']}: n_keep={run['n_keep']} K={run['eviction_volume']}")
+    print(f"{'L':>6} {'lane':<13} {'ms/token':>9} {'top':>7} {'bottom':>7} {'event':>7} {'speedup':>7} "
+          f"{'top/tB':>7} {'t/tB':>6} {'peakKV MiB':>10} {'KV ratio':>8} {'GFLOP/tok':>9}")
+    for row in run["rows"]:
+        print(f"{row['position']:>6} {'full':<13} {ms * row['t_full_L']:>9.2f} {'':>7} {'':>7} {'':>7} {'1.00':>7} "
+              f"{row['t_full_L'] / row['t_full_B']:>7.3f} {'':>6} {row['full_peak_kv_bytes'] / 2**20:>10.1f} {'1.000':>8} "
+              f"{row['full_flops'] / 1e9:>9.3f}")
+        print(f"{'':>6} {'full@B':<13} {ms * row['t_full_B']:>9.2f}")
+        for name, r in row["methods"].items():
+            print(f"{'':>6} {name:<13} {ms * r['t_amortised']:>9.2f} {ms * r['t_top']:>7.2f} {ms * r['t_bottom']:>7.2f} "
+                  f"{ms * r['t_event']:>7.2f} {r['speedup']:>7.2f} {r['top_over_full_B']:>7.3f} {r['amortised_over_full_B']:>6.3f} "
+                  f"{r['peak_kv_bytes'] / 2**20:>10.1f} {r['kv_ratio']:>8.3f} {r['flops'] / 1e9:>9.3f}")
+        if "dynts_vs_window" in row:
+            v = row["dynts_vs_window"]
+            print(f"{'':>6} dynts/window: top {v['top']:.3f}, amortised {v['amortised']:.3f}, "
+                  f"event extra {v['event_extra_ms']:+.2f} ms")
+
+
+def plot(results: dict, path: Path) -> None:
+    """One panel per (model, batch): per-token latency vs position; plus the continuous sawtooth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    panels = len(runs) + (1 if results.get("sawtooth") else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        xs = [row["position"] for row in run["rows"]]
+        ax.plot(xs, [1e3 * row["t_full_L"] for row in run["rows"]], "o-", color="black", label="full t(L)")
+        ax.plot(xs, [1e3 * row["t_full_B"] for row in run["rows"]], "x--", color="gray", label="full@B (the bound)")
+        for name in run["rows"][0]["methods"]:
+            ax.plot(xs, [1e3 * row["methods"][name]["t_amortised"] for row in run["rows"]], ".-", lw=1, label=name)
+        ax.set_xlabel("position L (tokens seen)")
+        ax.set_ylabel("ms / token (amortised over a sawtooth cycle)")
+        ax.set_title(f"{run['model']} batch {run['batch']} (B={run['budget']}, K={run['eviction_volume']})", fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    if results.get("sawtooth"):
+        ax = axes[0][-1]
+        saw = results["sawtooth"]
+        for name, trace in saw["lanes"].items():
+            ys = trace["seconds"]
+            window = 9  # running median: the sawtooth without the scheduler's noise
+            smooth = [1e3 * statistics.median(ys[max(0, i - window) : i + 1]) for i in range(len(ys))]
+            ax.plot(range(saw["prompt_tokens"] + 1, saw["prompt_tokens"] + 1 + len(ys)), smooth, lw=1, label=name)
+        ax.set_xlabel("position (tokens seen)")
+        ax.set_ylabel("ms / decode step (running median of 10)")
+        ax.set_title(f"sawtooth: {saw['model']} batch 1, every step timed", fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_json(results: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(results, f, indent=1)
+    os.replace(f.name, path)
+
+
+def default_methods() -> list[str]:
+    """Every registered decode-time method (``fixed`` needs a position set; it is an oracle tool)."""
+    names = []
+    for name in dynts.available_methods():
+        if name == "full":
+            continue
+        try:
+            dynts.make_evictor(name, **method_options(name, 1000))
+        except ValueError:
+            continue
+        names.append(name)
+    return names
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small model only, B=128, positions 128/512/1024")
+    parser.add_argument("--models", nargs="+", default=None, help="smollm2-135m, small (testbed or random Qwen2), a dir")
+    parser.add_argument("--methods", nargs="+", default=None, help="small model (default: every registered method)")
+    parser.add_argument("--large-methods", nargs="+", default=["window", "streamingllm", "dynts"],
+                        help="other models at batch 1 (each lane costs ~1 min of prefill per 16k tokens on SmolLM2)")
+    parser.add_argument("--batch8-methods", nargs="+", default=["window", "dynts"], help="other models at batch 8")
+    parser.add_argument("--positions", type=int, nargs="+", default=None, help="batch 1 (default 1024 4096 8192 16384)")
+    parser.add_argument("--batch8-positions", type=int, nargs="+", default=None, help="batch 8 on SmolLM2 (default 1024 2048)")
+    parser.add_argument("--budget", type=int, default=None, help="B (default 1024; quick 128)")
+    parser.add_argument("--local-window", type=int, default=None, help="W_l (default 128; quick 16)")
+    parser.add_argument("--retention", type=float, default=0.4)
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="M, the question window")
+    parser.add_argument("--steps", type=int, default=None, help="N timed steps per phase (default 16; quick 6)")
+    parser.add_argument("--full-chunk", type=int, default=512, help="prefill chunk of the full cache")
+    parser.add_argument("--sawtooth-length", type=int, default=None, help="continuous trace length (small model)")
+    parser.add_argument("--stat", choices=("median", "min"), default="median",
+                        help="per-phase statistic of step times (min resists a shared machine's noise)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_decode")
+    args = parser.parse_args(argv)
+    q = args.quick
+    args.models = args.models or (["small"] if q else ["smollm2-135m", "small"])
+    args.positions = args.positions or ([128, 512, 1024] if q else [1024, 4096, 8192, 16384])
+    args.batch8_positions = args.batch8_positions or ([128, 512] if q else [1024, 2048])
+    args.budget = args.budget or (128 if q else 1024)
+    args.local_window = args.local_window if args.local_window is not None else (16 if q else 128)
+    args.steps = args.steps or (6 if q else 16)
+    args.sawtooth_length = args.sawtooth_length if args.sawtooth_length is not None else (600 if q else 3000)
+    if q:
+        args.full_chunk = min(args.full_chunk, 128)
+    return args
+
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+
+
+def main(argv=None) -> int:
+    if argv is None and any(k not in os.environ for k in MALLOC_ENV):
+        # glibc reads these at start-up: without them CPU decode churns pages (FACTS: batch-8 70 -> 26 ms/step)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**MALLOC_ENV, **os.environ})
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    methods = args.methods or default_methods()
+    results = dict(
+        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        machine=dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__,
+                     kernels=backend_for(torch.zeros(1)),
+                     malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_")),
+        runs=[],
+    )
+    started = time.perf_counter()
+    for name in args.models:
+        model, label = load_model(name)
+        small = name == "small"
+        for batch in (1, 8):
+            batch_methods = methods if small else (args.large_methods if batch == 1 else args.batch8_methods)
+            positions = args.positions if batch == 1 or small else args.batch8_positions
+            print(f"{label}: batch {batch}, methods {batch_methods}, positions {positions}", flush=True)
+            run = bench_positions(model, label, batch, batch_methods, positions, args)
+            print_run(run)
+            results["runs"].append(run)
+            write_json(results, args.out / "bench_decode.json")
+        if small and args.sawtooth_length:
+            trace_methods = [m for m in ("window", "dynts") if m in methods]
+            print(f"{label}: sawtooth trace to {args.sawtooth_length} tokens ({['full'] + trace_methods})", flush=True)
+            lanes = sawtooth(model, label, trace_methods, args.sawtooth_length, args)
+            results["sawtooth"] = dict(model=label, prompt_tokens=args.prompt_tokens, lanes=lanes)
+            for lane, trace in lanes.items():
+                s = trace["seconds"]
+                print(f"  {lane:<8} first 100 steps {1e3 * statistics.median(s[:100]):.2f} ms, last 100 "
+                      f"{1e3 * statistics.median(s[-100:]):.2f} ms, events at {trace['events'][:6]}")
+        del model
+    results["seconds"] = time.perf_counter() - started
+    write_json(results, args.out / "bench_decode.json")
+    plot(results, args.out / "decode_latency.png")
+    print(f"\nwrote {args.out / 'bench_decode.json'} and {args.out / 'decode_latency.png'} "
+          f"({results['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""Helpers for the predictor-pipeline tests: tiny models saved as local HF directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from data_pipeline.testbed.task import VOCAB
+from data_pipeline.testbed.tokenizer import build_tokenizer
+
+
+def tiny_testbed_lm(directory: Path, seed: int = 0, uniform: bool = True) -> Path:
+    """A tiny random Qwen2 over the testbed vocabulary (75 words), saved with the testbed tokenizer.
+
+    ``uniform``: zero LM head, so sampling is uniform over the top-k words and traces with
+    ``</think>`` and EOS appear quickly.
+    """
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    if uniform:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
+
+
+def write_yaml(path: Path, values: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(values))
+    return path

@@ -1,0 +1,160 @@
+"""The ``dynts eval`` harness on a tiny random model with the testbed tokenizer: every registered
+method runs, cells are written atomically, an interrupted run resumes (between and inside cells)
+and reproduces an uninterrupted one, and results render as CSV/markdown/PNG."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import dynts
+import eval.harness as harness
+from eval.config import EvalConfig
+from eval.harness import plan_cells, run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one thread avoids OpenMP barriers that cost 10x on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_testbed(tmp_path_factory):
+    """A random 2-layer Qwen2 over the testbed vocabulary + an untrained predictor, as directories."""
+    from data_pipeline.testbed.tokenizer import build_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny-testbed")
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    dynts.ImportancePredictor(32).save_pretrained(root / "predictor")
+    return root
+
+
+def config(root, run_dir, **kw):
+    base = dict(
+        model=str(root / "model"), benchmarks=["testbed:n=3"], methods=["full", "window"], budgets=[24],
+        local_windows=[6], k=2, batch_size=2, max_new_tokens=20, run_dir=run_dir, progress=False,
+    )
+    return EvalConfig(**{**base, **kw})
+
+
+def counting(monkeypatch, fail_at: int | None = None) -> list:
+    """Count generate batches; raise on call number ``fail_at`` (simulating a kill)."""
+    calls, real = [], harness._run_batch
+
+    def wrapped(*args, **kwargs):
+        calls.append(args[-1])
+        if fail_at is not None and len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "_run_batch", wrapped)
+    return calls
+
+
+def samples(run_dir) -> dict:
+    return {p.name: p.read_text() for p in sorted((run_dir / "samples").glob("*.jsonl"))}
+
+
+def test_every_registered_method_runs(tiny_testbed, tmp_path):
+    names = [m for m in dynts.available_methods() if m != "fixed"]  # "fixed" needs an explicit kept set
+    cfg = config(tiny_testbed, tmp_path, methods=names, predictor=str(tiny_testbed / "predictor"), k=1,
+                 benchmarks=["testbed:n=2"], max_new_tokens=24)
+    results = run(cfg)
+    assert [r["method"]["name"] for r in results] == names
+    for r in results:
+        assert r["samples"] == 2 and 0.0 <= r["pass@1"] <= 1.0 and r["tokens_per_second"] > 0
+        if r["budget"] is not None:
+            assert r["peak_cache_tokens"] <= 24
+    bounded = [r for r in results if r["budget"] is not None]
+    assert any(r["evictions"] > 0 for r in bounded)
+
+
+def test_resume_between_and_inside_cells(tiny_testbed, tmp_path, monkeypatch):
+    reference = tmp_path / "reference"
+    run(config(tiny_testbed, reference))  # uninterrupted
+    cells = plan_cells(config(tiny_testbed, reference))
+    assert len(cells) == 2 and len(list((reference / "cells").glob("*.json"))) == 2
+
+    resumed = tmp_path / "resumed"
+    # 1) interrupted right after the first cell finished
+    def stop(result):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(config(tiny_testbed, resumed), after_cell=stop)
+    first = resumed / "cells" / f"{cells[0].key}.json"
+    assert first.is_file() and not (resumed / "cells" / f"{cells[1].key}.json").exists()
+    assert "| full |" in (resumed / "results.md").read_text()  # tables rendered after each cell
+    before = first.read_text()
+
+    # 2) rerun, killed during the second batch of the second cell
+    calls = counting(monkeypatch, fail_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        run(config(tiny_testbed, resumed))
+    assert calls == [0, 1]  # the finished cell was skipped; the second cell started at batch 0
+    partial = resumed / "cells" / f"{cells[1].key}.partial.jsonl"
+    assert [json.loads(l)["batch"] for l in partial.read_text().splitlines()] == [0]
+
+    # 3) rerun: only the missing batches run, and everything equals the uninterrupted run
+    calls = counting(monkeypatch)
+    results = run(config(tiny_testbed, resumed))
+    assert calls == [1, 2]
+    assert first.read_text() == before and not partial.exists()
+    assert samples(resumed) == samples(reference)
+    ref = json.loads((reference / "results.json").read_text())
+    for a, b in zip(results, ref):
+        assert {k: v for k, v in a.items() if k not in {"seconds", "tokens_per_second"}} == {
+            k: v for k, v in b.items() if k not in {"seconds", "tokens_per_second"}
+        }
+
+    # 4) a finished run reruns nothing
+    calls = counting(monkeypatch)
+    run(config(tiny_testbed, resumed))
+    assert calls == []
+
+
+def test_outputs_and_metrics(tiny_testbed, tmp_path):
+    results = run(config(tiny_testbed, tmp_path, budgets=[24, 30], retentions=[0.4, 0.8], k=2))
+    assert len(results) == 1 + 2 * 2
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert len(rows) == len(results) and rows[0]["method"] == "full" and rows[0]["budget"] == "-"
+    assert (tmp_path / "results.md").read_text().count("\n") == len(results) + 2
+    assert (tmp_path / "accuracy_vs_budget.png").stat().st_size > 1000
+    assert (tmp_path / "accuracy_vs_retention.png").is_file() and not (tmp_path / "accuracy_vs_local_window.png").exists()
+    for r in results:
+        records = [json.loads(l) for l in (tmp_path / "samples" / f"{r['key']}.jsonl").read_text().splitlines()]
+        assert len(records) == 3 * 2
+        per_question = {}
+        for rec in records:
+            per_question.setdefault(rec["question"], []).append(rec["correct"])
+        assert r["pass@1"] == pytest.approx(sum(sum(v) / 2 for v in per_question.values()) / 3)
+        assert r["mean_generated_tokens"] == pytest.approx(sum(rec["tokens"] for rec in records) / 6)
+        assert r["peak_kv_mib_per_sequence"] > 0
+    full, bounded = results[0], results[1:]
+    assert all(b["peak_cache_tokens"] <= b["budget"] for b in bounded)
+
+
+def test_settings_mismatch_and_infeasible_budget(tiny_testbed, tmp_path, monkeypatch):
+    run(config(tiny_testbed, tmp_path, methods=["full"], k=1))
+    with pytest.raises(ValueError, match=r"other settings \(k\)"):
+        run(config(tiny_testbed, tmp_path, methods=["full"], k=2))
+    calls = counting(monkeypatch)
+    with pytest.raises(ValueError, match=r"budget=16 cannot hold the longest testbed:n=3 prompt \(14 tokens\)"):
+        run(config(tiny_testbed, tmp_path / "small", budgets=[16], k=1))
+    assert calls == []  # nothing was generated

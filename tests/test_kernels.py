@@ -1,0 +1,155 @@
+"""Eviction-event kernels: the torch path is chosen on CPU, and the Triton path (run in Triton's
+interpreter, in a subprocess so that ``TRITON_INTERPRET=1`` is set before ``triton`` is imported)
+returns the same indices bit for bit and the same values as the torch path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dynts
+from dynts.evictors import TokenInfo, keep_top
+from dynts.kernels import BACKEND_ENV, backend_for, compact_, compact_torch_, keep_top_indices, keep_top_torch, triton_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_priorities(g: torch.Generator, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Priorities full of ties, +-inf, NaN and -0.0 (the cases an order must settle), and pads."""
+    p = torch.randint(-3, 3, (b, n), generator=g).float()
+    for value in (float("inf"), float("-inf"), float("nan"), -0.0):
+        p[torch.rand(b, n, generator=g) < 0.1] = value
+    valid = torch.rand(b, n, generator=g) > 0.2
+    return p, valid
+
+
+def test_torch_path_chosen_on_cpu(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert backend_for(torch.zeros(1)) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert backend_for(torch.zeros(1)) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "cuda-please")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        backend_for(torch.zeros(1))
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_forcing_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        backend_for(torch.zeros(1))
+
+
+def test_keep_top_order_ties_to_recent_pads_first():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[1.0, 5.0, 1.0, float("inf"), 1.0, -0.0, 0.0, 2.0]])
+    valid = torch.tensor([[True, True, True, True, True, True, True, False]])
+    # inf(3) > 5(1) > three 1.0 ties -> the two most recent (4, 2); the pad (7) is never preferred
+    assert keep_top_indices(p, valid, 4).tolist() == [[1, 2, 3, 4]]
+    # 0.0 and -0.0 tie: the more recent (6) wins
+    assert keep_top_indices(p, valid, 6).tolist() == [[0, 1, 2, 3, 4, 6]]
+    p, valid = random_priorities(g, 4, 50)
+    info = TokenInfo(
+        positions=torch.arange(50).expand(4, 50), segments=torch.where(valid, 1, 3), token_ids=torch.zeros(4, 50, dtype=torch.long),
+        n_keep=17, local_window=4, question_length=0,
+    )
+    kept = keep_top(p, info)
+    assert torch.equal(kept, keep_top_torch(p, valid, 17))
+    assert kept.shape == (4, 17) and bool((kept.diff(dim=1) > 0).all())
+
+
+def test_compact_torch_moves_kept_slots_to_front():
+    buf = torch.arange(2 * 3 * 10 * 2, dtype=torch.float32).reshape(2, 3, 10, 2)
+    before = buf.clone()
+    kept = torch.tensor([[0, 3, 4, 8], [2, 5, 6, 7]])
+    compact_([buf], kept, 9)
+    for row in range(2):
+        assert torch.equal(buf[row, :, :4], before[row, :, kept[row]])
+    assert torch.equal(buf[:, :, 4:], before[:, :, 4:])  # slots past k are left alone
+
+
+def interpreter_report() -> dict:
+    """Run both paths on tiny random inputs (called in a subprocess with TRITON_INTERPRET=1)."""
+    import triton  # noqa: F401  (imported after TRITON_INTERPRET was set by the parent)
+
+    os.environ[BACKEND_ENV] = "triton"
+    g = torch.Generator().manual_seed(0)
+    report = {"keep_top": [], "compact": []}
+    for n, n_keep in [(9, 1), (33, 12), (40, 40), (64, 30), (70, 69)]:
+        p, valid = random_priorities(g, 3, n)
+        ref, got = keep_top_torch(p, valid, n_keep), keep_top_indices(p, valid, n_keep)
+        report["keep_top"].append({"n": n, "n_keep": n_keep, "equal": torch.equal(ref, got), "ref": ref.tolist(), "got": got.tolist()})
+    for dtype, length, k in [(torch.float32, 17, 9), (torch.bfloat16, 70, 66), (torch.float16, 12, 12)]:
+        buffers = [torch.randn(2, 2, 72, 24, generator=g).to(dtype) for _ in range(3)]
+        buffers.append(torch.randn(2, 2, 72, 8, generator=g).to(dtype))  # a second layout (other head_dim)
+        ref = [t.clone() for t in buffers]
+        kept = torch.stack([torch.randperm(length, generator=g)[:k].sort().values for _ in range(2)])
+        compact_torch_(ref, kept, length)
+        compact_(buffers, kept, length)
+        error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref, buffers))
+        report["compact"].append({"dtype": str(dtype), "length": length, "k": k, "max_abs_error": error})
+    # the fused path inside a real cache: a bounded decode with the Triton kernels equals the torch one
+    from conftest import tiny_model
+    from test_eviction import decode_with_cache
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 128, (2, 6), generator=g)
+    mask = torch.ones_like(ids)
+    predictor = dynts.ImportancePredictor(model.config.hidden_size)
+    runs = {}
+    for backend in ("torch", "triton"):
+        os.environ[BACKEND_ENV] = backend
+        seq, logits, *_ , cache = decode_with_cache(model, ids, mask, "dynts", 16, 24, predictor)
+        runs[backend] = (seq, logits, cache.stats.evictions)
+    report["decode"] = {
+        "tokens_equal": torch.equal(runs["torch"][0], runs["triton"][0]),
+        "logits_max_abs_error": float((runs["torch"][1] - runs["triton"][1]).abs().max()),
+        "evictions": runs["triton"][2],
+    }
+    return report
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_triton_interpreter_matches_torch():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env.pop(BACKEND_ENV, None)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--interpreter-report"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case in report["keep_top"]:
+        assert case["equal"], case
+    for case in report["compact"]:
+        assert case["max_abs_error"] == 0.0, case  # a gather moves values, it never rounds them
+    assert report["decode"]["evictions"] >= 2
+    assert report["decode"]["tokens_equal"], report["decode"]
+    assert report["decode"]["logits_max_abs_error"] == 0.0, report["decode"]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-report"]:
+    torch.set_num_threads(1)
+    print(json.dumps(interpreter_report()))
+
+
+def test_padding_flag_is_tracked_on_the_host(qwen2):
+    """Decode steps decide "no mask needed" from a host flag (no per-step device read on CUDA)."""
+    from conftest import padded_batch
+    from test_eviction import decode_with_cache
+
+    ids, mask = padded_batch([8, 5], seed=7)
+    predictor = dynts.ImportancePredictor(qwen2.config.hidden_size)
+    _, _, _, _, cache = decode_with_cache(qwen2, ids, mask, "window", 16, 2, predictor)
+    assert cache.holds_pads and cache.stats.evictions == 0  # prefill padding is remembered
+    _, _, _, _, cache = decode_with_cache(qwen2, ids, mask, "window", 16, 30, predictor)
+    assert cache.stats.evictions >= 2 and not cache.holds_pads  # evicted first, re-checked once per event
+    unpadded, ones = padded_batch([8, 8], seed=7)
+    _, _, _, _, cache = decode_with_cache(qwen2, unpadded, ones, "window", 16, 30, predictor)
+    assert not cache.holds_pads

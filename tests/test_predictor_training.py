@@ -1,0 +1,256 @@
+"""Predictor training: labels, losses, metrics, cache/recompute, export, resume, DDP, bad input, pipeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torchmetrics import KendallRankCorrCoef
+
+import dynts
+from data_pipeline.importance_data import add_importance
+from data_pipeline.traces import generate_traces
+from pipeline_utils import tiny_testbed_lm, write_yaml
+from trainers.predictor import PredictorModule, export_predictor
+from trainers.predictor_cli import PredictorCLI, check_checkpoint
+from trainers.predictor_data import PredictorDataModule
+from trainers.predictor_metrics import (
+    MeanKendallTau,
+    TopPercentOverlap,
+    importance_loss,
+    normalize_labels,
+    top_mask,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> dict[str, Path]:
+    """A tiny model, its traces and two importance datasets (with / without hidden states)."""
+    root = tmp_path_factory.mktemp("predictor")
+    torch.set_num_threads(1)
+    model_dir = tiny_testbed_lm(root / "model")
+    traces = dict(
+        model=str(model_dir), questions="testbed:ptrain:16", output_dir=str(root / "traces"),
+        samples_per_question=2, max_new_tokens=40, batch_size=8, shard_size=16, grader="any", require_eos=False,
+        progress=False, accelerator="cpu",
+    )
+    generate_traces(traces)
+    add_importance(dict(model=str(model_dir), traces_dir=str(root / "traces/dataset"), output_dir=str(root / "imp")))
+    add_importance(dict(model=str(model_dir), traces_dir=str(root / "traces/dataset"), output_dir=str(root / "imp-nohidden"), save_hidden=False))
+    return {"root": root, "model": model_dir, "traces": traces, "imp": root / "imp/dataset", "imp_nohidden": root / "imp-nohidden/dataset"}
+
+
+def train_config(work, run: Path, **model) -> dict:
+    return {
+        "model": {"global_batch_size": 4, "run_dir": str(run), "export_dir": str(run / "export"), **model},
+        "data": {"dataset": str(work["imp"]), "backbone": str(work["model"]), "micro_batch_size": 2, "val_fraction": 0.25},
+        "trainer": {"accelerator": "cpu", "max_epochs": 2, "logger": False, "enable_progress_bar": False},
+        "ckpt_path": "last",
+    }
+
+
+# ---------------------------------------------------------------- labels, losses, metrics
+
+
+def test_label_transforms_are_monotone_scale_free_and_standardised():
+    s = torch.tensor([1e-4, 3e-3, 0.02, 0.5, 7.0, 40.0, 0.02])
+    for transform in ("mean", "log1p-mean", "log1p-zscore", "rank"):
+        y = normalize_labels(s, transform)
+        order = torch.argsort(s)
+        assert torch.all(y[order][1:] >= y[order][:-1]), transform  # monotone: ranks preserved
+        assert torch.allclose(normalize_labels(s * 1000, transform), y, atol=1e-5), transform  # per-trace scale-free
+    z = normalize_labels(s, "log1p-zscore")
+    assert abs(z.mean().item()) < 1e-6 and abs(z.std(unbiased=False).item() - 1) < 1e-5
+    assert torch.allclose(normalize_labels(s, "mean").mean(), torch.tensor(1.0))
+    r = normalize_labels(s, "rank")
+    assert r.min() == 0 and r.max() == 1 and r[2] == r[6]  # ties share their rank
+    assert torch.equal(normalize_labels(s, "none"), s)
+    with pytest.raises(ValueError, match="label_transform"):
+        normalize_labels(s, "log")
+    with pytest.raises(ValueError, match=">= 0"):
+        normalize_labels(-s, "mean")
+
+
+def test_kendall_metric_equals_torchmetrics_per_trace():
+    g = torch.Generator().manual_seed(0)
+    preds, target = torch.randn(3, 50, generator=g), torch.rand(3, 50, generator=g)
+    target[:, :10] = 0.0  # ties
+    mask = torch.ones(3, 50, dtype=torch.bool)
+    mask[1, 30:] = False
+    metric = MeanKendallTau()
+    metric.update(preds, target, mask)
+    expected = torch.stack([KendallRankCorrCoef(variant="b")(preds[i][mask[i]], target[i][mask[i]]) for i in range(3)]).mean()
+    assert abs(metric.compute().item() - expected.item()) < 1e-5
+
+
+def test_top_percent_overlap():
+    target = torch.tensor([[10.0, 9, 8, 1, 2, 3, 4, 5, 6, 7]])
+    mask = torch.ones_like(target, dtype=torch.bool)
+    metric = TopPercentOverlap(30)
+    metric.update(target.clone(), target, mask)
+    assert metric.compute().item() == 1.0
+    metric = TopPercentOverlap(30)
+    metric.update(torch.tensor([[10.0, 9, 0, 8, 1, 1, 1, 1, 1, 1]]), target, mask)  # 2 of the top 3
+    assert abs(metric.compute().item() - 2 / 3) < 1e-6
+    assert top_mask(target, mask, 30).sum() == 3
+
+
+def test_losses():
+    labels = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    preds = torch.zeros(1, 4, requires_grad=True)
+    assert abs(importance_loss(preds, labels, mask, "mse").item() - 5 / 3) < 1e-6
+    weighted = importance_loss(preds, labels, mask, "weighted_mse", top_percent=30, top_weight=4.0)
+    assert abs(weighted.item() - (0 + 1 + 5 * 4) / 7) < 1e-6  # the top token (label 2) weighs 5
+    good = importance_loss(torch.tensor([[0.0, 1, 2, 0]]), labels, mask, "kendall", generator=torch.Generator().manual_seed(0))
+    bad = importance_loss(torch.tensor([[2.0, 1, 0, 0]]), labels, mask, "kendall", generator=torch.Generator().manual_seed(0))
+    assert good < bad
+    importance_loss(preds, labels, mask, "mse", pairwise_weight=0.5).backward()
+    assert preds.grad is not None and preds.grad[0, 3] == 0
+    with pytest.raises(ValueError, match="loss"):
+        importance_loss(preds, labels, mask, "l1")
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_recompute_and_built_cache_match_stored_hidden_states(work, tmp_path):
+    stored = PredictorDataModule(str(work["imp"]), str(work["model"]), micro_batch_size=3)
+    stored.setup("fit")
+    built = PredictorDataModule(str(work["imp_nohidden"]), str(work["model"]), micro_batch_size=3, cache_dir=str(tmp_path / "cache"))
+    built.prepare_data()
+    built.setup("fit")
+    recompute = PredictorDataModule(str(work["imp_nohidden"]), str(work["model"]), hidden_states="recompute", micro_batch_size=3)
+    recompute.setup("fit")
+    assert stored.hidden_size == built.hidden_size == recompute.hidden_size == 32
+    assert stored.val_questions == recompute.val_questions and stored.val_questions
+    a, b, c = (next(iter(dm.train_dataloader())) for dm in (stored, built, recompute))
+    assert torch.equal(a["mask"], c["mask"]) and torch.equal(a["labels"], c["labels"])
+    torch.testing.assert_close(a["hidden"], b["hidden"])
+    module = PredictorModule(hidden_size=32)
+    module._frozen = [recompute.backbone]
+    torch.testing.assert_close(module._hidden(c) * c["mask"][..., None], a["hidden"], atol=2e-3, rtol=2e-3)  # fp16 cache
+
+
+def test_empty_dataset_and_hidden_size_mismatch(work, tmp_path):
+    empty_traces = dict(work["traces"], output_dir=str(tmp_path / "traces"), grader="testbed", require_eos=True, questions="testbed:e:2")
+    generate_traces(empty_traces)
+    add_importance(dict(model=str(work["model"]), traces_dir=str(tmp_path / "traces/dataset"), output_dir=str(tmp_path / "imp")))
+    dm = PredictorDataModule(str(tmp_path / "imp/dataset"), str(work["model"]))
+    with pytest.raises(ValueError, match="empty"):
+        dm.setup("fit")
+    with pytest.raises(ValueError, match="not a datasets directory"):
+        PredictorDataModule(str(tmp_path / "nowhere"), str(work["model"])).setup("fit")
+    module = PredictorModule(hidden_size=64)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match="hidden size mismatch"):
+        trainer.fit(module, datamodule=PredictorDataModule(str(work["imp"]), str(work["model"])))
+
+
+# ---------------------------------------------------------------- training, export, resume
+
+
+def test_fit_exports_a_predictor_that_generate_loads(work, tmp_path):
+    run = tmp_path / "run"
+    config = write_yaml(tmp_path / "train.yaml", train_config(work, run, loss="weighted_mse", pairwise_weight=0.1))
+    PredictorCLI(args=["fit", "--config", str(config)])
+    metrics = json.loads((run / "done.json").read_text())
+    assert {"val/kendall", "val/overlap", "val/mse"} <= set(metrics)
+    assert -1 <= metrics["val/kendall"] <= 1 and 0 <= metrics["val/overlap"] <= 1
+    exported = run / "export"
+    predictor = dynts.ImportancePredictor.from_pretrained(exported)
+    assert predictor.config.hidden_size == 32 and predictor.config.label_transform == "log1p-zscore"
+    assert predictor.config.extra["metrics"]["val/kendall"] == metrics["val/kendall"]
+    assert (run / "ckpt" / "last.ckpt").is_file()
+    model, tok = dynts.load(str(work["model"]))
+    ids = torch.tensor([[2, 9, 21, 10, 14, 11, 19, 12, 20, 13, 17, 7, 28, 4]])
+    result = dynts.generate(model, input_ids=ids, method="dynts", predictor=str(exported), budget=24, local_window=4,
+                            max_new_tokens=30, pad_token_id=0)
+    assert result.stats["evictions"] > 0 and result.stats["peak_cache_tokens"] <= 24
+
+    # resume: a second fit with more epochs continues from last.ckpt instead of restarting
+    state = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
+    steps = state["global_step"]
+    (run / "done.json").unlink()
+    PredictorCLI(args=["fit", "--config", str(config), "--trainer.max_epochs=3"])
+    state = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
+    assert state["global_step"] == steps + steps // 2  # one more epoch, not three from scratch
+
+
+def test_corrupted_checkpoint_and_predictor_files(work, tmp_path):
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "ckpt" / "last.ckpt").write_bytes(b"PK\x03\x04 truncated by a kill")
+    config = write_yaml(tmp_path / "train.yaml", train_config(work, run))
+    with pytest.raises(ValueError, match="corrupted"):
+        PredictorCLI(args=["fit", "--config", str(config)])
+    with pytest.raises(ValueError, match="corrupted"):
+        check_checkpoint(run / "ckpt" / "last.ckpt")
+    good = tmp_path / "good"
+    dynts.ImportancePredictor(32).save_pretrained(good)
+    data = (good / "predictor.safetensors").read_bytes()
+    (good / "predictor.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupted"):
+        export_predictor(good, tmp_path / "export")
+    with pytest.raises(ValueError, match="corrupted"):
+        dynts.generate(dynts.load(str(work["model"]))[0], input_ids=torch.tensor([[2, 9, 4]]), method="dynts",
+                       predictor=str(good), budget=16, local_window=4, max_new_tokens=2)
+
+
+def test_ddp_two_cpu_processes(work, tmp_path):
+    run = tmp_path / "run"
+    cfg = train_config(work, run)
+    cfg["trainer"].update(max_epochs=1, max_steps=2)
+    config = write_yaml(tmp_path / "train.yaml", cfg)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "dynts.cli", "train-predictor", "fit", "--config", str(config),
+         "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.accelerator=cpu"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out.stderr
+    state = torch.load(run / "ckpt" / "last.ckpt", weights_only=True)
+    assert state["global_step"] >= 1
+    assert (run / "export" / "predictor.safetensors").is_file()
+
+
+def test_pipeline_runs_every_stage_then_skips_them(work, tmp_path):
+    from trainers.pipeline import run_pipeline
+
+    shutil.copytree(work["root"] / "traces", tmp_path / "traces")  # the traces stage is already done
+    run = tmp_path / "run"
+    cfg = train_config(work, run)
+    cfg["data"]["dataset"] = str(tmp_path / "imp/dataset")
+    cfg["trainer"]["max_epochs"] = 1
+    train_yaml = write_yaml(tmp_path / "train.yaml", cfg)
+    pipeline = {
+        "traces": dict(work["traces"], output_dir=str(tmp_path / "traces")),
+        "importance": {"output_dir": str(tmp_path / "imp"), "save_hidden": False},
+        "train": {"config": str(train_yaml), "args": ["--data.hidden_states=recompute"]},
+        "export_dir": str(tmp_path / "exported"),
+    }
+    summary = run_pipeline(pipeline)
+    assert summary["traces"]["records"] > 0 and summary["importance"]["records"] == summary["traces"]["records"]
+    assert "val/kendall" in summary["train"] and (tmp_path / "exported" / "predictor.safetensors").is_file()
+    again = run_pipeline(pipeline)
+    assert again["train"]["skipped"] and again["export"]["skipped"]
+    with pytest.raises(ValueError, match="train.config"):
+        run_pipeline({"traces": pipeline["traces"]})

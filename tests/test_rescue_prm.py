@@ -1,0 +1,147 @@
+"""PRM scoring: the Qwen2.5-Math-PRM recipe on a tiny random token classifier with the same
+interface, a raw token-classification PRM (the testbed's), callables, and loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dynts.rescue import CallablePRM, QwenMathPRM, StepRequest, TokenClassificationPRM, load_prm
+from rescue_tiny import DELIMITER_ID, tiny_prm, word_tokenizer, one_thread  # noqa: F401
+
+QWEN_SPECIALS = ("<extra_0>", "<|im_start|>", "<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def qwen_like():
+    tok = word_tokenizer(extra=QWEN_SPECIALS)
+    return tiny_prm(vocab_size=len(tok)), tok
+
+
+def request(tok, steps, candidate, question="w9 w10 w11"):
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return StepRequest(question, ids("<bos> " + question), [ids(s) for s in steps], ids(candidate), tok)
+
+
+def test_qwen_recipe_matches_model_card(qwen_like):
+    model, tok = qwen_like
+    prm = QwenMathPRM(model, tok, step_delimiter=";")
+    steps = ["w5 w6 ;", "w7 w8 w9 ;"]
+    # the model card: system + user + "<extra_0>".join(steps) + "<extra_0>" through the chat template,
+    # softmax over the 2 labels, positive probability at each separator
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": prm.system}, {"role": "user", "content": "w9 w10 w11"},
+         {"role": "assistant", "content": "w5 w6<extra_0>w7 w8 w9<extra_0>"}], tokenize=False)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    sep = tok.convert_tokens_to_ids("<extra_0>")
+    with torch.no_grad():
+        probs = model(input_ids=ids).logits.softmax(-1)[0]
+    card = probs[ids[0] == sep, 1].tolist()
+    assert len(card) == 2
+    assert prm.step_rewards("w9 w10 w11", steps) == pytest.approx(card, abs=1e-6)
+    scores = prm.score([request(tok, steps[:1], steps[1]), request(tok, [], steps[0])])
+    assert scores == pytest.approx([card[1], card[0]], abs=1e-5)  # batched, padded, reordered
+
+
+def test_qwen_recipe_needs_a_one_token_separator(qwen_like):
+    model, tok = qwen_like
+    with pytest.raises(ValueError, match="separator"):
+        QwenMathPRM(model, tok, separator="w5 w6")
+
+
+def test_token_classification_prm_scores_at_the_separator():
+    tok = word_tokenizer()
+    model = tiny_prm()
+    prm = TokenClassificationPRM(model, tok, separator=";")
+    req = request(tok, ["w5 w6 ;"], "w7 w8 ;")
+    row = req.prompt_ids + req.steps[0] + req.candidate
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([row])).logits.softmax(-1)[0, -1, 1].item()
+    assert prm.score([req]) == pytest.approx([expected], abs=1e-6)
+    # a candidate that ends with EOS (or at the token cap) is scored at an appended separator
+    eos_req = request(tok, ["w5 w6 ;"], "w7 w8 <eos>")
+    assert prm.encode(eos_req) == row
+    assert prm.score([eos_req, req]) == pytest.approx([expected, expected], abs=1e-5)
+    # a PRM with another vocabulary re-tokenises the decoded trajectory
+    other = word_tokenizer(extra=("<extra_0>",))
+    text_prm = TokenClassificationPRM(tiny_prm(vocab_size=len(other)), other, separator=";")
+    assert not text_prm._shares_vocab(tok) and text_prm.encode(req) == row
+
+
+def test_callable_prm_gets_question_and_steps():
+    tok = word_tokenizer()
+    seen = []
+
+    def fn(question, steps):
+        seen.append((question, steps))
+        return len(steps[-1])
+
+    scores = CallablePRM(fn).score([request(tok, ["w5 w6 ;"], "w7 w8 w9 ;")])
+    assert scores == [len("w7 w8 w9 ;")]
+    assert seen == [("w9 w10 w11", ["w5 w6 ;", "w7 w8 w9 ;"])]
+
+
+def test_load_prm_from_directory(tmp_path, qwen_like):
+    model, tok = qwen_like
+    model.save_pretrained(tmp_path / "prm")
+    tok.save_pretrained(tmp_path / "prm")
+    loaded = load_prm(str(tmp_path / "prm"), step_delimiter=";")
+    assert isinstance(loaded, QwenMathPRM)  # <extra_0> in the vocabulary picks the Qwen recipe
+    req = request(tok, ["w5 w6 ;"], "w7 w8 ;")
+    assert loaded.score([req]) == pytest.approx(QwenMathPRM(model, tok, step_delimiter=";").score([req]), abs=1e-6)
+    assert isinstance(load_prm(str(tmp_path / "prm"), kind="token"), TokenClassificationPRM)
+
+
+def test_remote_code_prm_needs_explicit_trust(tmp_path):
+    d = tmp_path / "remote"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForProcessRewardModel"], "model_type": "qwen2",
+        "auto_map": {"AutoModel": "modeling_qwen2_rm.Qwen2ForProcessRewardModel"},
+    }))
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        load_prm(str(d))
+
+
+def test_load_prm_bad_input(tmp_path):
+    tok = word_tokenizer()
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_prm(tiny_prm())
+    with pytest.raises(ValueError, match="kind"):
+        load_prm((tiny_prm(), tok), kind="orm")
+    with pytest.raises(ValueError, match="not 'testbed-prm' nor a local directory"):
+        load_prm(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="must be a StepScorer"):
+        load_prm(42)
+    assert isinstance(load_prm(lambda q, s: 0.5), CallablePRM)
+    assert DELIMITER_ID == tok.convert_tokens_to_ids(";")
+
+
+def test_prefix_reuse_matches_full_forwards_step_after_step():
+    tok = word_tokenizer()
+    model = tiny_prm()
+    reused = TokenClassificationPRM(model, tok)
+    full = TokenClassificationPRM(model, tok, reuse_prefix=False)
+    steps: list[str] = []
+    candidates = ["w5 w6 ;", "w7 w8 w9 ;", "w10 <eos>"]
+    for t in range(4):
+        reqs = [request(tok, steps, c) for c in candidates] + [request(tok, steps[:1], "w11 ;", question="w3 w4")]
+        assert reused.score(reqs) == pytest.approx(full.score(reqs), abs=1e-5)
+        steps.append(candidates[t % 2])
+    assert reused.prefix.verified is True
+    # the committed context is encoded incrementally, not once per candidate and step
+    context = len(request(tok, steps, "w5").prompt_ids) + sum(len(s.split()) for s in steps)
+    assert reused.prefix.prefix_tokens < 2 * context + 10
+
+
+def test_prefix_reuse_switches_off_for_bidirectional_prms():
+    tok = word_tokenizer()
+    model = tiny_prm()
+    model.config.is_causal = False  # a bidirectional encoder: future tokens change earlier scores
+    prm = TokenClassificationPRM(model, tok)
+    reqs = [request(tok, ["w5 w6 ;"], c) for c in ("w7 w8 ;", "w9 ;")]
+    scores = prm.score(reqs)
+    assert prm.prefix.verified is False
+    assert scores == pytest.approx(TokenClassificationPRM(model, tok, reuse_prefix=False).score(reqs), abs=1e-6)

@@ -1,0 +1,89 @@
+"""Ragged rows: forks of different problems decoded in one batch evict and attend exactly as each
+would alone in a plain batch-1 BoundedCache, and never touch the state they were forked from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynts
+from dynts.rescue import RaggedCache
+from dynts.rescue.engine import Policy
+from conftest import tiny_model
+from rescue_tiny import one_thread  # noqa: F401
+
+BUDGET, WINDOW = 14, 3
+
+
+def plain_logits(model, method, predictor, tokens: list[int], prompt_len: int) -> list[torch.Tensor]:
+    """Logits after each token past the prompt, decoding one token at a time in a plain cache."""
+    cache = dynts.build_cache(model, dynts.make_evictor(method), dynts.Budget(BUDGET, WINDOW, 0.4))
+    out = []
+    with torch.no_grad(), dynts.attach(model, cache, predictor):
+        out.append(model(input_ids=torch.tensor([tokens[:prompt_len]]), cache=cache).logits[0, -1])
+        for t in tokens[prompt_len:]:
+            out.append(model(input_ids=torch.tensor([[t]]), cache=cache).logits[0, -1])
+    return out
+
+
+def snapshot(cache: RaggedCache) -> list[torch.Tensor]:
+    n = cache.length
+    tensors = [cache.positions[:, :n], cache.segments[:, :n], cache.token_ids[:, :n], cache.scores[:, :n], cache.row_seen]
+    tensors += [t[:, :, :n] for layer in cache.layers for t in (layer.keys, layer.values)]
+    return [t.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("method", ["window", "dynts", "streamingllm"])
+def test_ragged_forks_match_plain_decoding(method):
+    model = tiny_model("qwen2")
+    predictor = dynts.ImportancePredictor(model.config.hidden_size)
+    policy = Policy(model, method, dynts.Budget(BUDGET, WINDOW, 0.4), predictor=predictor)
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(4, 128, (n,), generator=g).tolist()  # noqa: E731
+    # two committed problems of different lengths (A has evicted already, B not yet)
+    prompts, histories = [rand(5), rand(3)], [rand(15), rand(4)]
+    committed = []
+    for prompt, history in zip(prompts, histories):
+        state = policy.prefill(prompt)
+        for t in history:
+            state = policy.append([state], [[t]])[0]
+        committed.append(state)
+    assert committed[0].cache.row_evictions.item() >= 1 and committed[1].cache.row_evictions.item() == 0
+    before = [snapshot(s.cache) for s in committed]
+
+    cache, logits = policy.fork(committed, 2)  # rows: A, A, B, B
+    steps = 12
+    continuations = [rand(steps), rand(steps), rand(3), rand(steps)]  # row 2 finishes early and rides along padded
+    got = [[logits[r]] for r in range(4)]
+    for k in range(steps):
+        valid = torch.tensor([[k < len(c)] for c in continuations])
+        ids = torch.tensor([[c[k] if k < len(c) else 0] for c in continuations])
+        out = policy.forward(cache, ids, valid)
+        for r in range(4):
+            if valid[r, 0]:
+                got[r].append(out[r])
+    evictions = cache.row_evictions.tolist()  # each row evicts on its own schedule (counts include history)
+    assert evictions[3] >= 1 and evictions[2] == 0 and evictions[0] > committed[0].cache.row_evictions.item()
+    assert cache.real_counts().max() <= BUDGET
+
+    for r, (owner, cont) in enumerate(zip([0, 0, 1, 1], continuations)):
+        tokens = prompts[owner] + histories[owner] + cont
+        expected = plain_logits(model, method, predictor, tokens, len(prompts[owner]))[len(histories[owner]):]
+        assert len(got[r]) == len(expected)
+        torch.testing.assert_close(torch.stack(got[r]), torch.stack(expected), atol=1e-5, rtol=1e-5)
+    for state, snap in zip(committed, before):  # the forked-from states are untouched
+        for a, b in zip(snapshot(state.cache), snap):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_stack_validates_rows():
+    model = tiny_model("qwen2")
+    policy = Policy(model, "window", dynts.Budget(BUDGET, WINDOW, 0.4))
+    state = policy.prefill([5, 6, 7])
+    with pytest.raises(ValueError, match="out of range"):
+        RaggedCache.stack([(state.cache, [1])])
+    with pytest.raises(ValueError, match="at least one row"):
+        RaggedCache.stack([(state.cache, [])])
+    other = Policy(model, "streamingllm", dynts.Budget(BUDGET, WINDOW, 0.4)).prefill([5, 6, 7])
+    with pytest.raises(ValueError, match="share one evictor"):
+        RaggedCache.stack([(state.cache, [0]), (other.cache, [0])])

@@ -1,0 +1,87 @@
+"""``dynts testbed {train,sample,report}``: train, try and measure the embedded testbed models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dynts testbed", description="the embedded testbed: a toy LRM, its helper and a PRM")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train one checkpoint from a YAML config (resumable)")
+    train.add_argument("--config", required=True, help="e.g. configs/testbed/lrm.yaml")
+    train.add_argument("--resume", action="store_true", help="continue from the run's last Lightning checkpoint")
+    train.add_argument("--progress", action="store_true", help="show a progress bar")
+    sample = sub.add_parser("sample", help="print a generated problem and the model's trace")
+    sample.add_argument("--seed", type=int, default=0, help="problem seed")
+    sample.add_argument("--model", default="testbed", help="testbed, testbed-helper or a local HF directory")
+    sample.add_argument("--method", default="full", help="eviction method (e.g. full, window, testbed-oracle)")
+    sample.add_argument("--budget", type=int, default=None)
+    sample.add_argument("--local-window", type=int, default=64)
+    sample.add_argument("--min-think", type=int, default=150)
+    sample.add_argument("--max-think", type=int, default=900)
+    report = sub.add_parser("report", help="compute the testbed's numbers; write reports/testbed.json")
+    report.add_argument("--n", type=int, default=200, help="fresh problems per policy")
+    report.add_argument("--budget", type=int, default=None, help="eviction budget (default: a quarter of the mean trace)")
+    report.add_argument("--local-window", type=int, default=64)
+    report.add_argument("--out", default="reports/testbed.json")
+    report.add_argument("--seed", type=int, default=0)
+    report.add_argument("--prm-only", action="store_true", help="recompute only the PRM numbers of an existing report")
+    report.add_argument("--eviction-only", action="store_true", help="recompute only the eviction numbers of an existing report")
+    report.add_argument("--min-think", type=int, default=300, help="second eviction run: ban </think> for this many tokens")
+    return parser
+
+
+def _sample(args: argparse.Namespace) -> int:
+    import torch
+
+    import data_pipeline.testbed.oracle  # noqa: F401  (registers "testbed-oracle")
+    from data_pipeline.testbed import task
+    from dynts import generate
+    from trainers.testbed_eval import SAMPLING, load_testbed
+
+    problem = task.make_problem(args.seed, min_think=args.min_think, max_think=args.max_think)
+    model, tokenizer = load_testbed(args.model)
+    torch.manual_seed(args.seed)
+    kw = {} if args.method == "full" else {"budget": args.budget or 128, "local_window": args.local_window}
+    options = {"keep_question": True} if args.method == "window" else None
+    out = generate(model, tokenizer, [[{"role": "user", "content": problem.question}]], method=args.method,
+                   method_options=options, max_new_tokens=args.max_think + 200, **kw, **SAMPLING)
+    text = out.texts[0]
+    print(f"question:  {problem.question}")
+    print(f"reference: {problem.thinking_length} thinking tokens, answer r{problem.asked}= {problem.answer}")
+    print(f"trace ({len(task.thinking_words(text))} thinking tokens, method {args.method}):\n{text}")
+    print(f"parsed answer: {task.parse_answer(text)}  correct: {task.check_answer(problem, text)}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = _parser().parse_args(argv)
+    if args.command == "train":
+        from trainers.testbed import train
+
+        train(args.config, resume=args.resume, progress=args.progress)
+        return 0
+    if args.command == "sample":
+        return _sample(args)
+    from trainers.testbed_report import report, table, update_eviction, update_prm
+
+    if args.prm_only:
+        result = update_prm(args.out, n=args.n)
+    elif args.eviction_only:
+        result = update_eviction(args.out, min_think=args.min_think)
+    else:
+        result = report(n=args.n, budget=args.budget, local_window=args.local_window, out=args.out, seed=args.seed,
+                        min_think=args.min_think)
+    print(table(result))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

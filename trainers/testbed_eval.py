@@ -1,0 +1,100 @@
+"""Full-cache generation checks for testbed models (plain HF ``generate``, no eviction)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Sequence
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from data_pipeline.testbed import task
+
+SAMPLING: dict[str, Any] = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+CHECKPOINTS = {"testbed": "testbed-lrm", "testbed-helper": "testbed-helper", "testbed-prm": "testbed-prm"}
+
+
+class BanUntil:
+    """Logits processor: forbid ``token_id`` for the first ``n`` generated tokens (e.g. ``</think>``:
+    the tiny LRM may stop thinking before it wrote the asked step, more so under eviction)."""
+
+    def __init__(self, token_id: int, n: int, prompt_length: int) -> None:
+        self.token_id, self.n, self.prompt_length = token_id, n, prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] - self.prompt_length < self.n:
+            scores[:, self.token_id] = float("-inf")
+        return scores
+
+
+def load_testbed(name: str, **kwargs: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``dynts.models.load(name)`` with the word-level tokenizer loaded by its own class.
+
+    transformers 5 maps every ``model_type: qwen2`` directory to ``Qwen2Tokenizer`` in
+    ``AutoTokenizer`` (a byte-level BPE that silently mangles a word-level vocabulary), so the
+    tokenizer is read with ``PreTrainedTokenizerFast.from_pretrained`` instead.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from dynts.models import checkpoints_dir, load
+
+    model, _ = load(name, **kwargs)
+    path = checkpoints_dir() / CHECKPOINTS[name] if name in CHECKPOINTS else name
+    return model, PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+
+
+@torch.no_grad()
+def generate_texts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: Sequence[task.Problem],
+    max_new_tokens: int = 1100,
+    batch_size: int = 50,
+    seed: int = 0,
+    sampling: dict[str, Any] | None = None,
+) -> list[str]:
+    """Generated continuations (after ``<think>``) for each problem's prompt, full cache."""
+    model.eval()
+    torch.manual_seed(seed)
+    out: list[str] = []
+    for i in range(0, len(problems), batch_size):
+        prompts = [p.prompt for p in problems[i : i + batch_size]]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True)
+        seqs = model.generate(**enc, max_new_tokens=max_new_tokens, **(sampling if sampling is not None else SAMPLING))
+        out += tokenizer.batch_decode(seqs[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return out
+
+
+def written_value(problem: task.Problem, text: str) -> int | None:
+    """The value the trace itself wrote after the asked key (first occurrence), if any."""
+    for *_rest, key, v in task.parse_steps(text):
+        if key == problem.asked:
+            return v
+    return None
+
+
+def score(problems: Sequence[task.Problem], texts: Sequence[str]) -> dict[str, float]:
+    """Accuracy, parse rate, mean thinking length and where errors come from.
+
+    ``retrieval``: the answer equals the value the trace wrote for the asked key (the long-range
+    lookup), among parsed answers; ``operand_copy``: step operands equal the question's values;
+    ``step_arithmetic``: ``xv op yv == v`` as written.
+    """
+    correct = [task.check_answer(p, t) for p, t in zip(problems, texts)]
+    answers = [task.parse_answer(t) for t in texts]
+    lengths = [len(task.thinking_words(t)) for t in texts]
+    retrieved = [a is not None and a[1] == written_value(p, t) for p, t, a in zip(problems, texts, answers)]
+    steps = [(p, s) for p, t in zip(problems, texts) for s in task.parse_steps(t)]
+    arith = [task.OPS[op](xv, yv) == v for _p, (_x, xv, op, _y, yv, _k, v) in steps]  # type: ignore[operator]
+    copied = [p.operands[task.VARIABLES.index(x)] == xv and p.operands[task.VARIABLES.index(y)] == yv
+              for p, (x, xv, _op, y, yv, _k, _v) in steps]
+    n_parsed = sum(a is not None for a in answers)
+    return {
+        "n": len(texts),
+        "accuracy": sum(correct) / len(texts),
+        "parse_rate": n_parsed / len(texts),
+        "mean_thinking_tokens": statistics.mean(lengths),
+        "retrieval": sum(retrieved) / max(1, n_parsed),
+        "operand_copy": sum(copied) / max(1, len(copied)),
+        "step_arithmetic": sum(arith) / max(1, len(arith)),
+    }

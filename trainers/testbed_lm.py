@@ -1,0 +1,270 @@
+"""Training the testbed reasoning model (and its weaker helper) from scratch on generated traces.
+
+Recipe (``/work/shared/FACTS.md``, attempt 2): a tiny ``Qwen2ForCausalLM``, weighted next-token
+loss (answer value 10, step values 3, operand values 2, answer key 2, structure 1, filler 0.5),
+10% pure retrieval drills, short traces first, then long ones; piecewise-cosine learning rate over
+stages. Batches are a pure function of ``(seed, global_step)``, so a resumed run continues the
+same stream.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from data_pipeline.testbed import task
+from data_pipeline.testbed.tokenizer import build_tokenizer
+
+TOKEN_ID = {t: i for i, t in enumerate(task.VOCAB)}
+ROLE_NAMES = ("prompt", "filler", "structure", "operand", "step_value", "answer_key", "answer_value")
+
+
+@dataclass
+class DataConfig:
+    min_think: int = 150
+    max_think: int = 900
+    short_min: int = 30
+    short_max: int = 120
+    short_batch: int = 32
+    long_batch: int = 16
+    length_spread: int = 60
+    drill_frac: float = 0.1
+    short_steps: int = 200
+    val_size: int = 64
+    early_prob: float = 0.8  # how often the asked key is r1-r3 (training data only)
+
+
+@dataclass
+class Stage:
+    steps: int
+    lr: float
+    lr_end: float
+    long_frac: float
+    early_prob: float | None = None  # overrides data.early_prob during this stage
+    drill_frac: float | None = None  # overrides data.drill_frac during this stage
+
+
+@dataclass
+class LMConfig:
+    name: str = "testbed-lrm"
+    seed: int = 0
+    run_dir: str = "runs/testbed-lrm"
+    export_dir: str = "checkpoints/testbed-lrm"
+    model: dict[str, Any] = field(default_factory=dict)
+    data: DataConfig = field(default_factory=DataConfig)
+    stages: list[Stage] = field(default_factory=list)
+    warmup: int = 50
+    weight_decay: float = 0.05
+    loss_weights: dict[str, float] = field(default_factory=dict)
+    val_every: int = 200
+    ckpt_every: int = 50
+    gate_size: int = 100
+    gate_max_new_tokens: int = 1100
+    precision: str = "32-true"
+    threads: int = 1
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LMConfig":
+        d = dict(d)
+        d.pop("kind", None)
+        d["data"] = DataConfig(**d.get("data", {}))
+        d["stages"] = [Stage(**s) for s in d.get("stages", [])]
+        return cls(**d)
+
+    @property
+    def max_steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+
+def build_model(model_cfg: dict[str, Any]) -> Qwen2ForCausalLM:
+    cfg = dict(
+        vocab_size=len(task.VOCAB),
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=512,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=TOKEN_ID[task.BOS],
+        eos_token_id=TOKEN_ID[task.EOS],
+        pad_token_id=TOKEN_ID[task.PAD],
+    )
+    cfg.update(model_cfg)
+    config = Qwen2Config(**cfg)
+    config._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(config)
+
+
+def collate(rows: list[tuple[list[str], list[int]]], weights: dict[int, float]) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids`` plus per-target loss weights (``weight[t]`` weighs token t+1)."""
+    T = max(len(t) for t, _ in rows)
+    ids = torch.full((len(rows), T), TOKEN_ID[task.PAD], dtype=torch.long)
+    w = torch.zeros(len(rows), T)
+    target_roles = torch.full((len(rows), T), -1, dtype=torch.long)
+    probe = torch.full((len(rows),), -1, dtype=torch.long)
+    for b, (toks, roles) in enumerate(rows):
+        ids[b, : len(toks)] = torch.tensor([TOKEN_ID[t] for t in toks])
+        w[b, : len(toks) - 1] = torch.tensor([weights.get(r, 0.0) for r in roles[1:]])
+        target_roles[b, : len(toks) - 1] = torch.tensor(roles[1:])
+        probe[b] = len(roles) - 3  # the answer key; its target is the answer value
+    return {"input_ids": ids, "weights": w, "probe_pos": probe, "target_roles": target_roles}
+
+
+def role_weights(named: dict[str, float]) -> dict[int, float]:
+    defaults = {"filler": 0.5, "structure": 1.0, "operand": 2.0, "step_value": 3.0, "answer_key": 2.0, "answer_value": 10.0}
+    defaults.update(named)
+    return {ROLE_NAMES.index(k): v for k, v in defaults.items()}
+
+
+class TraceStream(IterableDataset):
+    """Infinite stream of whole batches; batch ``s`` depends only on ``(seed, s)``."""
+
+    def __init__(self, cfg: LMConfig, start_step: int) -> None:
+        self.cfg, self.start_step = cfg, start_step
+        self.weights = role_weights(cfg.loss_weights)
+
+    def stage(self, step: int) -> Stage:
+        for stage in self.cfg.stages:
+            if step < stage.steps:
+                return stage
+            step -= stage.steps
+        return self.cfg.stages[-1]
+
+    def long_frac(self, step: int) -> float:
+        return 0.0 if step < self.cfg.data.short_steps else self.stage(step).long_frac
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        d, seed = self.cfg.data, self.cfg.seed
+        rng = random.Random(f"batch:{seed}:{step}")
+        if rng.random() < self.long_frac(step):
+            size, center = d.long_batch, rng.randint(d.min_think, d.max_think)
+            lo, hi = max(d.min_think, center - d.length_spread), min(d.max_think, center + d.length_spread)
+            drill_kw: dict[str, Any] = {"max_gap": max(2, hi // 30)}
+        else:
+            size, lo, hi = d.short_batch, d.short_min, d.short_max
+            drill_kw = {"max_pairs": 8, "max_gap": 4}
+        stage = self.stage(step)
+        early = d.early_prob if stage.early_prob is None else stage.early_prob
+        drill = d.drill_frac if stage.drill_frac is None else stage.drill_frac
+        rows = []
+        for r in range(size):
+            s = f"train:{seed}:{step}:{r}"
+            if rng.random() < drill:
+                rows.append(task.make_drill(s, **drill_kw))
+            else:
+                p = task.make_problem(s, min_think=lo, max_think=hi, early_prob=early)
+                rows.append((list(p.tokens), list(p.roles)))
+        return collate(rows, self.weights)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        step = self.start_step
+        while True:
+            yield self.batch(step)
+            step += 1
+
+
+class LMData(L.LightningDataModule):
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def train_dataloader(self) -> DataLoader:
+        start = self.trainer.global_step if self.trainer is not None else 0
+        return DataLoader(TraceStream(self.cfg, start), batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        d = self.cfg.data
+        probs = task.problem_set("val", d.val_size, min_think=d.min_think, max_think=d.max_think)
+        probs.sort(key=lambda p: len(p.tokens))
+        w = role_weights(self.cfg.loss_weights)
+        batches = [collate([(list(p.tokens), list(p.roles)) for p in probs[i : i + 16]], w) for i in range(0, len(probs), 16)]
+        return DataLoader(batches, batch_size=None)
+
+
+class LMModule(L.LightningModule):
+    """Weighted next-token training of a tiny Qwen2 on testbed traces."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.save_hyperparameters({"cfg": cfg})
+        self.cfg = LMConfig.from_dict(cfg)
+        self.model = build_model(self.cfg.model)
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Weighted loss, the answer-value probe and the operand-copy accuracy (teacher forced)."""
+        ids, w = batch["input_ids"], batch["weights"]
+        logits = self.model(input_ids=ids).logits[:, :-1].float()
+        ce = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (ce * w[:, :-1]).sum() / w[:, :-1].sum()
+        pos = batch["probe_pos"]
+        rows = torch.arange(ids.shape[0])
+        hit = logits[rows, pos].argmax(-1) == ids[rows, pos + 1]
+        operand = batch["target_roles"][:, :-1] == task.ROLE_OPERAND
+        copied = (logits.argmax(-1) == ids[:, 1:])[operand].float()
+        return loss, hit.float().mean(), copied.mean() if copied.numel() else torch.tensor(float("nan"))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, probe, operand = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/probe", probe)
+        self.log("train/operand", operand)
+        self.log("train/seq_len", float(batch["input_ids"].shape[1]))
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, probe, operand = self._loss(batch)
+        n = batch["input_ids"].shape[0]
+        self.log("val/loss", loss, batch_size=n)
+        self.log("val/probe", probe, batch_size=n, prog_bar=True)
+        self.log("val/operand", operand, batch_size=n, prog_bar=True)
+
+    def export(self) -> Path:
+        return export(self.model, self.cfg.export_dir)
+
+    def gate(self) -> dict[str, float]:
+        """Full-cache generation check on ``gate_size`` dev problems (FACTS: gate on >= 95%)."""
+        from trainers.testbed_eval import generate_texts, score
+
+        probs = task.problem_set("dev", self.cfg.gate_size, min_think=self.cfg.data.min_think, max_think=self.cfg.data.max_think)
+        texts = generate_texts(self.model, build_tokenizer(), probs, max_new_tokens=self.cfg.gate_max_new_tokens)
+        return {f"gate_{k}": v for k, v in score(probs, texts).items()}
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        opt = torch.optim.AdamW(self.model.parameters(), lr=1.0, betas=(0.9, 0.98), weight_decay=self.cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(self.cfg, s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def lr_at(cfg: LMConfig, step: int) -> float:
+    """Linear warmup, then one cosine from ``lr`` to ``lr_end`` per stage."""
+    scale = min(1.0, (step + 1) / max(1, cfg.warmup))
+    for stage in cfg.stages:
+        if step < stage.steps:
+            frac = step / max(1, stage.steps)
+            return scale * (stage.lr_end + 0.5 * (stage.lr - stage.lr_end) * (1 + math.cos(math.pi * frac)))
+        step -= stage.steps
+    return cfg.stages[-1].lr_end
+
+
+def export(model: Qwen2ForCausalLM, out_dir: str | Path) -> Path:
+    """Save a standard HF directory: safetensors weights, config, generation config, tokenizer."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=1100,
+        bos_token_id=TOKEN_ID[task.BOS], eos_token_id=TOKEN_ID[task.EOS], pad_token_id=TOKEN_ID[task.PAD],
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer().save_pretrained(out)
+    return out
