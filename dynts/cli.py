@@ -8,7 +8,8 @@ import sys
 
 # subcommand -> ("module:function", one-line help). Each function takes argv (list[str]) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("dynts.demo:main", "compare eviction methods on the bundled default model"),
+    "demo": ("eval.demo:main", "every eviction method at one tight budget on 100 testbed problems"),
+    "demo-smollm2": ("dynts.demo:main", "compare eviction methods on SmolLM2-135M (mechanics, untrained predictor)"),
     "generate": ("dynts.demo:generate_main", "generate with a bounded cache from the command line"),
     "testbed": ("trainers.testbed_cli:main", "train / sample / report the embedded testbed models"),
     "analyze": ("eval.analyze_cli:main", "Pareto retention, sparsity and POS-by-importance analyses (paper 3.1-3.2, B.2)"),
