@@ -106,12 +106,11 @@ class EvalConfig:
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
     def shared_settings(self) -> dict[str, Any]:
-        """Settings every cell of a run shares; a resumed run must have the same."""
+        """Settings every cell of a run shares; a resumed run must have the same. (The predictor
+        is part of the cells that use it, so score-free cells can be reused when it changes.)"""
         return {
             "model": self.model,
             "model_fingerprint": fingerprint(self.model),
-            "predictor": str(self.predictor) if self.predictor else None,
-            "predictor_fingerprint": fingerprint(self.predictor) if self.predictor else None,
             "k": self.k,
             "limit": self.limit,
             "max_new_tokens": self.max_new_tokens,
@@ -125,8 +124,9 @@ class EvalConfig:
 
 
 def fingerprint(path_or_name: str | os.PathLike | None) -> str | None:
-    """Names, sizes and mtimes of the weight files of a local directory (or of a bundled model's),
-    so that a run dir never mixes results of two different checkpoints."""
+    """A digest of the weight/config files of a local directory (or of a bundled testbed model's):
+    names, sizes, mtimes and, for files under 64 MiB, their bytes; so that a run dir never mixes
+    results of two different checkpoints."""
     if path_or_name is None:
         return None
     path = Path(path_or_name)
@@ -138,6 +138,10 @@ def fingerprint(path_or_name: str | os.PathLike | None) -> str | None:
         path = checkpoints_dir() / TESTBED[str(path_or_name)]
     if not path.is_dir():
         return None
-    files = sorted(f for f in path.iterdir() if f.suffix in {".safetensors", ".json"})
-    text = ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for f in sorted(f for f in path.iterdir() if f.suffix in {".safetensors", ".json"}):
+        stat = f.stat()
+        digest.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+        if stat.st_size < 64 * 2**20:  # small files (testbed models, predictors): their content too
+            digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]

@@ -51,6 +51,7 @@ class Cell:
     budget: int | None
     local_window: int | None
     retention: float | None
+    predictor: str | None = None  # fingerprint of the predictor, for methods that use its scores
 
     @property
     def key(self) -> str:
@@ -63,27 +64,35 @@ class Cell:
         return f"{slug}-{hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:8]}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "benchmark": self.benchmark,
             "method": self.method.as_dict(),
             "budget": self.budget,
             "local_window": self.local_window,
             "retention": self.retention,
         }
+        if self.predictor is not None:
+            out["predictor"] = self.predictor
+        return out
 
 
 def plan_cells(config: EvalConfig) -> list[Cell]:
-    """All cells, benchmark-major; the full cache runs once per benchmark."""
+    """All cells, benchmark-major; the full cache runs once per benchmark. Cells of score-based
+    methods carry the predictor's fingerprint (a retrained predictor makes new cells)."""
+    from .config import fingerprint
+
+    scores = f"{Path(config.predictor).resolve()}@{fingerprint(config.predictor)}" if config.predictor else None
     cells = []
     for bench in config.benchmarks:
         for method in config.method_specs:
+            predictor = scores if "scores" in method.requires else None
             if not method.bounded:
-                cells.append(Cell(bench, method, None, None, None))
+                cells.append(Cell(bench, method, None, None, None, predictor))
                 continue
             for budget in config.budgets:
                 for lw in config.local_windows or [budget // 2]:
                     for retention in config.retentions:
-                        cells.append(Cell(bench, method, budget, lw, float(retention)))
+                        cells.append(Cell(bench, method, budget, lw, float(retention), predictor))
     return cells
 
 

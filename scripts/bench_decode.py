@@ -331,8 +331,13 @@ def plot(results: dict, path: Path) -> None:
 
     runs = results["runs"]
     panels = len(runs) + (1 if results.get("sawtooth") else 0)
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    cols = min(panels, 3)
+    rows = math.ceil(panels / cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(5.4 * cols, 4.2 * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[panels:]:
+        ax.axis("off")
+    for ax, run in zip(axes, runs):
         xs = [row["position"] for row in run["rows"]]
         ax.plot(xs, [1e3 * row["t_full_L"] for row in run["rows"]], "o-", color="black", label="full t(L)")
         ax.plot(xs, [1e3 * row["t_full_B"] for row in run["rows"]], "x--", color="gray", label="full@B (the bound)")
@@ -344,18 +349,23 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     if results.get("sawtooth"):
-        ax = axes[0][-1]
+        ax = axes[panels - 1]
+        lengths_ax = ax.twinx()
         saw = results["sawtooth"]
-        for name, trace in saw["lanes"].items():
+        for color, (name, trace) in zip(("black", "tab:blue", "tab:orange"), saw["lanes"].items()):
             ys = trace["seconds"]
-            window = 9  # running median: the sawtooth without the scheduler's noise
+            window = 24  # running median: the sawtooth without the scheduler's noise
             smooth = [1e3 * statistics.median(ys[max(0, i - window) : i + 1]) for i in range(len(ys))]
-            ax.plot(range(saw["prompt_tokens"] + 1, saw["prompt_tokens"] + 1 + len(ys)), smooth, lw=1, label=name)
+            xs = range(saw["prompt_tokens"] + 1, saw["prompt_tokens"] + 1 + len(ys))
+            ax.plot(xs, smooth, lw=1, color=color, label=f"{name} ms/step")
+            lengths_ax.plot(xs, trace["lengths"], lw=0.8, ls=":", color=color)
         ax.set_xlabel("position (tokens seen)")
-        ax.set_ylabel("ms / decode step (running median of 10)")
+        ax.set_ylabel("ms / decode step (running median of 25)")
+        lengths_ax.set_ylabel("cached entries (dotted)")
         ax.set_title(f"sawtooth: {saw['model']} batch 1, every step timed", fontsize=9)
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
+        lengths_ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -390,12 +400,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="other models at batch 1 (each lane costs ~1 min of prefill per 16k tokens on SmolLM2)")
     parser.add_argument("--batch8-methods", nargs="+", default=["window", "dynts"], help="other models at batch 8")
     parser.add_argument("--positions", type=int, nargs="+", default=None, help="batch 1 (default 1024 4096 8192 16384)")
-    parser.add_argument("--batch8-positions", type=int, nargs="+", default=None, help="batch 8 on SmolLM2 (default 1024 2048)")
+    parser.add_argument("--batch8-positions", type=int, nargs="+", default=None, help="batch 8 on SmolLM2 (default 2048)")
     parser.add_argument("--budget", type=int, default=None, help="B (default 1024; quick 128)")
     parser.add_argument("--local-window", type=int, default=None, help="W_l (default 128; quick 16)")
     parser.add_argument("--retention", type=float, default=0.4)
     parser.add_argument("--prompt-tokens", type=int, default=32, help="M, the question window")
-    parser.add_argument("--steps", type=int, default=None, help="N timed steps per phase (default 16; quick 6)")
+    parser.add_argument("--steps", type=int, default=None, help="N timed steps per phase (default 12; quick 6)")
     parser.add_argument("--full-chunk", type=int, default=512, help="prefill chunk of the full cache")
     parser.add_argument("--sawtooth-length", type=int, default=None, help="continuous trace length (small model)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
@@ -407,11 +417,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     q = args.quick
     args.models = args.models or (["small"] if q else ["smollm2-135m", "small"])
     args.positions = args.positions or ([128, 512, 1024] if q else [1024, 4096, 8192, 16384])
-    args.batch8_positions = args.batch8_positions or ([128, 512] if q else [1024, 2048])
+    args.batch8_positions = args.batch8_positions or ([128, 512] if q else [2048])
     args.budget = args.budget or (128 if q else 1024)
     args.local_window = args.local_window if args.local_window is not None else (16 if q else 128)
-    args.steps = args.steps or (6 if q else 16)
-    args.sawtooth_length = args.sawtooth_length if args.sawtooth_length is not None else (600 if q else 3000)
+    args.steps = args.steps or (6 if q else 12)
+    args.sawtooth_length = args.sawtooth_length if args.sawtooth_length is not None else (600 if q else 2600)
     if q:
         args.full_chunk = min(args.full_chunk, 128)
     return args

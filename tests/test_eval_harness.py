@@ -158,3 +158,19 @@ def test_settings_mismatch_and_infeasible_budget(tiny_testbed, tmp_path, monkeyp
     with pytest.raises(ValueError, match=r"budget=16 cannot hold the longest testbed:n=3 prompt \(14 tokens\)"):
         run(config(tiny_testbed, tmp_path / "small", budgets=[16], k=1))
     assert calls == []  # nothing was generated
+
+
+def test_retrained_predictor_makes_new_score_cells_only(tiny_testbed, tmp_path, monkeypatch):
+    import shutil
+
+    predictor = tmp_path / "predictor"
+    shutil.copytree(tiny_testbed / "predictor", predictor)
+    kw = dict(methods=["full", "window", "dynts"], predictor=str(predictor), k=1, benchmarks=["testbed:n=2"])
+    first = run(config(tiny_testbed, tmp_path / "run", **kw))
+    assert [r.get("predictor") is not None for r in first] == [False, False, True]
+    torch.manual_seed(1)
+    dynts.ImportancePredictor(32).save_pretrained(predictor)  # "retrained"
+    calls = counting(monkeypatch)
+    second = run(config(tiny_testbed, tmp_path / "run", **kw))
+    assert len(calls) == 1  # only the dynts cell (one batch) ran again
+    assert second[:2] == first[:2] and second[2]["key"] != first[2]["key"]

@@ -188,3 +188,20 @@ def test_vllm_backend_same_interface(model_dir, tmp_path):
     pytest.importorskip("vllm")
     stats = generate_traces(trace_settings(model_dir, tmp_path / "v", backend="vllm", dtype="float32"))
     assert stats["decided"] == 24
+
+
+def test_shard_store_merge_drops_duplicates_and_keeps_schema(tmp_path):
+    from data_pipeline.shards import ShardStore
+
+    store = ShardStore(tmp_path, TRACE_FEATURES, ("question_id", "sample_id"))
+    rec = dict(question_id="q1", sample_id=0, input_ids=[1, 2, 3], question_len=1, answer_start=2, text="x", gold="1", correct=True)
+    store.write([rec], [(("q1", 0), "kept")], rank=0)
+    store.write([rec, dict(rec, sample_id=1)], [(("q1", 0), "kept"), (("q1", 1), "kept")], rank=1)  # DDP padding repeat
+    store.write([], [(("q2", 0), "no_delimiter")], rank=0)  # an all-rejected shard still records its decisions
+    (tmp_path / "shards" / ".tmp-shard-killed").mkdir()  # left by a SIGKILL
+    store.clean_partial()
+    assert not (tmp_path / "shards" / ".tmp-shard-killed").exists()
+    assert store.done() == {("q1", 0): "kept", ("q1", 1): "kept", ("q2", 0): "no_delimiter"}
+    merged = store.merge(sort_key=lambda k: (k["question_id"], -k["sample_id"]))
+    assert list(zip(merged["question_id"], merged["sample_id"])) == [("q1", 1), ("q1", 0)]
+    assert store.stats()["by_status"] == {"kept": 2, "no_delimiter": 1}
