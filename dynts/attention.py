@@ -31,7 +31,7 @@ def attention_rows(
     """Attention probabilities of the given query rows.
 
     Args:
-        query: ``[b, h_q, q, d]``; key: ``[b, h_kv, n, d]`` (grouped heads are expanded here).
+        query: ``[b, h_q, q, d]``; key: ``[b, h_kv, n, d]`` (grouped-query heads share their KV head).
         attention_mask: bool ``[b, 1, q, n]`` (True = attend) / additive float, or ``None`` for a
             plain causal mask aligned to the last ``q`` keys.
         scaling: softmax scale, default ``d ** -0.5``.
@@ -39,12 +39,15 @@ def attention_rows(
     Returns ``[b, h_q, q, n]`` float32.
     """
     b, hq, q, d = query.shape
-    n = key.shape[2]
-    groups = hq // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    hk, n = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else d**-0.5
-    logits = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
+    # Query head i reads KV head i // (hq // hk) (transformers' repeat_kv order): fold each group's
+    # heads into the query rows of its KV head instead of copying the keys once per query head.
+    grouped = (query.float() * scale).reshape(b, hk, (hq // hk) * q, d)
+    logits = torch.matmul(grouped, key.float().transpose(-1, -2)).view(b, hq, q, n)
     if attention_mask is None:
+        if q == 1:  # a single new row attends to every stored key
+            return torch.softmax(logits, dim=-1)
         rows = torch.arange(n - q, n, device=query.device)[:, None]
         logits = logits.masked_fill(torch.arange(n, device=query.device)[None, :] > rows, float("-inf"))
     elif attention_mask.dtype == torch.bool:

@@ -108,6 +108,20 @@ class BoundedLayer(CacheLayerMixin):
         raise NotImplementedError("beam search is not supported with a bounded cache")
 
 
+def incoming_tokens(
+    input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch_size: int, query_length: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[b, q]`` ids of a forward's new tokens (``-1`` when the model got embeddings) and their
+    validity (``True`` = real token, ``False`` = padding) from the 2-D ``attention_mask``."""
+    q = query_length
+    if input_ids is None:
+        input_ids = torch.full((batch_size, q), -1, dtype=torch.long, device=device)
+    if attention_mask is None:
+        return input_ids, torch.ones(batch_size, q, dtype=torch.bool, device=device)
+    return input_ids, attention_mask[:, -q:].bool()
+
+
 class BoundedCache(Cache):
     """KV cache bounded to a :class:`~dynts.budget.Budget`, evicting with ``evictor``.
 
@@ -172,13 +186,7 @@ class BoundedCache(Cache):
         taken as 1, as ``generate`` always passes (send padding in multi-token forwards).
         """
         q = query_length
-        if input_ids is None:
-            input_ids = torch.full((batch_size, q), -1, dtype=torch.long, device=device)
-        new_valid = (
-            attention_mask[:, -q:].bool()
-            if attention_mask is not None
-            else torch.ones(batch_size, q, dtype=torch.bool, device=device)
-        )
+        input_ids, new_valid = incoming_tokens(input_ids, attention_mask, batch_size, q, device)
         if attention_mask is not None and (self.positions is None or q > 1 or new_valid.device.type == "cpu"):
             self.holds_pads = self.holds_pads or not bool(new_valid.all())
         if self.positions is None:

@@ -63,7 +63,7 @@ def demo_methods(have_predictor: bool) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100, help="testbed problems")
-    parser.add_argument("--budget", type=int, default=128, help="cache budget B (mean trace ~550 tokens)")
+    parser.add_argument("--budget", type=int, default=96, help="cache budget B (~ a quarter of the ~350-token mean trace)")
     parser.add_argument("--local-window", type=int, default=32)
     parser.add_argument("--retention", type=float, default=0.4)
     parser.add_argument("--batch-size", type=int, default=100)

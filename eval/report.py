@@ -71,7 +71,8 @@ def _csv(results: Sequence[dict[str, Any]]) -> str:
 
 def plot_sweep(results: Sequence[dict[str, Any]], x: str, path: Path) -> Path | None:
     """Accuracy vs ``x`` (``budget``, ``local_window`` or ``retention``), one panel per benchmark,
-    one line per method setting; the full cache is a dashed horizontal line. ``None`` if nothing
+    one line per method setting; the full cache is a dashed horizontal line. A panel with a single
+    value of ``x`` (e.g. the demo's one budget) shows bars per method instead. ``None`` if nothing
     to plot."""
     import matplotlib
 
@@ -85,6 +86,9 @@ def plot_sweep(results: Sequence[dict[str, Any]], x: str, path: Path) -> Path | 
     fig, axes = plt.subplots(1, len(benchmarks), figsize=(7.5 * len(benchmarks), 4.2), squeeze=False)
     for ax, bench in zip(axes[0], benchmarks):
         rows = [r for r in results if r["benchmark"] == bench]
+        if len({r[x] for r in rows if r.get(x) is not None}) == 1:
+            _bars(ax, rows, x)  # one setting: a line plot would be a column of dots
+            continue
         series: dict[str, list[tuple[float, float]]] = {}
         for r in rows:
             if r.get(x) is None:
@@ -115,6 +119,28 @@ def plot_sweep(results: Sequence[dict[str, Any]], x: str, path: Path) -> Path | 
         Path(tmp).unlink(missing_ok=True)
         plt.close(fig)
     return path
+
+
+def _bars(ax: Any, rows: Sequence[dict[str, Any]], x: str) -> None:
+    """Accuracy per method at a single value of ``x``: horizontal bars, best at the top; the full
+    cache is a dashed vertical line."""
+    value = next(r[x] for r in rows if r.get(x) is not None)
+    bounded = sorted((r for r in rows if r.get(x) is not None), key=lambda r: r["pass@1"])
+    varying = [p for p in ("budget", "local_window", "retention") if p != x and len({r.get(p) for r in bounded}) > 1]
+    labels = [r["method"]["label"] + "".join(f", {p}={r[p]}" for p in varying) for r in bounded]
+    accuracy = [100 * r["pass@1"] for r in bounded]
+    ax.barh(range(len(bounded)), accuracy, color="tab:blue")
+    for i, a in enumerate(accuracy):
+        ax.text(a + 1, i, f"{a:.1f}", va="center", fontsize=7)
+    for r in rows:
+        if r.get(x) is None:
+            ax.axvline(100 * r["pass@1"], ls="--", color="gray", label=f"{r['method']['label']} (no eviction)")
+            ax.legend(fontsize=7, loc="lower right")
+    ax.set_yticks(range(len(bounded)), labels, fontsize=8)
+    ax.set_xlim(0, 105)
+    ax.set_xlabel("pass@1 (%)")
+    ax.set_title(f"{rows[0]['benchmark']}, {x.replace('_', ' ')} {value}")
+    ax.grid(axis="x", alpha=0.3)
 
 
 def write_reports(run_dir: str | Path, results: Sequence[dict[str, Any]], plots: bool = True) -> dict[str, Path]:

@@ -131,6 +131,8 @@ def _prm(name: str, delimiter: str, trust_remote_code: bool = False):
 
     if name == "testbed-verifier":
         return CallablePRM(testbed_step_verifier)
+    if name.startswith("likelihood:"):  # a causal LM as verifier, e.g. likelihood:testbed
+        return load_prm(name.split(":", 1)[1], kind="likelihood", trust_remote_code=trust_remote_code)
     return load_prm(name, step_delimiter=delimiter, trust_remote_code=trust_remote_code)
 
 
@@ -322,12 +324,14 @@ def summary_table(summary: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ detector calibration
 
 
-def calibrate(config: RescueEvalConfig, method: str, log=print) -> dict[str, Any]:
+def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = False) -> dict[str, Any]:
     """Paper Fig. 3 for a new model: run eviction-only best-of-N with a detector that never fires and
     record, per base candidate, the peak moving-average entropy and the lowest gzip ratio. Candidates
     that ran to ``max_step_tokens`` without a delimiter are the runaways (label-free proxy); the
     result lists each signal's quantiles for both groups and the firing rates of candidate
-    thresholds, to pick ``tau_ent`` / ``tau_cmp`` on a dev set."""
+    thresholds, to pick ``tau_ent`` / ``tau_cmp`` on a dev set. With ``verify`` (testbed only) it
+    also reports the PRM's AUROC at telling the candidates the exact step checker accepts from the
+    ones it rejects."""
     from eval.benchmarks import load_benchmark
     from eval.prompts import user_message
 
@@ -337,10 +341,14 @@ def calibrate(config: RescueEvalConfig, method: str, log=print) -> dict[str, Any
     (base, tokenizer), prm = _load(config.base), _prm(config.prm, config.delimiter, config.trust_remote_code)
     options = {**config.detector, "entropy_threshold": 1e9, "compress_threshold": 1e-9}
     rows: list[tuple[bool, float, float]] = []
+    judged: list[tuple[float, int]] = []  # (PRM score, exact verifier label) of complete candidates (testbed)
 
     def record(c) -> None:
         if c.source == "base" and c.screen is not None:
             rows.append((c.status == "cap", c.screen.max_mean_entropy, c.screen.min_ratio))
+        if verify and c.complete and c.score is not None:
+            steps = [s.text for s in c.owner.steps] + [tokenizer.decode(c.tokens, skip_special_tokens=True)]
+            judged.append((c.score, int(testbed_step_verifier(c.owner.question, steps))))
 
     chats = [[{"role": "user", "content": user_message(e, bench)}] for e in bench.examples]
     rescue_generate(base, None, prm, tokenizer, chats, base_method=method, budget=config.budget,
@@ -351,6 +359,11 @@ def calibrate(config: RescueEvalConfig, method: str, log=print) -> dict[str, Any
                     temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=config.seed,
                     think_end=config.think_end, max_rows=config.max_rows, on_candidate=record)
     result: dict[str, Any] = {"candidates": len(rows), "capped": sum(r[0] for r in rows)}
+    if verify:
+        from trainers.testbed_prm import auroc
+
+        result["prm_vs_verifier"] = {"candidates": len(judged), "accepted": sum(y for _, y in judged),
+                                     "auroc": auroc([x for x, _ in judged], [y for _, y in judged])}
     for name, col, higher in (("entropy", 1, True), ("gzip", 2, False)):
         groups = {g: sorted(r[col] for r in rows if r[0] == (g == "capped") and math.isfinite(r[col])) for g in ("capped", "other")}
         result[name] = {g: [v[int(q * (len(v) - 1))] for q in (0.05, 0.25, 0.5, 0.75, 0.95)] if v else [] for g, v in groups.items()}
@@ -378,7 +391,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default="testbed", help="base model: a dynts.load name or a local HF directory")
     p.add_argument("--helper", default="testbed-helper", help="full-context helper (same tokenizer as the base)")
     p.add_argument("--prm", default="testbed-prm",
-                   help="PRM: testbed-prm, a local directory (Qwen2.5-Math-PRM recipe) or testbed-verifier (exact step checker)")
+                   help="PRM: testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
+                        "(e.g. likelihood:testbed: a full-context LM's token likelihoods) or testbed-verifier (exact step checker)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
     p.add_argument("--predictor", default=None, help="importance predictor directory (needed by --method dynts)")
     p.add_argument("--budget", type=int, default=64)
@@ -428,6 +442,7 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--method", default="window", help="the base's eviction method")
     cal.add_argument("--limit", type=int, default=None)
     cal.add_argument("--out", default=None, help="write the statistics as JSON here")
+    cal.add_argument("--verify", action="store_true", help="testbed: AUROC of the PRM against the exact step checker")
     _common(cal)
     gen = sub.add_parser("generate", help="KV-Rescue for a few prompts; prints the solution, step sources and costs")
     gen.add_argument("prompts", nargs="+", help="prompts (raw text unless --chat)")
@@ -480,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             max_step_tokens=args.max_step_tokens, detector=_detector(args), temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit, trust_remote_code=args.trust_remote_code,
         )
-        result = calibrate(config, args.method)
+        result = calibrate(config, args.method, verify=args.verify)
         if args.out:
             _write_atomic(Path(args.out), json.dumps(result, indent=1))
         return 0

@@ -53,16 +53,27 @@ def timed_generate(model, ids, new_tokens: int, cache=None, **kwargs) -> tuple[f
         return time.perf_counter() - start, out
 
 
-def track_peak_length(model, cache) -> tuple[list[int], object]:
-    """A forward hook recording the physical KV length of layer 0 after every forward."""
+def track_steps(model, cache) -> tuple[list[int], list[float], object]:
+    """A forward hook recording the physical KV length of layer 0 and the time after every forward."""
     lengths: list[int] = []
+    stamps: list[float] = []
 
     def hook(module, args, output):
+        stamps.append(time.perf_counter())
         layer = cache.layers[0]
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             lengths.append(int(layer.keys.shape[-2]))
 
-    return lengths, model.register_forward_hook(hook)
+    return lengths, stamps, model.register_forward_hook(hook)
+
+
+def run_record(seconds: float, new: int, batch: int, lengths: list[int], stamps: list[float], per_token: int) -> dict:
+    """tokens/s over the whole generate call, and from the median decode step (robust to a busy machine)."""
+    steps = sorted(b - a for a, b in zip(stamps[1:], stamps[2:]))  # skip the prefill forward
+    median = steps[len(steps) // 2]
+    return dict(seconds=seconds, new_tokens=new, tokens_per_second=new * batch / seconds,
+                median_step_ms=1e3 * median, median_tokens_per_second=batch / median,
+                peak_cache_tokens=max(lengths), peak_kv_bytes=max(lengths) * per_token)
 
 
 def kv_bytes_per_token(model, batch: int) -> int:
@@ -97,7 +108,7 @@ def worker(args) -> dict:
     timed_generate(model, ids, 4)  # warm-up
     for name, p in runs:
         cache = DynamicCache(config=model.config)
-        lengths, handle = track_peak_length(model, cache)
+        lengths, stamps, handle = track_steps(model, cache)
         try:
             if p is None:
                 seconds, out = timed_generate(model, ids, spec["new_tokens"], cache)
@@ -107,9 +118,7 @@ def worker(args) -> dict:
         finally:
             handle.remove()
         new = out.shape[1] - ids.shape[1]
-        results[name] = dict(seconds=seconds, new_tokens=new, tokens_per_second=new * ids.shape[0] / seconds,
-                             peak_cache_tokens=max(lengths), peak_kv_bytes=max(lengths) * per_token,
-                             final_cache_tokens=lengths[-1])
+        results[name] = run_record(seconds, new, ids.shape[0], lengths, stamps, per_token)
     return results
 
 
@@ -148,27 +157,31 @@ def dynts_side(model, ids, spec: dict, args) -> dict:
     per_token = kv_bytes_per_token(model, ids.shape[0])
     results = {}
     cache = DynamicCache(config=model.config)
-    lengths, handle = track_peak_length(model, cache)
+    lengths, stamps, handle = track_steps(model, cache)
     try:
         seconds, out = timed_generate(model, ids, spec["new_tokens"], cache)
     finally:
         handle.remove()
     new = out.shape[1] - ids.shape[1]
-    results[f"hf-full (transformers {transformers.__version__})"] = dict(
-        seconds=seconds, new_tokens=new, tokens_per_second=new * ids.shape[0] / seconds,
-        peak_cache_tokens=max(lengths), peak_kv_bytes=max(lengths) * per_token)
+    results[f"hf-full (transformers {transformers.__version__})"] = run_record(
+        seconds, new, ids.shape[0], lengths, stamps, per_token)
     predictor = dynts.ImportancePredictor(model.config.hidden_size)
     for method in ("full", "streamingllm", "dynts"):
-        result = dynts.generate(
-            model, input_ids=ids, method=method, budget=args.budget, local_window=args.local_window,
-            retention=args.retention, predictor=predictor, max_new_tokens=spec["new_tokens"],
-            min_new_tokens=spec["new_tokens"], pad_token_id=0, think_end=None,
-        )
+        stamps: list[float] = []
+        handle = model.register_forward_hook(lambda module, a, o: stamps.append(time.perf_counter()))
+        try:
+            result = dynts.generate(
+                model, input_ids=ids, method=method, budget=args.budget, local_window=args.local_window,
+                retention=args.retention, predictor=predictor, max_new_tokens=spec["new_tokens"],
+                min_new_tokens=spec["new_tokens"], pad_token_id=0, think_end=None,
+            )
+        finally:
+            handle.remove()
         s = result.stats
-        results[f"dynts {method}"] = dict(seconds=s["seconds"], new_tokens=s["new_tokens"] // ids.shape[0],
-                                          tokens_per_second=s["tokens_per_second"],
-                                          peak_cache_tokens=s["peak_cache_tokens"], peak_kv_bytes=s["peak_kv_bytes"],
-                                          evictions=s["evictions"])
+        record = run_record(s["seconds"], s["new_tokens"] // ids.shape[0], ids.shape[0], [s["peak_cache_tokens"]],
+                            stamps, per_token)
+        record.update(peak_kv_bytes=s["peak_kv_bytes"], evictions=s["evictions"])
+        results[f"dynts {method}"] = record
     return results
 
 
@@ -219,11 +232,13 @@ def main(argv=None) -> int:
     rows = {**theirs, **ours}
     full = ours["dynts full"]
     print(f"\nkvpress venv: {versions}; dynts venv: torch {torch.__version__}")
-    print(f"{'run':<42} {'tokens/s':>9} {'vs dynts full':>13} {'peak KV tokens':>14} {'peak KV MiB':>11} {'KV ratio':>8}")
+    print(f"{'run':<40} {'tokens/s':>8} {'vs full':>7} {'median step ms':>14} {'tok/s@median':>12} {'vs full':>7} "
+          f"{'peak KV tok':>11} {'peak KV MiB':>11} {'KV ratio':>8}")
     for name, r in rows.items():
-        print(f"{name:<42} {r['tokens_per_second']:>9.2f} {r['tokens_per_second'] / full['tokens_per_second']:>13.3f} "
-              f"{r['peak_cache_tokens']:>14} {r['peak_kv_bytes'] / 2**20:>11.2f} "
-              f"{r['peak_kv_bytes'] / full['peak_kv_bytes']:>8.3f}")
+        print(f"{name:<40} {r['tokens_per_second']:>8.2f} {r['tokens_per_second'] / full['tokens_per_second']:>7.3f} "
+              f"{r['median_step_ms']:>14.1f} {r['median_tokens_per_second']:>12.2f} "
+              f"{r['median_tokens_per_second'] / full['median_tokens_per_second']:>7.3f} "
+              f"{r['peak_cache_tokens']:>11} {r['peak_kv_bytes'] / 2**20:>11.2f} {r['peak_kv_bytes'] / full['peak_kv_bytes']:>8.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(spec={k: v for k, v in spec.items() if k != "ids"}, prompt_tokens=ids.shape[1],
                                         batch=args.batch, versions=versions, runs=rows), indent=1))

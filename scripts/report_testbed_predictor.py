@@ -2,10 +2,12 @@
 
 1. how often the attention importance (answer rows, summed over layers/heads) ranks the testbed's
    ground-truth critical tokens (the value written after the asked key ``rK=``, found by
-   ``data_pipeline.testbed.task.find_critical_positions``) in the top 20% of thinking tokens;
+   ``data_pipeline.testbed.task.find_critical_positions``) in the top 20% of thinking tokens, over
+   all traces and over the held-out questions' traces;
 2. the trained predictor's held-out Kendall tau and top-30% overlap against that importance
    (recomputed here on the held-out questions of the training split), and how often the
-   predictor itself puts the critical tokens in its top 20%;
+   predictor itself puts the critical tokens in its top 20% (with a recency baseline: the last
+   20% of thinking tokens, what a sliding window keeps);
 3. optionally (``--generate N``) ``dynts.generate(..., method="dynts", predictor=...)`` on N fresh
    testbed problems vs the full cache.
 
@@ -43,6 +45,11 @@ def critical_in_top(scores: torch.Tensor, critical: list[int], percent: float) -
     return sum(c in top for c in critical), len(critical)
 
 
+def _add(counter: list[int], hits_total: tuple[int, int]) -> None:
+    counter[0] += hits_total[0]
+    counter[1] += hits_total[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/predictor/testbed.yaml", help="the train-predictor config")
@@ -62,50 +69,54 @@ def main() -> None:
     tokenizer = load_tokenizer(data_cfg.get("backbone", "testbed"))
     predictor = ImportancePredictor.from_pretrained(args.predictor).eval()
 
-    # 1. attention importance vs ground-truth critical tokens, over every trace
+    # 1. attention importance vs ground-truth critical tokens, over every trace and the held-out ones
     data = dm.train_set.data
-    hits = total = first = traces = 0
-    for row in data:
+    heldout = set(dm.val_set.indices)
+    counts = {k: [0, 0] for k in ("attention_all", "attention_heldout", "predictor_heldout", "recency_heldout")}
+    first = traces = 0
+    kendall, overlap = MeanKendallTau(), TopPercentOverlap(30.0)
+    for i, row in enumerate(data):
         tokens = tokenizer.convert_ids_to_tokens(row["input_ids"])
         q, a = row["question_len"], row["answer_start"]
         critical = [c - q for c in task.find_critical_positions(tokens) if q <= c < a]
         if not critical:
             continue
         scores = torch.tensor(row["importance"][q:a])
-        h, n = critical_in_top(scores, critical, args.top)
-        hits, total, traces = hits + h, total + n, traces + 1
+        _add(counts["attention_all"], critical_in_top(scores, critical, args.top))
+        traces += 1
         first += int(scores.argmax().item() in critical)
+        if i in heldout:
+            _add(counts["attention_heldout"], critical_in_top(scores, critical, args.top))
+            _add(counts["recency_heldout"], critical_in_top(torch.arange(a - q, dtype=torch.float), critical, args.top))
+            item = dm.val_set[dm.val_set.indices.index(i)]
+            with torch.no_grad():
+                _add(counts["predictor_heldout"], critical_in_top(predictor(item["hidden"]), critical, args.top))
 
-    # 2. predictor on held-out questions
-    kendall, overlap = MeanKendallTau(), TopPercentOverlap(30.0)
-    p_hits = p_total = 0
+    # 2. predictor vs attention importance on held-out questions (every held-out trace)
     with torch.no_grad():
         for batch in dm.val_dataloader():
             preds = predictor(batch["hidden"])
             kendall.update(preds, batch["target"], batch["mask"])
             overlap.update(preds, batch["target"], batch["mask"])
-    for i in dm.val_set.indices:
-        row = data[i]
-        tokens = tokenizer.convert_ids_to_tokens(row["input_ids"])
-        q, a = row["question_len"], row["answer_start"]
-        critical = [c - q for c in task.find_critical_positions(tokens) if q <= c < a]
-        if critical:
-            item = dm.val_set[dm.val_set.indices.index(i)]
-            with torch.no_grad():
-                h, n = critical_in_top(predictor(item["hidden"]), critical, args.top)
-            p_hits, p_total = p_hits + h, p_total + n
 
+    top = f"top{args.top:g}pct"
+    rate = {k: h / max(n, 1) for k, (h, n) in counts.items()}
     report = {
         "traces": len(data),
         "traces_with_critical_token": traces,
-        f"attention_critical_in_top{args.top:g}pct": hits / max(total, 1),
+        f"attention_critical_in_{top}": rate["attention_all"],
         "attention_critical_ranked_first": first / max(traces, 1),
         "heldout_questions": len(dm.val_questions),
         "heldout_traces": len(dm.val_set),
+        "heldout_critical_tokens": counts["attention_heldout"][1],
         "predictor_heldout_kendall": float(kendall.compute()),
         "predictor_heldout_top30_overlap": float(overlap.compute()),
-        f"predictor_critical_in_top{args.top:g}pct_heldout": p_hits / max(p_total, 1),
+        f"attention_critical_in_{top}_heldout": rate["attention_heldout"],
+        f"predictor_critical_in_{top}_heldout": rate["predictor_heldout"],
+        f"recency_critical_in_{top}_heldout": rate["recency_heldout"],
         "predictor_params": sum(p.numel() for p in predictor.parameters()),
+        "predictor_metrics_at_export": json.loads((Path(args.predictor) / "metrics.json").read_text())
+        if (Path(args.predictor) / "metrics.json").is_file() else None,
     }
 
     # 3. optional: generation with the exported predictor
@@ -131,8 +142,12 @@ def main() -> None:
             report[f"generate_{method}_accuracy"] = acc
             report[f"generate_{method}_peak_cache_tokens"] = out.stats["peak_cache_tokens"]
     print(json.dumps(report, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+    if args.out:  # atomic: a killed run leaves no half-written report
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(out)
 
 
 if __name__ == "__main__":

@@ -174,3 +174,24 @@ def test_retrained_predictor_makes_new_score_cells_only(tiny_testbed, tmp_path, 
     second = run(config(tiny_testbed, tmp_path / "run", **kw))
     assert len(calls) == 1  # only the dynts cell (one batch) ran again
     assert second[:2] == first[:2] and second[2]["key"] != first[2]["key"]
+
+
+def test_single_budget_plot_is_bars_per_method():
+    """One budget (the demo): bars per method, best on top, the full cache as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eval.report import _bars
+
+    def cell(label, acc, budget=96):
+        return {"benchmark": "testbed:n=2", "method": {"label": label}, "pass@1": acc, "budget": budget,
+                "local_window": None if budget is None else 32, "retention": None if budget is None else 0.4}
+
+    fig, ax = plt.subplots()
+    _bars(ax, [cell("full", 0.9, None), cell("window", 0.3), cell("dynts", 0.8), cell("h2o", 0.7)], "budget")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["window", "h2o", "dynts"]
+    assert [round(p.get_width()) for p in ax.patches] == [30, 70, 80]
+    assert [line.get_xdata()[0] for line in ax.get_lines()] == [pytest.approx(90)]
+    plt.close(fig)

@@ -145,3 +145,43 @@ def test_prefix_reuse_switches_off_for_bidirectional_prms():
     scores = prm.score(reqs)
     assert prm.prefix.verified is False
     assert scores == pytest.approx(TokenClassificationPRM(model, tok, reuse_prefix=False).score(reqs), abs=1e-6)
+
+
+def test_likelihood_prm_reduces_candidate_token_logprobs():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from conftest import TINY
+    from dynts.rescue import LikelihoodPRM
+
+    tok = word_tokenizer()
+    torch.manual_seed(3)
+    lm = Qwen2ForCausalLM(Qwen2Config(**TINY, attn_implementation="sdpa")).eval()
+    req = request(tok, ["w5 w6 ;"], "w7 w8 ;")
+    row = req.prompt_ids + req.steps[0] + req.candidate
+    with torch.no_grad():
+        logp = lm(input_ids=torch.tensor([row])).logits[0, :-1].log_softmax(-1)
+    start = len(row) - len(req.candidate)
+    token_logp = logp[torch.arange(start - 1, len(row) - 1), torch.tensor(row[start:])]  # the candidate's tokens only
+    assert load_prm((lm, tok), kind="likelihood").score([req]) == pytest.approx([token_logp.min().exp().item()], rel=1e-5)
+    mean = LikelihoodPRM(lm, tok, reduce="mean", batch_size=1)
+    short = request(tok, [], "w9 ;")
+    scores = mean.score([req, short])  # batched and padded: each row scored as if alone
+    assert scores[0] == pytest.approx(token_logp.mean().exp().item(), rel=1e-5)
+    assert scores[1] == pytest.approx(LikelihoodPRM(lm, tok, reduce="mean").score([short])[0], rel=1e-5)
+    # a verifier with another vocabulary scores the re-tokenised text of the same candidate
+    other = word_tokenizer(extra=("<extra_0>",))
+    assert LikelihoodPRM(lm, other).encode(req) == (row, start)
+    with pytest.raises(ValueError, match="reduce"):
+        LikelihoodPRM(lm, tok, reduce="max")
+    with pytest.raises(ValueError, match="likelihood"):
+        load_prm(lambda q, s: 1.0, kind="likelihood")
+
+
+def test_likelihood_prm_separates_corrupted_testbed_steps():
+    """The testbed LRM as a full-context verifier tells corrupted steps from correct ones."""
+    from dynts.models import load
+    from trainers.testbed_prm import scorer_gate
+
+    lm, tok = load("testbed")
+    result = scorer_gate(load_prm((lm, tok), kind="likelihood"), 12, tok)
+    assert result["gate_wrong_steps"] > 5 and result["gate_auroc"] > 0.95

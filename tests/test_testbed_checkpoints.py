@@ -70,11 +70,11 @@ def test_helper_writes_well_formed_traces():
     assert all(task.parse_answer(t) is not None and task.parse_steps(t) for t in texts), texts
 
 
-def test_prm_interface():
+def test_prm_interface_and_it_separates_corrupted_steps():
     """Qwen2.5-Math-PRM interface: 2 labels; a step's score is softmax(logits)[..., 1] at its ";".
-    (Only the interface: the shipped PRM does not yet separate corrupted steps, see reports/testbed.json.)"""
+    The shipped PRM tells corrupted steps from correct ones on held-out traces."""
     from dynts.models import load
-    from trainers.testbed_prm import IGNORE, corrupt
+    from trainers.testbed_prm import IGNORE, PRMConfig, auroc, corrupt, heldout, step_scores
 
     model, _ = load("testbed-prm")
     assert model.config.num_labels == 2 and model.config.id2label[1] == "correct"
@@ -85,3 +85,6 @@ def test_prm_interface():
     steps = [i for i, y in enumerate(labels) if y != IGNORE]
     assert steps == [i for i, t in enumerate(toks) if t == task.SEP]
     assert torch.all((score[steps] >= 0) & (score[steps] <= 1))
+    cfg = PRMConfig.from_dict({"corrupt_prob": 0.5, "data": {"min_think": 60, "max_think": 400}})
+    scores, truth = step_scores(model, heldout("ci", 12, cfg))
+    assert truth.count(0) >= 10 and truth.count(1) >= 10 and auroc(scores, truth) > 0.95

@@ -70,6 +70,71 @@ def test_prm_corruption_labels():
             assert labels[i] == int(ok)
 
 
+def test_prm_digit_labels_check_each_digit_locally():
+    rng = random.Random(1)
+    for seed in range(30):
+        p = task.make_problem(seed, max_think=300)
+        toks, labels = corrupt(p, rng, 0.5, digit_labels=True)
+        for i in (i for i, t in enumerate(toks) if t == task.SEP):
+            x, xv, op, y, yv, _g, _k, v = toks[i - 8 : i]
+            assert labels[i - 7] == int(int(xv) == p.operands[task.VARIABLES.index(x)])
+            assert labels[i - 4] == int(int(yv) == p.operands[task.VARIABLES.index(y)])
+            assert labels[i - 1] == int(int(v) == task.OPS[op](int(xv), int(yv)))
+            assert labels[i] == int(labels[i - 7] == labels[i - 4] == labels[i - 1] == 1 and int(v) == task.OPS[op](
+                p.operands[task.VARIABLES.index(x)], p.operands[task.VARIABLES.index(y)]))
+
+
+def test_prm_recipe_freezes_the_lm_and_targets_its_expectation(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainers.testbed_lm import build_model
+    from trainers.testbed_prm import CorruptStream, PRMModule
+
+    tiny = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 32}
+    build_model(tiny).save_pretrained(tmp_path / "lm")
+    cfg = {"kind": "prm", "model": tiny, "init_from": str(tmp_path / "lm"), "extra_layers": 1, "freeze_backbone": True,
+           "expect_weight": 1.0, "digit_labels": True, "prm_short_steps": 1,
+           "data": {"short_min": 10, "short_max": 20, "short_batch": 3, "min_think": 40, "max_think": 60, "long_batch": 2},
+           "stages": [{"steps": 2, "lr": 1e-3, "lr_end": 1e-4, "long_frac": 1.0}]}
+    module = PRMModule(cfg)
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "lm").eval()
+    assert torch.equal(module.model.model.layers[0].mlp.up_proj.weight, lm.model.layers[0].mlp.up_proj.weight)
+    trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("model.layers.1.", "model.norm.", "score.")) for n in trainable)
+    stream = CorruptStream(module.cfg, 0)
+    short, long = stream.batch(0), stream.batch(1)
+    assert short["input_ids"].shape[0] == 3 and long["input_ids"].shape[0] == 2  # warm-up on short traces
+    _, seen = module._layer_outputs(short["input_ids"])
+    with torch.no_grad():  # the target is the frozen LM's own next-token distribution
+        expected = lm(input_ids=short["input_ids"]).logits
+        got = module.lm_norm(seen[0]) @ module.model.model.embed_tokens.weight.T
+    assert torch.allclose(got, expected, atol=1e-5)
+    module.train()
+    loss, _ = module._loss(short)
+    loss.backward()
+    assert module.expect_probe.weight.grad is not None and module.model.model.layers[0].mlp.up_proj.weight.grad is None
+    with pytest.raises(ValueError, match="expect_weight"):
+        PRMModule({**cfg, "freeze_backbone": False})
+
+
+def test_prm_answer_labels():
+    from trainers.testbed_prm import with_answer
+
+    rng = random.Random(2)
+    seen = set()
+    for seed in range(40):
+        p = task.make_problem(seed, max_think=300)
+        toks, labels = with_answer(p, *corrupt(p, rng, 0.0), rng, 0.5, digit_labels=True)
+        assert toks[-4] == task.END_THINK and toks[-1] == task.SEP
+        key, value = toks[-3], toks[-2]
+        right = key == f"r{p.asked}=" and int(value) == p.steps[p.asked - 1].value
+        assert labels[-1] == int(right) and labels[-3] == int(key == f"r{p.asked}=")
+        written = {toks[i - 2]: toks[i - 1] for i, t in enumerate(toks[:-4]) if t == task.SEP}
+        assert labels[-2] == int(written[key] == value)
+        seen.add((labels[-3], labels[-2]))
+    assert {(1, 1), (1, 0), (0, 1)} <= seen  # right, wrong value, wrong key (with its own value)
+
+
 def test_auroc():
     assert auroc([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]) == 1.0
     assert auroc([0.9, 0.8, 0.2, 0.1], [0, 0, 1, 1]) == 0.0

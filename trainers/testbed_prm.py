@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, Qwen2ForTokenClassification
 
 from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
-from trainers.testbed_lm import TOKEN_ID, LMConfig, build_model
+from trainers.testbed_lm import TOKEN_ID, DataConfig, LMConfig, build_model
 
 IGNORE = -100
 
@@ -34,12 +34,21 @@ class PRMConfig(LMConfig):
     init_from: str | None = None
     corrupt_prob: float = 0.3
     token_labels: bool = False  # also label xv..";" with "right so far" (dense auxiliary signal)
+    digit_labels: bool = False  # also label each digit with its local check (operand = question value, v = xv op yv)
+    extra_layers: int = 0  # fresh decoder layers on top of the ``init_from`` backbone
+    freeze_backbone: bool = False  # train only the fresh layers, the final norm and the head
+    prm_short_steps: int = 0  # first steps on short traces (data.short_min..short_max, data.short_batch)
+    answer_prob: float = 0.0  # append the answer "</think> rK= v ;" (labelled), corrupted with this probability
+    answer_from_step: int = 0  # training steps before this one have no answers
+    expect_weight: float = 0.0  # auxiliary: after the first fresh layer, predict the frozen LM's distribution at t-1
 
 
-def corrupt(problem: task.Problem, rng: random.Random, prob: float, token_labels: bool = False) -> tuple[list[str], list[int]]:
+def corrupt(problem: task.Problem, rng: random.Random, prob: float, token_labels: bool = False,
+            digit_labels: bool = False) -> tuple[list[str], list[int]]:
     """The problem's text up to ``</think>`` with some steps corrupted, and per-token labels
     (``1``/``0`` at each step's ``;``, ``IGNORE`` elsewhere). With ``token_labels`` every token from
-    ``xv`` to ``;`` is labelled "the step is right so far": a dense auxiliary signal for training."""
+    ``xv`` to ``;`` is labelled "the step is right so far"; with ``digit_labels`` each digit gets its
+    local check (dense auxiliary signals for training; held-out sets label only the ``;``)."""
     toks = list(problem.tokens[: problem.tokens.index(task.END_THINK)])
     labels = [IGNORE] * len(toks)
     for i, t in enumerate(toks):
@@ -58,6 +67,13 @@ def corrupt(problem: task.Problem, rng: random.Random, prob: float, token_labels
         toks[j] = str((int(toks[j]) + rng.randint(1, 9)) % 10)
         if kind == 2:  # result consistent with the wrong operand
             toks[s + 7] = str(task.OPS[toks[s + 2]](int(toks[s + 1]), int(toks[s + 4])))  # type: ignore[operator]
+    if digit_labels:  # the local check of each digit: operands against the question, v against xv op yv
+        for i, t in enumerate(toks):
+            if t == task.SEP:
+                s = i - task.STEP_TOKENS + 1
+                x, y = problem.operands[task.VARIABLES.index(toks[s])], problem.operands[task.VARIABLES.index(toks[s + 3])]
+                labels[s + 1], labels[s + 4] = int(int(toks[s + 1]) == x), int(int(toks[s + 4]) == y)
+                labels[s + 7] = int(int(toks[s + 7]) == task.OPS[toks[s + 2]](int(toks[s + 1]), int(toks[s + 4])))  # type: ignore[operator]
     if token_labels:  # "is the step right so far?" on every token from xv to ";" (a running AND)
         for i, t in enumerate(toks):
             if t == task.SEP:
@@ -68,6 +84,33 @@ def corrupt(problem: task.Problem, rng: random.Random, prob: float, token_labels
                 ok_v = ok_y and int(toks[s + 7]) == task.OPS[toks[s + 2]](x, y)  # type: ignore[operator]
                 for j, ok in zip(range(s + 1, i + 1), [ok_x] * 3 + [ok_y] * 3 + [ok_v] * 2):
                     labels[j] = int(ok)
+    return toks, labels
+
+
+def with_answer(problem: task.Problem, toks: list[str], labels: list[int], rng: random.Random, prob: float,
+                digit_labels: bool = False) -> tuple[list[str], list[int]]:
+    """Append the answer step ``</think> rK= v ;`` to a (possibly corrupted) thinking trace, labelled
+    at its ``;``: right iff ``rK=`` is the asked key and ``v`` is the value the trace wrote after it.
+    With probability ``prob`` it is corrupted: another digit, or another written key (with that key's
+    value: a consistent but wrong lookup). ``digit_labels`` also labels the key and the value."""
+    written = {toks[i - 2]: toks[i - 1] for i, t in enumerate(toks) if t == task.SEP}  # key -> last value written
+    key = f"r{problem.asked}="
+    if key not in written:  # the trace never wrote the asked step: no answer to check
+        return toks, labels
+    value = written[key]
+    if rng.random() < prob:
+        others = [k for k in written if k != key]
+        if others and rng.random() < 0.5:
+            key = rng.choice(others)
+            value = written[key]
+        else:
+            value = str((int(value) + rng.randint(1, 9)) % 10)
+    key_ok = key == f"r{problem.asked}="
+    value_ok = value == written[f"r{problem.asked}="]
+    toks = toks + [task.END_THINK, key, value, task.SEP]
+    value_local = value == written[key]  # the lookup itself, whichever key was asked
+    labels = labels + [IGNORE, int(key_ok) if digit_labels else IGNORE, int(value_local) if digit_labels else IGNORE,
+                       int(key_ok and value_ok)]
     return toks, labels
 
 
@@ -90,12 +133,18 @@ class CorruptStream(IterableDataset):
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         d = self.cfg.data
         rng = random.Random(f"prm-batch:{self.cfg.seed}:{step}")
-        center = rng.randint(d.min_think, d.max_think)
-        lo, hi = max(d.min_think, center - d.length_spread), min(d.max_think, center + d.length_spread)
+        if step < self.cfg.prm_short_steps:  # warm-up on short traces: many steps per token of compute
+            lo, hi, size = d.short_min, d.short_max, d.short_batch
+        else:
+            center = rng.randint(d.min_think, d.max_think)
+            lo, hi, size = max(d.min_think, center - d.length_spread), min(d.max_think, center + d.length_spread), d.long_batch
         rows = []
-        for r in range(d.long_batch):
+        for r in range(size):
             p = task.make_problem(f"train:prm:{self.cfg.seed}:{step}:{r}", min_think=lo, max_think=hi)
-            rows.append(corrupt(p, rng, self.cfg.corrupt_prob, self.cfg.token_labels))
+            row = corrupt(p, rng, self.cfg.corrupt_prob, self.cfg.token_labels, self.cfg.digit_labels)
+            if self.cfg.answer_prob > 0 and step >= self.cfg.answer_from_step:
+                row = with_answer(p, *row, rng, self.cfg.answer_prob, self.cfg.digit_labels)
+            rows.append(row)
         return collate(rows)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -106,8 +155,14 @@ class CorruptStream(IterableDataset):
 
 
 def heldout(name: str, n: int, cfg: PRMConfig) -> list[tuple[list[str], list[int]]]:
-    probs = task.problem_set(name, n, min_think=cfg.data.min_think, max_think=cfg.data.max_think)
-    return [corrupt(p, random.Random(f"{name}-corrupt:{p.name}"), cfg.corrupt_prob) for p in probs]
+    """Reference traces of a fixed problem set, corrupted (and answered, when the config trains on
+    answers) as in training, labelled only at the ``;`` s."""
+    rows = []
+    for p in task.problem_set(name, n, min_think=cfg.data.min_think, max_think=cfg.data.max_think):
+        rng = random.Random(f"{name}-corrupt:{p.name}")
+        row = corrupt(p, rng, cfg.corrupt_prob)
+        rows.append(with_answer(p, *row, rng, cfg.answer_prob) if cfg.answer_prob > 0 else row)
+    return rows
 
 
 class PRMData(L.LightningDataModule):
@@ -164,21 +219,69 @@ class PRMModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters({"cfg": cfg})
         self.cfg = PRMConfig.from_dict(cfg)
-        config = build_model(self.cfg.model).config
+        base_layers = build_model(self.cfg.model).config.num_hidden_layers
+        config = build_model({**self.cfg.model, "num_hidden_layers": base_layers + self.cfg.extra_layers}).config
         config.num_labels = 2
         config.id2label, config.label2id = {0: "wrong", 1: "correct"}, {"wrong": 0, "correct": 1}
         self.model = Qwen2ForTokenClassification(config)
+        self.base_layers = base_layers
         if self.cfg.init_from:
             lm = AutoModelForCausalLM.from_pretrained(self.cfg.init_from)
-            missing = self.model.model.load_state_dict(lm.model.state_dict())
-            assert not missing.missing_keys, missing
+            loaded = self.model.model.load_state_dict(lm.model.state_dict(), strict=False)
+            fresh = tuple(f"layers.{i}." for i in range(base_layers, base_layers + self.cfg.extra_layers))
+            assert not loaded.unexpected_keys and all(k.startswith(fresh) for k in loaded.missing_keys), loaded
+            # the frozen LM's own output head (final norm + tied embedding) gives the "expected token" target
+            self.lm_norm = lm.model.norm.requires_grad_(False)
+        if self.cfg.freeze_backbone:
+            frozen = ("embed_tokens.",) + tuple(f"layers.{i}." for i in range(base_layers))
+            for name, param in self.model.model.named_parameters():
+                if name.startswith(frozen):
+                    param.requires_grad_(False)
+        if self.cfg.expect_weight > 0:
+            if not (self.cfg.init_from and self.cfg.extra_layers and self.cfg.freeze_backbone):
+                raise ValueError("expect_weight > 0 needs init_from, extra_layers >= 1 and freeze_backbone: true")
+            self.expect_probe = torch.nn.Linear(config.hidden_size, config.vocab_size)
+
+    def _layer_outputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Token-classification logits and the outputs of the last frozen and the first fresh layer."""
+        seen: dict[int, torch.Tensor] = {}
+
+        def keep(index: int):
+            return lambda module, args, out: seen.__setitem__(index, out[0] if isinstance(out, tuple) else out)
+
+        hooks = [self.model.model.layers[i].register_forward_hook(keep(i)) for i in (self.base_layers - 1, self.base_layers)]
+        try:
+            logits = self.model(input_ids=input_ids).logits.float()
+        finally:
+            for h in hooks:
+                h.remove()
+        return logits, seen
+
+    def _expect_loss(self, input_ids: torch.Tensor, seen: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy of a probe on the first fresh layer's output at ``t`` against the frozen LM's
+        next-token distribution at ``t - 1``: teaches the fresh layers what the LM expected each token
+        to be, which the step checks then compare with the token that is there."""
+        with torch.no_grad():
+            logits = self.lm_norm(seen[self.base_layers - 1]) @ self.model.model.embed_tokens.weight.T
+            target = logits.float().softmax(-1)
+        pred = self.expect_probe(seen[self.base_layers][:, 1:]).float().log_softmax(-1)
+        per_token = -(target[:, :-1] * pred).sum(-1)
+        real = (input_ids[:, 1:] != TOKEN_ID[task.PAD]).float()
+        return (per_token * real).sum() / real.sum().clamp(min=1)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model(input_ids=batch["input_ids"]).logits.float()
         labels = batch["labels"]
+        if self.cfg.expect_weight > 0:
+            logits, seen = self._layer_outputs(batch["input_ids"])
+        else:
+            logits = self.model(input_ids=batch["input_ids"]).logits.float()
         loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE)
         mask = labels != IGNORE
         acc = (logits.argmax(-1)[mask] == labels[mask]).float().mean()
+        if self.cfg.expect_weight > 0 and self.training:
+            expect = self._expect_loss(batch["input_ids"], seen)
+            self.log("train/expect", expect)
+            loss = loss + self.cfg.expect_weight * expect
         return loss, acc
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -196,7 +299,8 @@ class PRMModule(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         from trainers.testbed_lm import lr_at
 
-        opt = torch.optim.AdamW(self.model.parameters(), lr=1.0, betas=(0.9, 0.98), weight_decay=self.cfg.weight_decay)
+        params = [p for p in self.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1.0, betas=(0.9, 0.98), weight_decay=self.cfg.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(self.cfg, s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -209,5 +313,39 @@ class PRMModule(L.LightningModule):
 
     def gate(self) -> dict[str, float]:
         """AUROC of correct vs corrupted steps on held-out ("test") traces."""
-        scores, labels = step_scores(self.model, heldout("test", self.cfg.gate_size, self.cfg))
-        return {"gate_auroc": auroc(scores, labels), "gate_steps": len(labels), "gate_wrong_steps": labels.count(0)}
+        rows = heldout("test", self.cfg.gate_size, self.cfg)
+        scores, labels = step_scores(self.model, rows)
+        result = {"gate_auroc": auroc(scores, labels), "gate_steps": len(labels), "gate_wrong_steps": labels.count(0)}
+        answers = [(t, [y if t[:i].count(task.END_THINK) else IGNORE for i, y in enumerate(lab)]) for t, lab in rows if task.END_THINK in t]
+        if answers:
+            scores, labels = step_scores(self.model, answers)
+            result.update({"gate_answer_auroc": auroc(scores, labels), "gate_answers": len(labels), "gate_wrong_answers": labels.count(0)})
+        return result
+
+
+def step_requests(rows: Sequence[tuple[list[str], list[int]]], tokenizer: Any) -> tuple[list[Any], list[int]]:
+    """Held-out corrupted traces as :class:`~dynts.rescue.StepRequest` s (one per labelled step: the
+    question as prompt, everything before the step as the committed context, the step from the
+    previous ``;`` to its own ``;`` as the candidate) and their labels."""
+    from dynts.rescue import StepRequest
+
+    requests, labels = [], []
+    for toks, labs in rows:
+        ids = [TOKEN_ID[t] for t in toks]
+        prompt = task.QUESTION_TOKENS
+        previous = prompt
+        for j, label in enumerate(labs):
+            if label == IGNORE:
+                continue
+            requests.append(StepRequest(question=" ".join(toks[:prompt]), prompt_ids=ids[:prompt],
+                                        steps=[ids[prompt:previous]], candidate=ids[previous : j + 1], tokenizer=tokenizer))
+            labels.append(label)
+            previous = j + 1
+    return requests, labels
+
+
+def scorer_gate(scorer: Any, n: int, tokenizer: Any, cfg: PRMConfig | None = None) -> dict[str, float]:
+    """AUROC of any :class:`~dynts.rescue.StepScorer` on the PRM gate set (held-out "test" traces)."""
+    requests, labels = step_requests(heldout("test", n, cfg or PRMConfig(data=DataConfig(min_think=60, max_think=700))), tokenizer)
+    scores = scorer.score(requests)
+    return {"gate_auroc": auroc(scores, labels), "gate_steps": len(labels), "gate_wrong_steps": labels.count(0)}

@@ -11,6 +11,7 @@ can be the base's.
 
 from .detector import CandidateScreen, DegenerationDetector, gzip_ratio
 from .interleave import delimiter_token_ids, rescue_generate
+from .likelihood import LikelihoodPRM
 from .results import ProblemResult, RescueResult, Step, summarize
 from .prm import CallablePRM, QwenMathPRM, StepRequest, StepScorer, TokenClassificationPRM, load_prm
 from .rows import RaggedCache
@@ -20,6 +21,7 @@ __all__ = [
     "CallablePRM",
     "CandidateScreen",
     "DegenerationDetector",
+    "LikelihoodPRM",
     "ProblemResult",
     "QwenMathPRM",
     "RaggedCache",

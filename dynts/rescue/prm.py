@@ -305,18 +305,30 @@ def load_prm(
     Args:
         prm: a :class:`StepScorer`; a callable ``fn(question, steps) -> float``; a
             ``(model, tokenizer)`` pair; ``"testbed-prm"``; or a local directory.
-        kind: ``"qwen"`` (chat-template recipe) or ``"token"`` (raw trajectory); default: ``"qwen"``
-            when the tokenizer knows ``<extra_0>``, else ``"token"``.
+        kind: ``"qwen"`` (chat-template recipe), ``"token"`` (raw trajectory) or ``"likelihood"``
+            (a causal LM as verifier: :class:`~dynts.rescue.likelihood.LikelihoodPRM`; ``prm`` is then a
+            ``(causal_lm, tokenizer)`` pair, a model name for :func:`dynts.models.load` or a directory);
+            default: ``"qwen"`` when the tokenizer knows ``<extra_0>``, else ``"token"``.
         separator: the scored separator token (default ``<extra_0>`` / ``;``).
         step_delimiter: the policy's step delimiter (stripped from steps by the Qwen recipe).
         trust_remote_code: allow a directory's own model code (Qwen2.5-Math-PRM ships
             ``Qwen2ForProcessRewardModel``); never implied.
-        **options: ``positive_label``, ``batch_size``, ``system`` (Qwen recipe).
+        **options: ``positive_label``, ``batch_size``, ``system`` (Qwen recipe), ``reduce`` (likelihood).
     """
     if isinstance(prm, StepScorer):
         return prm
-    if kind not in (None, "qwen", "token"):
-        raise ValueError(f"kind={kind!r} must be 'qwen', 'token' or None (auto)")
+    if kind not in (None, "qwen", "token", "likelihood"):
+        raise ValueError(f"kind={kind!r} must be 'qwen', 'token', 'likelihood' or None (auto)")
+    if kind == "likelihood":
+        from .likelihood import LikelihoodPRM
+
+        if isinstance(prm, (str, Path)):
+            from ..models import load
+
+            prm = load(prm, dtype=dtype, device=device, token_classification=False, trust_remote_code=trust_remote_code)
+        if not (isinstance(prm, tuple) and len(prm) == 2 and isinstance(prm[0], torch.nn.Module)):
+            raise ValueError(f"prm={prm!r}: kind='likelihood' needs a (causal_lm, tokenizer) pair or a model name / directory")
+        return LikelihoodPRM(prm[0], prm[1], **options)
     if isinstance(prm, (str, Path)):
         name = str(prm)
         if name.startswith("testbed"):

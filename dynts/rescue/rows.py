@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from ..cache import BoundedCache, CacheStats
+from ..cache import BoundedCache, CacheStats, incoming_tokens
 from ..evictors.base import Segment, TokenInfo
 
 __all__ = ["RaggedCache"]
@@ -74,13 +74,7 @@ class RaggedCache(BoundedCache):
     # ------------------------------------------------------------------ forward protocol
     def begin_forward(self, input_ids, attention_mask, batch_size, query_length, device):
         q = query_length
-        if input_ids is None:
-            input_ids = torch.full((batch_size, q), -1, dtype=torch.long, device=device)
-        new_valid = (
-            attention_mask[:, -q:].bool()
-            if attention_mask is not None
-            else torch.ones(batch_size, q, dtype=torch.bool, device=device)
-        )
+        input_ids, new_valid = incoming_tokens(input_ids, attention_mask, batch_size, q, device)
         if self.positions is None:
             self._allocate(batch_size, q, device)
             counts = new_valid.sum(1)
