@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-predictor": ("trainers.predictor_cli:main", "train the DynTS importance predictor (LightningCLI: fit / validate)"),
     "pipeline": ("trainers.pipeline:main", "traces -> importance -> predictor training -> export, resumable"),
     "eval": ("eval.cli:main", "pass@1 / tokens/s / peak KV of methods x budgets x benchmarks, ablations, resumable"),
-    "rescue": ("eval.rescue_eval:main", "KV-Rescue: evicted base + full-context helper + PRM; generate, or bench vs best-of-N"),
+    "rescue": ("eval.rescue_cli:main", "KV-Rescue: evicted base + full-context helper + PRM; generate, or bench vs best-of-N"),
 }
 
 

@@ -1,0 +1,147 @@
+"""``dynts rescue {bench,generate,calibrate}``: the command line of :mod:`eval.rescue_eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.rescue_eval import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, _prm, _load, _write_atomic
+
+__all__ = ["main"]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", default="testbed", help="base model: a dynts.load name or a local HF directory")
+    p.add_argument("--helper", default="testbed-helper", help="full-context helper (same tokenizer as the base)")
+    p.add_argument("--prm", default="testbed-prm",
+                   help="PRM: testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
+                        "(e.g. likelihood:testbed: a full-context LM's token likelihoods) or testbed-verifier (exact step checker)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
+    p.add_argument("--predictor", default=None, help="importance predictor directory (needed by --method dynts)")
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--local-window", type=int, default=16)
+    p.add_argument("--retention", type=float, default=0.4)
+    p.add_argument("--n", type=int, default=4, help="candidates per step from each model (paper: N=8)")
+    p.add_argument("--delimiter", default="\n\n", help="step delimiter (paper: a blank line; the testbed: ';')")
+    p.add_argument("--max-tokens", type=int, default=None, help="output token cap (default: the benchmark's)")
+    p.add_argument("--max-steps", type=int, default=1024)
+    p.add_argument("--max-step-tokens", type=int, default=512)
+    p.add_argument("--entropy-threshold", type=float, default=7.0, help="detector tau_ent in nats (<= 0: off)")
+    p.add_argument("--compress-threshold", type=float, default=0.18, help="detector tau_cmp (<= 0: off)")
+    p.add_argument("--compress-window", type=int, default=800, help="detector gzip window in characters")
+    p.add_argument("--guard", type=int, default=24)
+    p.add_argument("--entropy-window", type=int, default=12)
+    p.add_argument("--include-context", action="store_true", help="let the gzip window reach into committed text")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for tiny models on shared cores)")
+
+
+def _detector(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "entropy_threshold": args.entropy_threshold if args.entropy_threshold > 0 else None,
+        "compress_threshold": args.compress_threshold if args.compress_threshold > 0 else None,
+        "compress_window": args.compress_window, "guard": args.guard, "entropy_window": args.entropy_window,
+        "include_context": args.include_context,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dynts rescue", description="KV-Rescue: an evicted base + a full-context helper, PRM-selected steps")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="full / helper / evicted / best-of-N / KV-Rescue on a benchmark (resumable)")
+    bench.add_argument("--benchmark", required=True, help="e.g. testbed:n=40,set=test or gsm8k")
+    bench.add_argument("--method", default="dynts,window", help="base eviction methods, comma-separated")
+    bench.add_argument("--settings", default=",".join(SETTINGS), help=f"subset of {','.join(SETTINGS)}")
+    bench.add_argument("--limit", type=int, default=None, help="first N questions")
+    bench.add_argument("--degen-steps", type=int, default=None, help="steps that make an incorrect trajectory degenerate")
+    bench.add_argument("--max-rows", type=int, default=64, help="candidate rows per batched forward")
+    bench.add_argument("--out", required=True, help="run directory (re-run to resume)")
+    _common(bench)
+    cal = sub.add_parser("calibrate", help="detector statistics of best-of-N base candidates (paper Fig. 3), to pick thresholds")
+    cal.add_argument("--benchmark", required=True)
+    cal.add_argument("--method", default="window", help="the base's eviction method")
+    cal.add_argument("--limit", type=int, default=None)
+    cal.add_argument("--out", default=None, help="write the statistics as JSON here")
+    cal.add_argument("--verify", action="store_true", help="testbed: AUROC of the PRM against the exact step checker")
+    _common(cal)
+    gen = sub.add_parser("generate", help="KV-Rescue for a few prompts; prints the solution, step sources and costs")
+    gen.add_argument("prompts", nargs="+", help="prompts (raw text unless --chat)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--method", default="window", help="the base's eviction method")
+    gen.add_argument("--n-base", type=int, default=4)
+    gen.add_argument("--n-helper", type=int, default=4)
+    gen.add_argument("--no-detector", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print the results as JSON")
+    _common(gen)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dynts.rescue import rescue_generate
+
+    base, tokenizer = _load(args.base)
+    helper = _load(args.helper)[0] if args.n_helper else None
+    prm = _prm(args.prm, args.delimiter, args.trust_remote_code)
+    prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else list(args.prompts)
+    out = rescue_generate(
+        base, helper, prm, tokenizer, prompts, base_method=args.method, budget=args.budget,
+        local_window=args.local_window, retention=args.retention, predictor=args.predictor, n_base=args.n_base,
+        n_helper=args.n_helper, step_delimiter=args.delimiter, max_steps=args.max_steps,
+        max_step_tokens=args.max_step_tokens, max_tokens=args.max_tokens or 4096,
+        detector=None if args.no_detector else _detector(args), temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps({"stats": out.stats, "problems": [
+            {"text": p.text, "end": p.end, "sources": p.sources, "stats": p.stats} for p in out.problems]}, indent=2, default=str))
+        return 0
+    for prompt, p in zip(args.prompts, out.problems):
+        print(f"prompt: {prompt}\nsolution ({p.end}): {p.text}")
+        print("steps: " + " | ".join(f"[{s.source[0]}{'' if s.score is None else f' {s.score:.2f}'}] {s.text}" for s in p.steps))
+        print("cost: " + ", ".join(f"{k}={v}" for k, v in p.stats.items()) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "calibrate":
+        config = RescueEvalConfig(
+            benchmark=args.benchmark, out=args.out or "", base=args.base, prm=args.prm, predictor=args.predictor,
+            budget=args.budget, local_window=args.local_window, retention=args.retention, n=args.n,
+            delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
+            max_step_tokens=args.max_step_tokens, detector=_detector(args), temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit, trust_remote_code=args.trust_remote_code,
+        )
+        result = calibrate(config, args.method, verify=args.verify)
+        if args.out:
+            _write_atomic(Path(args.out), json.dumps(result, indent=1))
+        return 0
+    config = RescueEvalConfig(
+        benchmark=args.benchmark, out=args.out, base=args.base, helper=args.helper, prm=args.prm,
+        methods=tuple(m.strip() for m in args.method.split(",") if m.strip()), predictor=args.predictor,
+        budget=args.budget, local_window=args.local_window, retention=args.retention, n=args.n,
+        delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
+        max_step_tokens=args.max_step_tokens, degen_steps=args.degen_steps, detector=_detector(args),
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit,
+        settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), max_rows=args.max_rows,
+        trust_remote_code=args.trust_remote_code,
+    )
+    summary = evaluate(config)
+    print(summary_table(summary))
+    print(f"wrote {Path(config.out) / 'results.md'}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
