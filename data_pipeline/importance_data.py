@@ -11,8 +11,6 @@ Run: ``python -m data_pipeline.importance_data --config configs/predictor/testbe
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ from typing import Any
 import torch
 from datasets import Array2D, Dataset, Features, Sequence as ListOf, Value, load_from_disk
 
-from data_pipeline.shards import ShardStore
+from data_pipeline.shards import ShardStore, stage_main
 from data_pipeline.traces import KEY, TRACE_FEATURES
 from dynts.importance import sequence_importance
 
@@ -133,15 +131,7 @@ def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Add answer-to-thinking importance to a trace dataset (resumable).")
-    parser.add_argument("--config", required=True, help="YAML with an importance: section (or the settings at top level)")
-    args = parser.parse_args(argv)
-    import yaml
-
-    values = yaml.safe_load(Path(args.config).read_text()) or {}
-    stats = add_importance(values.get("importance", values))
-    print(json.dumps({k: v for k, v in stats.items() if k != "config"}, indent=2))
-    return 0
+    return stage_main(argv, "Add answer-to-thinking importance to a trace dataset (resumable).", "importance", add_importance)
 
 
 if __name__ == "__main__":

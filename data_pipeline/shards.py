@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from datasets import Dataset, Features, concatenate_datasets, load_from_disk
 
-__all__ = ["ShardStore"]
+__all__ = ["ShardStore", "stage_main"]
 
 DONE_NAME = "done.json"
 STATS_NAME = "stats.json"
@@ -139,3 +139,19 @@ def _fsync_dir(path: Path) -> None:
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+
+
+def stage_main(argv: list[str] | None, description: str, section: str, run: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+    """Command line of one pipeline stage: ``--config`` names a YAML whose ``section`` (or its top
+    level) holds the stage's settings; ``run(settings)`` returns the stats printed as JSON."""
+    import argparse
+
+    import yaml
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help=f"YAML with a {section}: section (or the settings at top level)")
+    args = parser.parse_args(argv)
+    values = yaml.safe_load(Path(args.config).read_text()) or {}
+    stats = run(values.get(section, values))
+    print(json.dumps({k: v for k, v in stats.items() if k != "config"}, indent=2))
+    return 0

@@ -17,10 +17,7 @@ section) or the whole chain with ``dynts pipeline --config ...``. Schema: ``docs
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any, Sequence
 
 import lightning as L
@@ -31,7 +28,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from data_pipeline.loading import load_model, load_tokenizer
 from data_pipeline.grading import ANSWER_RULES, find_answer_start, make_grader
 from data_pipeline.questions import Question, QuestionDataModule, load_questions
-from data_pipeline.shards import ShardStore
+from data_pipeline.shards import ShardStore, stage_main
 
 __all__ = ["TRACE_FEATURES", "TraceConfig", "TraceSampler", "generate_traces", "make_record"]
 
@@ -288,15 +285,7 @@ def generate_traces(config: TraceConfig | dict[str, Any], model=None, tokenizer=
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate reasoning traces (resumable).")
-    parser.add_argument("--config", required=True, help="YAML with a traces: section (or the settings at top level)")
-    args = parser.parse_args(argv)
-    import yaml
-
-    values = yaml.safe_load(Path(args.config).read_text()) or {}
-    stats = generate_traces(values.get("traces", values))
-    print(json.dumps({k: v for k, v in stats.items() if k != "config"}, indent=2))
-    return 0
+    return stage_main(argv, "Generate reasoning traces (resumable).", "traces", generate_traces)
 
 
 if __name__ == "__main__":

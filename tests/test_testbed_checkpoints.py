@@ -88,3 +88,30 @@ def test_prm_interface_and_it_separates_corrupted_steps():
     cfg = PRMConfig.from_dict({"corrupt_prob": 0.5, "data": {"min_think": 60, "max_think": 400}})
     scores, truth = step_scores(model, heldout("ci", 12, cfg))
     assert truth.count(0) >= 10 and truth.count(1) >= 10 and auroc(scores, truth) > 0.95
+
+
+def test_shipped_predictor_ranks_the_critical_token_high(lrm):
+    """The bundled importance predictor fits the testbed LRM and, from its final hidden states,
+    ranks the value the answer reads in the top 20% of thinking tokens on fresh reference traces."""
+    from dynts.generate import final_norm, load_predictor
+    from dynts.models import checkpoints_dir
+
+    model, _ = lrm
+    predictor = load_predictor(str(checkpoints_dir() / "testbed-predictor"), model)
+    top20 = []
+    for i in range(10):
+        p = task.make_problem(f"ci-predictor:{i}", min_think=150, max_think=400)
+        end = p.tokens.index(task.END_THINK)
+        ids = torch.tensor([[task.VOCAB.index(t) for t in p.tokens[:end]]])
+        seen = {}
+        hook = final_norm(model).register_forward_hook(lambda m, a, out: seen.setdefault("h", out))
+        try:
+            with torch.no_grad():
+                model(input_ids=ids)
+                scores = predictor(seen["h"])[0]
+        finally:
+            hook.remove()
+        thinking = scores[task.QUESTION_TOKENS : end]
+        rank = min(int((thinking > scores[c]).sum()) for c in p.critical_positions)
+        top20.append(rank < 0.2 * len(thinking))
+    assert sum(top20) >= 8, top20
