@@ -36,12 +36,12 @@ def step_times(model, ids: torch.Tensor, method: str | None, steps: int) -> tupl
     token = ids[:, -1:]
     if method is None:  # transformers' own DynamicCache, plain sdpa
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, cache=cache, use_cache=True)
         times = []
         for _ in range(steps):
             token = out.logits[:, -1:].argmax(-1)
             start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, cache=cache, use_cache=True)
             times.append(time.perf_counter() - start)
         return times, None
     budget = ids.shape[1] + steps + 32  # never fills: no eviction during the timed steps

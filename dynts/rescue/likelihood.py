@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .prm import StepRequest, StepScorer
+from .prm import StepRequest, StepScorer, padded_batches, shares_vocab
 
 __all__ = ["LikelihoodPRM"]
 
@@ -44,10 +44,7 @@ class LikelihoodPRM(StepScorer):
         self._same_vocab: dict[int, bool] = {}
 
     def _shares_vocab(self, policy_tokenizer: Any) -> bool:
-        key = id(policy_tokenizer)
-        if key not in self._same_vocab:
-            self._same_vocab[key] = policy_tokenizer is self.tokenizer or policy_tokenizer.get_vocab() == self.tokenizer.get_vocab()
-        return self._same_vocab[key]
+        return shares_vocab(self._same_vocab, self.tokenizer, policy_tokenizer)
 
     def encode(self, request: StepRequest) -> tuple[list[int], int]:
         """``(row, start)``: the verifier's ids of context + candidate and where the candidate starts."""
@@ -63,19 +60,10 @@ class LikelihoodPRM(StepScorer):
     @torch.no_grad()
     def score_rows(self, rows: Sequence[list[int]], starts: Sequence[int]) -> list[float]:
         """Reduced log-probability (exponentiated) of ``rows[i][starts[i]:]`` given ``rows[i][:starts[i]]``."""
-        device = next(self.model.parameters()).device
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         out = [1.0] * len(rows)
-        for first in range(0, len(order), self.batch_size):
-            chunk = order[first : first + self.batch_size]
-            width = max(len(rows[i]) for i in chunk)
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for j, i in enumerate(chunk):
-                ids[j, : len(rows[i])] = torch.tensor(rows[i])
-                mask[j, : len(rows[i])] = 1
-            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-            logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device))[..., 0]  # [b, T-1]: token t+1
+        for chunk, ids, mask in padded_batches(rows, self.batch_size, self.pad_id, next(self.model.parameters()).device):
+            logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+            logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # [b, T-1]: token t+1
             for j, i in enumerate(chunk):
                 start = max(1, starts[i])
                 token_logp = logp[j, start - 1 : len(rows[i]) - 1]

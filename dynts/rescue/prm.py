@@ -103,6 +103,30 @@ def _groups(requests: Sequence[StepRequest]) -> list[list[int]]:
     return list(groups.values())
 
 
+def padded_batches(rows: Sequence[list[int]], batch_size: int, pad_id: int, device: torch.device | str):
+    """Yield ``(indices, input_ids, attention_mask)``: ``rows`` sorted by length, in batches of
+    ``batch_size``, right-padded (``[b, T]`` long tensors on ``device``)."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        width = max(len(rows[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, i in enumerate(chunk):
+            ids[j, : len(rows[i])] = torch.tensor(rows[i])
+            mask[j, : len(rows[i])] = 1
+        yield chunk, ids.to(device), mask.to(device)
+
+
+def shares_vocab(cache: dict[int, bool], mine: Any, policy_tokenizer: Any) -> bool:
+    """Whether ``policy_tokenizer`` has the vocabulary of ``mine`` (then ids can be used as they
+    are); memoised per tokenizer object in ``cache``."""
+    key = id(policy_tokenizer)
+    if key not in cache:
+        cache[key] = policy_tokenizer is mine or policy_tokenizer.get_vocab() == mine.get_vocab()
+    return cache[key]
+
+
 class _TokenScorer(StepScorer):
     """Shared batching: score each row of token ids at one position (right padding; causal models).
 
@@ -144,18 +168,9 @@ class _TokenScorer(StepScorer):
     @torch.no_grad()
     def score_ids(self, rows: Sequence[list[int]], positions: Sequence[int]) -> list[float]:
         """Positive-label probability at ``positions[i]`` of ``rows[i]`` (full forwards)."""
-        device = next(self.model.parameters()).device
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         out = [0.0] * len(rows)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            width = max(len(rows[i]) for i in chunk)
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for j, i in enumerate(chunk):
-                ids[j, : len(rows[i])] = torch.tensor(rows[i])
-                mask[j, : len(rows[i])] = 1
-            logits = _logits(self.model(input_ids=ids.to(device), attention_mask=mask.to(device)))
+        for chunk, ids, mask in padded_batches(rows, self.batch_size, self.pad_id, next(self.model.parameters()).device):
+            logits = _logits(self.model(input_ids=ids, attention_mask=mask))
             at = torch.tensor([positions[i] for i in chunk], device=logits.device)
             probs = logits[torch.arange(len(chunk), device=logits.device), at].float().softmax(-1)
             for i, p in zip(chunk, self._positive(probs)):
@@ -228,10 +243,7 @@ class TokenClassificationPRM(_TokenScorer):
         self._same_vocab: dict[int, bool] = {}
 
     def _shares_vocab(self, policy_tokenizer: Any) -> bool:
-        key = id(policy_tokenizer)
-        if key not in self._same_vocab:
-            self._same_vocab[key] = policy_tokenizer is self.tokenizer or policy_tokenizer.get_vocab() == self.tokenizer.get_vocab()
-        return self._same_vocab[key]
+        return shares_vocab(self._same_vocab, self.tokenizer, policy_tokenizer)
 
     def encode(self, request: StepRequest) -> list[int]:
         tok = request.tokenizer
