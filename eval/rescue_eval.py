@@ -96,10 +96,15 @@ class RescueEvalConfig:
         # the weights, so that a retrained model, PRM or predictor never reuses an old cell
         keep["weights"] = {"base": fingerprint(self.base), "helper": fingerprint(self.helper),
                            "prm": fingerprint(self.prm.removeprefix("likelihood:")), "predictor": fingerprint(self.predictor)}
+        from dynts.evictors.base import EVICTORS
+
+        if method is not None and method in EVICTORS and "scores" not in EVICTORS[method].requires:
+            keep.pop("predictor")  # the method never reads importance scores
+            keep["weights"].pop("predictor")
         if setting == "evict":  # plain decoding of the evicted base: no PRM, no helper, no candidates
             for k in ("prm", "n", "detector"):
                 keep.pop(k)
-            keep["weights"] = {k: keep["weights"][k] for k in ("base", "predictor")}
+            keep["weights"] = {k: v for k, v in keep["weights"].items() if k in ("base", "predictor")}
         if setting == "bon":
             keep["weights"].pop("helper")
         if setting in ("full", "helper"):
