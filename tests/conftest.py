@@ -23,6 +23,19 @@ TINY = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny models: their matrices gain nothing from a second
+    thread, and OpenMP spin-waits cost 10x+ when the 2 cores are shared. Request it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),

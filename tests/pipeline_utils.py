@@ -34,6 +34,25 @@ def tiny_testbed_lm(directory: Path, seed: int = 0, uniform: bool = True) -> Pat
     return Path(directory)
 
 
+def tiny_eval_testbed(model_dir: Path, predictor_dir: Path | None = None) -> None:
+    """A random 2-layer Qwen2 (hidden 32, GQA 2:1, tied) over the testbed vocabulary with its
+    tokenizer in ``model_dir``, and an untrained 32-wide importance predictor in ``predictor_dir``
+    (the layout the eval harness and the demo read)."""
+    import dynts
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    if predictor_dir is not None:
+        dynts.ImportancePredictor(32).save_pretrained(predictor_dir)
+
+
 def write_yaml(path: Path, values: dict) -> Path:
     import yaml
 

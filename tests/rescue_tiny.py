@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForTokenClassification
@@ -53,12 +52,3 @@ def tiny_prm(seed: int = 5, vocab_size: int = TINY["vocab_size"]) -> torch.nn.Mo
     torch.manual_seed(seed)
     cfg = Qwen2Config(**{**TINY, "vocab_size": vocab_size}, num_labels=2, attn_implementation="sdpa")
     return Qwen2ForTokenClassification(cfg).eval()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models decode fastest on one thread; two threads on the shared 2 cores spin-wait badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -19,14 +19,7 @@ from eval.analysis_plots import plot_importance_strips, plot_pareto, plot_pos_de
 from eval.analysis_traces import add_importance, check_traces, save_traces
 from eval.analysis_traces import testbed_traces as build_testbed_traces
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight other jobs for the cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_testbed_model(seed: int = 0) -> Qwen2ForCausalLM:

@@ -6,34 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import dynts
 from eval import demo
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)  # the demo sets 1
+from pipeline_utils import tiny_eval_testbed
 
 
 def make_checkpoints(root, predictor: bool):
-    from data_pipeline.testbed.tokenizer import build_tokenizer
-
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(root / "testbed-lrm")
-    tok.save_pretrained(root / "testbed-lrm")
-    if predictor:
-        dynts.ImportancePredictor(32).save_pretrained(root / "testbed-predictor")
+    tiny_eval_testbed(root / "testbed-lrm", root / "testbed-predictor" if predictor else None)
 
 
 def test_demo_without_checkpoints_says_what_to_do(tmp_path, monkeypatch, capsys):

@@ -9,39 +9,21 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import dynts
 import eval.harness as harness
 from eval.config import EvalConfig
 from eval.harness import plan_cells, run
+from pipeline_utils import tiny_eval_testbed
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread avoids OpenMP barriers that cost 10x on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny_testbed(tmp_path_factory):
     """A random 2-layer Qwen2 over the testbed vocabulary + an untrained predictor, as directories."""
-    from data_pipeline.testbed.tokenizer import build_tokenizer
-
     root = tmp_path_factory.mktemp("tiny-testbed")
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    dynts.ImportancePredictor(32).save_pretrained(root / "predictor")
+    tiny_eval_testbed(root / "model", root / "predictor")
     return root
 
 

@@ -9,6 +9,8 @@ from conftest import tiny_model
 from dynts.attention import recording_attention
 from dynts.importance import answer_importance, sequence_importance
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def brute_force(model, ids: torch.Tensor, answer_start: int) -> torch.Tensor:
     """Eager attention with ``output_attentions``: the full ``T x T`` matrices, summed over layers,
@@ -23,14 +25,6 @@ def brute_force(model, ids: torch.Tensor, answer_start: int) -> torch.Tensor:
     scores = torch.stack(out.attentions)[:, :, :, answer_start:, :].sum(dim=(0, 2, 3)).float()
     scores[:, answer_start:] = 0
     return scores
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])

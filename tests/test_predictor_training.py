@@ -31,13 +31,7 @@ from trainers.predictor_metrics import (
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

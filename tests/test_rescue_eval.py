@@ -10,11 +10,12 @@ import pytest
 
 from eval.rescue_cli import main
 from eval.rescue_eval import testbed_step_verifier as step_verifier
-from rescue_tiny import one_thread  # noqa: F401  (autouse: one torch thread)
 
 ARGS = ["bench", "--benchmark", "testbed:n=3,set=test,min_think=60,max_think=150", "--method", "window",
         "--budget", "40", "--local-window", "8", "--n", "2", "--delimiter", ";", "--max-steps", "24",
         "--max-step-tokens", "48", "--temperature", "0.6", "--settings", "full,evict,bon,kvr"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bench_runs_compares_and_resumes(tmp_path, monkeypatch, capsys):

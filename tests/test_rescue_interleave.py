@@ -10,11 +10,13 @@ import torch
 
 import dynts
 from dynts.rescue import DegenerationDetector, Sampler, StepRequest, candidate_generator, load_prm, rescue_generate
-from rescue_tiny import DELIMITER, DELIMITER_ID, step_model, tiny_prm, word_tokenizer, one_thread  # noqa: F401
+from rescue_tiny import DELIMITER, DELIMITER_ID, step_model, tiny_prm, word_tokenizer
 
 EOS = 2
 PROMPTS = ["<bos> w5 w9 w20 w33", "<bos> w7 w8 w9 w10 w11 w12", "<bos> w40 w41"]
 CAPS = dict(max_steps=6, max_step_tokens=10, max_tokens=36)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from dynts.rescue import CallablePRM, QwenMathPRM, StepRequest, TokenClassificationPRM, load_prm
-from rescue_tiny import DELIMITER_ID, tiny_prm, word_tokenizer, one_thread  # noqa: F401
+from rescue_tiny import DELIMITER_ID, tiny_prm, word_tokenizer
 
 QWEN_SPECIALS = ("<extra_0>", "<|im_start|>", "<|im_end|>")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ import dynts
 from dynts.rescue import RaggedCache
 from dynts.rescue.engine import Policy
 from conftest import tiny_model
-from rescue_tiny import one_thread  # noqa: F401
 
 BUDGET, WINDOW = 14, 3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def plain_logits(model, method, predictor, tokens: list[int], prompt_len: int) -> list[torch.Tensor]:

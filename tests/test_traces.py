@@ -23,13 +23,7 @@ from pipeline_utils import tiny_testbed_lm, write_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: 2 threads on 2 busy cores is ~100x slower
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -316,7 +316,11 @@ class PRMModule(L.LightningModule):
         rows = heldout("test", self.cfg.gate_size, self.cfg)
         scores, labels = step_scores(self.model, rows)
         result = {"gate_auroc": auroc(scores, labels), "gate_steps": len(labels), "gate_wrong_steps": labels.count(0)}
-        answers = [(t, [y if t[:i].count(task.END_THINK) else IGNORE for i, y in enumerate(lab)]) for t, lab in rows if task.END_THINK in t]
+        answers = []  # the same rows labelled only at the answer's ";"
+        for toks, labels in rows:
+            if task.END_THINK in toks:
+                end = toks.index(task.END_THINK)
+                answers.append((toks, [IGNORE] * (end + 1) + labels[end + 1 :]))
         if answers:
             scores, labels = step_scores(self.model, answers)
             result.update({"gate_answer_auroc": auroc(scores, labels), "gate_answers": len(labels), "gate_wrong_answers": labels.count(0)})
