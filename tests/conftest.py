@@ -83,3 +83,31 @@ def smollm2():
     import dynts
 
     return dynts.load("smollm2-135m")
+
+
+def decode_with_cache(model, ids, mask, method, budget, steps, predictor=None, **cache_options):
+    """Greedy decode through ``attach`` with ``method`` (a name or an ``Evictor``), budget ``budget``,
+    local window 4, retention 0.5; return tokens, per-step logits, per-step visible positions, per-step
+    cache lengths and the cache."""
+    import dynts
+    from dynts.evictors import Segment
+
+    evictor = dynts.make_evictor(method) if isinstance(method, str) else method
+    cache = dynts.build_cache(model, evictor, dynts.Budget(budget, 4, 0.5), **cache_options)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    seq, logits, visible, sizes = ids, [], [], []
+    with torch.no_grad(), dynts.attach(model, cache, predictor):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
+        full_mask = mask
+        for _ in range(steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, token], 1)
+            full_mask = torch.cat([full_mask, torch.ones_like(token)], 1)
+            positions = positions[:, -1:] + 1
+            out = model(input_ids=token, attention_mask=full_mask, position_ids=positions, cache=cache)
+            logits.append(out.logits[:, -1])
+            sizes.append(cache.length)
+            n = cache.length
+            valid = cache.segments[:, :n] != Segment.PAD
+            visible.append([cache.positions[r, :n][valid[r]].tolist() for r in range(ids.shape[0])])
+    return seq, torch.stack(logits, 1), visible, sizes, cache

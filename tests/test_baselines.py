@@ -15,7 +15,7 @@ from dynts.evictors.h2o import H2O
 from dynts.evictors.rkv import RKV
 from dynts.evictors.sepllm import SepLLM, separator_ids
 from dynts.evictors.snapkv import SnapKV
-from conftest import padded_batch
+from conftest import decode_with_cache, padded_batch
 
 PADS = (0, 4, 9)  # left pads per row of the random cache
 N, QUESTION, N_KEEP, LOCAL, WINDOW, HEADS, DIM, VOCAB = 34, 12, 20, 5, 6, 2, 8, 10
@@ -217,21 +217,7 @@ def test_recorded_statistics_equal_eager_attention(family_model):
     model = family_model
     ids, mask = padded_batch([10, 6], seed=7)
     budget, steps, window = 22, 30, 5
-    cache = dynts.build_cache(model, H2OWithWindow(), dynts.Budget(budget, 4, 0.5), observation_window=window)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    seq, visible = ids, []
-    with torch.no_grad(), dynts.attach(model, cache):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
-        full_mask = mask
-        for _ in range(steps):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            seq = torch.cat([seq, token], 1)
-            full_mask = torch.cat([full_mask, torch.ones_like(token)], 1)
-            positions = positions[:, -1:] + 1
-            out = model(input_ids=token, attention_mask=full_mask, position_ids=positions, cache=cache)
-            n = cache.length
-            valid = cache.segments[:, :n] != Segment.PAD
-            visible.append([cache.positions[r, :n][valid[r]].tolist() for r in range(2)])
+    seq, _, visible, _, cache = decode_with_cache(model, ids, mask, H2OWithWindow(), budget, steps, observation_window=window)
     assert cache.stats.evictions >= 3
 
     b, m = ids.shape

@@ -6,31 +6,7 @@ import pytest
 import torch
 
 import dynts
-from dynts.evictors import Segment
-from conftest import padded_batch
-
-
-def decode_with_cache(model, ids, mask, method, budget, steps, predictor=None):
-    """Greedy decode through ``attach``; return tokens, per-step logits and per-step visible positions."""
-    evictor = dynts.make_evictor(method)
-    cache = dynts.build_cache(model, evictor, dynts.Budget(budget, 4, 0.5))
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    seq, logits, visible, sizes = ids, [], [], []
-    with torch.no_grad(), dynts.attach(model, cache, predictor):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
-        full_mask = mask
-        for _ in range(steps):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            seq = torch.cat([seq, token], 1)
-            full_mask = torch.cat([full_mask, torch.ones_like(token)], 1)
-            positions = positions[:, -1:] + 1
-            out = model(input_ids=token, attention_mask=full_mask, position_ids=positions, cache=cache)
-            logits.append(out.logits[:, -1])
-            sizes.append(cache.length)
-            n = cache.length
-            valid = cache.segments[:, :n] != Segment.PAD
-            visible.append([cache.positions[r, :n][valid[r]].tolist() for r in range(ids.shape[0])])
-    return seq, torch.stack(logits, 1), visible, sizes, cache
+from conftest import decode_with_cache, padded_batch
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def interpreter_report() -> dict:
         report["compact"].append({"dtype": str(dtype), "length": length, "k": k, "max_abs_error": error})
     # the fused path inside a real cache: a bounded decode with the Triton kernels equals the torch one
     from conftest import tiny_model
-    from test_eviction import decode_with_cache
+    from conftest import decode_with_cache
 
     model = tiny_model("qwen2")
     ids = torch.randint(3, 128, (2, 6), generator=g)
@@ -142,7 +142,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-report"]:
 def test_padding_flag_is_tracked_on_the_host(qwen2):
     """Decode steps decide "no mask needed" from a host flag (no per-step device read on CUDA)."""
     from conftest import padded_batch
-    from test_eviction import decode_with_cache
+    from conftest import decode_with_cache
 
     ids, mask = padded_batch([8, 5], seed=7)
     predictor = dynts.ImportancePredictor(qwen2.config.hidden_size)
