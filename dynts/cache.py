@@ -196,9 +196,16 @@ class BoundedCache(Cache):
             if self.bounded and self.length + q > self.budget.budget and self.length > self.n_keep:
                 self.evict()
             segments = self._generated_segments(input_ids, new_valid)
+        self._record_incoming(torch.arange(self.seen, self.seen + q, device=device), segments, input_ids)
+        return self._slot_mask() if self.holds_pads else None
+
+    def _record_incoming(self, positions: torch.Tensor, segments: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """Write the metadata of a forward's ``q`` new tokens (``[b, q]`` or broadcastable) into the
+        slots after ``length``; they become pending until :meth:`end_forward`."""
+        q = input_ids.shape[1]
         self._ensure_capacity(self.length + q)
         sl = slice(self.length, self.length + q)
-        self.positions[:, sl] = torch.arange(self.seen, self.seen + q, device=device)
+        self.positions[:, sl] = positions
         self.segments[:, sl] = segments
         self.token_ids[:, sl] = input_ids
         self.scores[:, sl] = float("nan")
@@ -209,10 +216,14 @@ class BoundedCache(Cache):
         self.pending = q
         self._window_fresh = True
         self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, self.length + q)
-        if not self.holds_pads:
-            return None
-        valid = self.segments[:, : self.length + q] != Segment.PAD
-        mask = torch.ones(batch_size, self.seen + q, dtype=torch.bool, device=device)
+
+    def _slot_mask(self) -> torch.Tensor:
+        """The 2-D ``[b, seen + pending]`` attention mask of the stored and pending slots: ones for the
+        evicted prefix (those keys are gone; the model only sees ``length + pending`` of them), the
+        slots' validity after it."""
+        n = self.length + self.pending
+        valid = self.segments[:, :n] != Segment.PAD
+        mask = torch.ones(valid.shape[0], self.seen + self.pending, dtype=torch.bool, device=valid.device)
         mask[:, self.seen - self.length :] = valid
         return mask
 

@@ -93,26 +93,10 @@ class RaggedCache(BoundedCache):
                     self.evict_rows(due)
             # padding never closes the thinking segment, whatever its id
             segments = self._generated_segments(input_ids.masked_fill(~new_valid, -1), new_valid)
-        self._ensure_capacity(self.length + q)
-        sl = slice(self.length, self.length + q)
-        self.positions[:, sl] = self.position_ids(new_valid)
-        self.segments[:, sl] = segments
-        self.token_ids[:, sl] = input_ids
-        self.scores[:, sl] = float("nan")
-        if self.attention is not None:
-            self.attention[:, sl] = 0.0
-        if self.window_attention is not None:
-            self.window_attention[:, :, sl] = 0.0
-        self.pending = q
+        self._record_incoming(self.position_ids(new_valid), segments, input_ids)
         self._new_counts = new_valid.sum(1)
-        self._window_fresh = True
-        self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, self.length + q)
-        valid = self.segments[:, : self.length + q] != Segment.PAD
-        if bool(valid.all()):
-            return None
-        mask = torch.ones(batch_size, self.seen + q, dtype=torch.bool, device=device)
-        mask[:, self.seen - self.length :] = valid
-        return mask
+        mask = self._slot_mask()
+        return None if bool(mask.all()) else mask
 
     def end_forward(self) -> None:
         super().end_forward()
