@@ -11,14 +11,14 @@ Run: ``python -m data_pipeline.importance_data --config configs/predictor/testbe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from datasets import Array2D, Dataset, Features, Sequence as ListOf, Value, load_from_disk
 
-from data_pipeline.shards import ShardStore, stage_main
+from data_pipeline.shards import ShardStore, settings_from_dict, stage_main
 from data_pipeline.traces import KEY, TRACE_FEATURES
 from dynts.importance import sequence_importance
 
@@ -58,11 +58,7 @@ class ImportanceConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ImportanceConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown importance settings {unknown}; valid: {sorted(known)}")
-        return cls(**values)
+        return settings_from_dict(cls, values, "importance")
 
 
 def importance_features(hidden_size: int | None = None) -> Features:

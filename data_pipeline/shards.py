@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from datasets import Dataset, Features, concatenate_datasets, load_from_disk
 
-__all__ = ["ShardStore", "stage_main"]
+__all__ = ["ShardStore", "settings_from_dict", "stage_main"]
 
 DONE_NAME = "done.json"
 STATS_NAME = "stats.json"
@@ -155,3 +155,14 @@ def stage_main(argv: list[str] | None, description: str, section: str, run: Call
     stats = run(values.get(section, values))
     print(json.dumps({k: v for k, v in stats.items() if k != "config"}, indent=2))
     return 0
+
+
+def settings_from_dict(cls: type, values: dict[str, Any], section: str) -> Any:
+    """``cls(**values)`` for a stage's settings dataclass, refusing unknown keys by name."""
+    from dataclasses import fields
+
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {section} settings {unknown}; valid: {sorted(known)}")
+    return cls(**values)

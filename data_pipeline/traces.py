@@ -17,7 +17,7 @@ section) or the whole chain with ``dynts pipeline --config ...``. Schema: ``docs
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import lightning as L
@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from data_pipeline.loading import load_model, load_tokenizer
 from data_pipeline.grading import ANSWER_RULES, find_answer_start, make_grader
 from data_pipeline.questions import Question, QuestionDataModule, load_questions
-from data_pipeline.shards import ShardStore, stage_main
+from data_pipeline.shards import ShardStore, settings_from_dict, stage_main
 
 __all__ = ["TRACE_FEATURES", "TraceConfig", "TraceSampler", "generate_traces", "make_record"]
 
@@ -120,11 +120,7 @@ class TraceConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TraceConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown traces settings {unknown}; valid: {sorted(known)}")
-        return cls(**values)
+        return settings_from_dict(cls, values, "traces")
 
 
 def make_record(
