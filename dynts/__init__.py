@@ -8,10 +8,12 @@ from .predictor import ImportancePredictor, PredictorConfig
 
 
 def load(name_or_path: str, **kwargs):
-    """Load ``(model, tokenizer)``: a local HF directory, ``smollm2-135m`` or the bundled testbed."""
-    from .models import load as _load
+    """Load ``(model, tokenizer)`` offline: a bundled name, a local HF directory, a hub id in the
+    local HF cache or a PEFT adapter directory; ``dtype``, ``device``, ``device_map``,
+    ``attn_implementation``, ``adapter``... (see :func:`dynts.models.load`)."""
+    from .models import load as load_model
 
-    return _load(name_or_path, **kwargs)
+    return load_model(name_or_path, **kwargs)
 
 
 __all__ = [

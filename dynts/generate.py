@@ -191,6 +191,8 @@ def generate(
         think_end: token closing the thinking segment (tokens after it are kept as answer).
         method_options: fields of the method's dataclass (e.g. ``{"sink_size": 4}``).
         **generate_kwargs: passed to ``model.generate`` (``do_sample``, ``temperature``, ...).
+            Sampling follows ``model.generation_config`` (e.g. an R1 model's T=0.6, top-p 0.95)
+            unless given here; pass ``do_sample=False`` for greedy decoding.
     """
     evictor = make_evictor(method, **(method_options or {}))
     if tokenizer is not None:
@@ -232,7 +234,6 @@ def generate(
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         generate_kwargs["pad_token_id"] = pad
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    generate_kwargs.setdefault("do_sample", False)
     start = time.perf_counter()
     with torch.no_grad(), attach(model, cache, predictor):
         out = model.generate(

@@ -24,6 +24,8 @@ import json
 import sys
 from pathlib import Path
 
+from dynts.cli_options import add_load_arguments, load_kwargs
+
 from .methods import ABLATIONS
 
 __all__ = ["main", "parse_float_list", "parse_int_list"]
@@ -94,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads (default: torch's choice; 1 is much faster for tiny models on a busy machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list benchmarks, methods and ablation presets, then exit")
+    add_load_arguments(p)
     return p
+
 
 
 def _methods(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -153,7 +157,9 @@ def config_from_args(args: argparse.Namespace):
         think_end=args.think_end, progress=not args.no_progress,
     )
     if args.run_dir is None:
-        digest = hashlib.sha256(json.dumps(config.shared_settings(), sort_keys=True).encode()).hexdigest()[:8]
+        load = load_kwargs(args, given_only=True)
+        settings = {**config.shared_settings(), **({"load": load} if load else {})}
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
         config.run_dir = Path("runs/eval") / f"{Path(args.model).name}-{digest}"
     return config
 
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         print(f"dynts eval: run dir {config.run_dir}", file=sys.stderr)
-        results = run(config)
+        results = run(config, load_options=load_kwargs(args, given_only=True))
     except ValueError as err:
         print(f"dynts eval: error: {err}", file=sys.stderr)
         return 2
