@@ -88,13 +88,16 @@ def generate_main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    model, tokenizer = load(args.model, **load_kwargs(args))
-    prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat else args.prompt
-    result = generate(
-        model, tokenizer, prompts, method=args.method, budget=args.budget, local_window=args.local_window,
-        retention=args.retention, predictor=args.predictor, max_new_tokens=args.max_new_tokens,
-        think_end=args.think_end, method_options=options, **sampling,
-    )
+    try:
+        model, tokenizer = load(args.model, **load_kwargs(args))
+        prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat else args.prompt
+        result = generate(
+            model, tokenizer, prompts, method=args.method, budget=args.budget, local_window=args.local_window,
+            retention=args.retention, predictor=args.predictor, max_new_tokens=args.max_new_tokens,
+            think_end=args.think_end, method_options=options, **sampling,
+        )
+    except ValueError as err:  # bad input (unknown model, dtype, method option...): say so, no traceback
+        parser.error(str(err))
     for text in result.texts:
         print(text)
     print({k: v for k, v in result.stats.items() if k != "lengths"})
