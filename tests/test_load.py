@@ -197,3 +197,16 @@ def test_smollm2_generate_samples_when_its_config_says_so(smollm2, monkeypatch, 
     monkeypatch.setattr(model, "generation_config", GenerationConfig(**{**model.generation_config.to_dict(),
                                                                         "do_sample": True, "temperature": 1.5}))
     assert run_generate(capsys, "smollm2-135m", "--seed", "1") != run_generate(capsys, "smollm2-135m", "--seed", "2")
+
+
+@pytest.mark.parametrize("command", ["demo", "demo-smollm2", "generate", "eval", "rescue bench", "rescue generate",
+                                     "rescue calibrate", "analyze traces", "analyze pareto"])
+def test_every_model_command_takes_the_loading_flags(command, capsys):
+    from dynts import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*command.split(), "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--dtype", "--device", "--device-map", "--attn-implementation", "--adapter"):
+        assert flag in out, (command, flag)
