@@ -16,6 +16,7 @@ from .budget import Budget
 from .cache import BoundedCache
 from .evictors import Evictor, make_evictor
 from .predictor import ImportancePredictor
+from .thinking import think_end_ids
 
 __all__ = ["GenerationResult", "attach", "build_cache", "generate", "load_predictor"]
 
@@ -67,7 +68,7 @@ def build_cache(
     model: torch.nn.Module,
     evictor: Evictor,
     budget: Budget | None,
-    think_end_token_id: int | None = None,
+    think_end_token_id: int | Sequence[int] | None = None,
     **cache_options: Any,
 ) -> BoundedCache:
     """A :class:`BoundedCache` sized for ``model``."""
@@ -148,15 +149,6 @@ def _encode(tokenizer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
     return enc["input_ids"], enc["attention_mask"]
 
 
-def _think_end_id(tokenizer, think_end: str | int | None) -> int | None:
-    if think_end is None or isinstance(think_end, int):
-        return think_end
-    if tokenizer is None:
-        return None
-    ids = tokenizer.encode(think_end, add_special_tokens=False)
-    return ids[0] if len(ids) == 1 else None
-
-
 def generate(
     model: torch.nn.Module,
     tokenizer=None,
@@ -170,7 +162,7 @@ def generate(
     retention: float = 0.4,
     predictor: ImportancePredictor | str | Path | None = None,
     max_new_tokens: int,
-    think_end: str | int | None = "</think>",
+    think_end: str | int | Sequence[int] | None = "</think>",
     method_options: dict[str, Any] | None = None,
     **generate_kwargs: Any,
 ) -> GenerationResult:
@@ -188,7 +180,10 @@ def generate(
         retention: fraction of the selection window kept at each eviction event.
         predictor: :class:`ImportancePredictor` or its directory (required by ``dynts``).
         max_new_tokens: generation length cap.
-        think_end: token closing the thinking segment (tokens after it are kept as answer).
+        think_end: the delimiter closing the thinking segment: text (encoded with ``tokenizer``; it
+            may span several tokens), a token id or a sequence of ids; the delimiter and the tokens
+            after it are answer tokens. ``None``: no answer detection. A text delimiter without a
+            tokenizer, or one the tokenizer cannot encode, warns that detection is off.
         method_options: fields of the method's dataclass (e.g. ``{"sink_size": 4}``).
         **generate_kwargs: passed to ``model.generate`` (``do_sample``, ``temperature``, ...).
     """
@@ -225,7 +220,7 @@ def generate(
         predictor = load_predictor(predictor, model)
     elif predictor is not None:
         predictor = None  # only score-based methods use it; skip the per-token MLP
-    cache = build_cache(model, evictor, bounds, _think_end_id(tokenizer, think_end))
+    cache = build_cache(model, evictor, bounds, think_end_ids(tokenizer, think_end))
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if tokenizer is not None and generate_kwargs.get("pad_token_id") is None:
