@@ -157,7 +157,7 @@ def generate(
     input_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     method: str | Evictor = "dynts",
-    budget: int | None = None,
+    budget: int | Budget | None = None,
     local_window: int | None = None,
     retention: float = 0.4,
     predictor: ImportancePredictor | str | Path | None = None,
@@ -175,7 +175,8 @@ def generate(
             chat template is applied).
         input_ids / attention_mask: pre-tokenised ``[b, M]`` input instead of ``prompts``.
         method: a name from :func:`dynts.available_methods` or an :class:`Evictor`.
-        budget: ``B``, the most KV entries held (not needed for ``full``).
+        budget: ``B``, the most KV entries held (not needed for ``full``), or a :class:`Budget`
+            (then ``local_window`` and ``retention`` come from it; e.g. ``sizing="official"``).
         local_window: ``W_l`` recent tokens always kept.
         retention: fraction of the selection window kept at each eviction event.
         predictor: :class:`ImportancePredictor` or its directory (required by ``dynts``).
@@ -210,9 +211,12 @@ def generate(
         )
     bounds = None
     if getattr(evictor, "bounded", True):
-        if budget is None or local_window is None:
+        if isinstance(budget, Budget):  # a full Budget (e.g. sizing="official"); local_window/retention unused
+            bounds = budget
+        elif budget is None or local_window is None:
             raise ValueError(f"method={evictor.name!r} needs budget=... and local_window=... (e.g. 1024 and 128)")
-        bounds = Budget(budget, local_window, retention)
+        else:
+            bounds = Budget(budget, local_window, retention)
         bounds.check_question(prompt_length)
     if "scores" in evictor.requires:
         if predictor is None:
@@ -243,7 +247,7 @@ def generate(
     new_tokens = int(sum(lengths))
     stats = {
         "method": evictor.name,
-        "budget": budget if bounds else None,
+        "budget": bounds.budget if bounds else None,
         "n_keep": cache.n_keep,
         "peak_cache_tokens": cache.stats.peak_cache_tokens,
         "evictions": cache.stats.evictions,
