@@ -23,9 +23,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .budget import Budget
-from .thinking import DelimiterMatcher
 from .evictors.base import Evictor, Segment, TokenInfo
 from .kernels import compact_
+from .thinking import DelimiterMatcher
 
 __all__ = ["BoundedCache", "BoundedLayer", "CacheStats"]
 

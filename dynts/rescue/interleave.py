@@ -26,8 +26,8 @@ import torch
 
 from ..budget import Budget
 from ..generate import _encode, load_predictor
-from ..thinking import think_end_ids
 from ..predictor import ImportancePredictor
+from ..thinking import think_end_ids
 from .detector import DegenerationDetector
 from .engine import Candidate, Policy, State
 from .prm import StepRequest, StepScorer, load_prm
