@@ -302,7 +302,7 @@ def chat_traces(
 
     import dynts
 
-    from .grading import MathGrader
+    from data_pipeline.grading import MathGrader
 
     config = config or ChatTraceConfig()
     grader = grader or MathGrader()

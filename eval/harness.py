@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import dynts
+from data_pipeline.grading import answer_after_delimiter, grade_text, resolve_grade_on
 
 from .benchmarks import Benchmark, load_benchmark
 from .config import EvalConfig
@@ -185,12 +186,15 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
     eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
     finished = torch.isin(result.sequences.cpu(), eos).any(1).tolist()
     records = []
-    for (i, s), text, length, done in zip(pairs, result.texts, stats["lengths"], finished):
+    grade_on = resolve_grade_on(config.grade_on, ctx.tokenizer, config.think_end)
+    for (i, s), ids, text, length, done in zip(pairs, result.sequences.tolist(), result.texts, stats["lengths"], finished):
         example = ctx.bench.examples[i]
-        grade = ctx.bench.grader.grade(example.answer, text)
+        answer = answer_after_delimiter(ids, ctx.tokenizer, config.think_end)
+        grade = grade_text(ctx.bench.grader, example.answer, text, answer, grade_on)
         records.append({
             "question": i, "sample": s, "id": example.id, "correct": grade.correct, "extracted": grade.extracted,
-            "source": grade.source, "tokens": length, "truncated": not done, "text": text,
+            "source": grade.source, "tokens": length, "truncated": not done, "answered": answer is not None,
+            "grade_on": grade_on, "text": text,
         })
     return {
         "batch": index, "pairs": [list(p) for p in pairs], "rows": len(pairs), "seconds": stats["seconds"],
