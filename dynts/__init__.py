@@ -14,6 +14,13 @@ def load(name_or_path: str, **kwargs):
     return _load(name_or_path, **kwargs)
 
 
+def generate_batch(model, tokenizer=None, prompts=(), **kwargs):
+    """Continuous batching with a bounded KV cache per request (see :func:`dynts.serving.generate_batch`)."""
+    from .serving import generate_batch as _generate_batch
+
+    return _generate_batch(model, tokenizer, prompts, **kwargs)
+
+
 __all__ = [
     "BoundedCache",
     "Budget",
@@ -27,6 +34,7 @@ __all__ = [
     "available_methods",
     "build_cache",
     "generate",
+    "generate_batch",
     "load",
     "make_evictor",
     "register",
