@@ -158,7 +158,7 @@ def test_blocks_freed_at_eviction_events():
             out = manager.get_result(timeout=30)
             assert out is not None
             done += out.is_finished()
-        trace = [n for _, n in manager.engine_stats()["block_trace"]]
+        trace = [n for _, n, _ in manager.engine_stats()["block_trace"]]
     finally:
         manager.stop(block=True, timeout=30)
         manager.destroy()

@@ -23,6 +23,7 @@ manager (:mod:`dynts.serving.manager`).
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from typing import Callable
 
@@ -35,6 +36,11 @@ from .settings import EvictionSettings
 from .slots import RequestSlots, SlotTable
 
 __all__ = ["EvictingBatchProcessor"]
+
+
+def prompt_length(state: RequestState) -> int:
+    """The request's own prompt length (after a soft reset ``initial_tokens`` also holds generated tokens)."""
+    return getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)
 
 
 class EvictingBatchProcessor(ContinuousBatchProcessor):
@@ -72,7 +78,9 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         self.pending_scores: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.preemptions = 0
         self.peak_blocks_in_use = 0
-        self.block_trace: list[tuple[int, int]] = []  # (round, blocks in use) after every round
+        # after every round: (seconds since attach, blocks in use, requests in flight)
+        self.block_trace: list[tuple[float, int, int]] = []
+        self._started = time.perf_counter()
         self._round = 0
         # physical row offsets of every layer's keys and values inside the allocator's flat token view
         flat, offsets = self._flat_view()
@@ -83,11 +91,14 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         self.scheduler._get_waiting_candidates = lambda: self._admissible(original())
         offload = self.offloading_manager.offload_requests
 
-        def counted_offload(*args, **kwargs):
-            self.preemptions += 1
-            return offload(*args, **kwargs)
+        def guarded_offload(*args, **kwargs):
+            before = set(self.scheduler.active_requests)
+            done = offload(*args, **kwargs)
+            self.preemptions += len(before - set(self.scheduler.active_requests))
+            self._after_preemption()
+            return done
 
-        self.offloading_manager.offload_requests = counted_offload
+        self.offloading_manager.offload_requests = guarded_offload
 
     def _flat_view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The allocator's cache as ``[rows, kv_heads, head_dim]`` and, per layer and K/V, the offset
@@ -115,7 +126,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
 
     def reservation(self, state: RequestState) -> int:
         """Blocks a request may hold at most (its admission reserves them)."""
-        slots = self.settings.reserved_slots(len(state.initial_tokens), state.max_new_tokens)
+        slots = self.settings.reserved_slots(len(state.initial_tokens), state.max_new_tokens)  # a soft reset moves tokens from one to the other
         return math.ceil(slots / self.page) if slots > 0 else 0
 
     def _admissible(self, waiting: list[RequestState]) -> list[RequestState]:
@@ -151,12 +162,12 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         self._round += 1
         in_use = self.blocks_in_use()
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
-        self.block_trace.append((self._round, in_use))
+        self.block_trace.append((time.perf_counter() - self._started, in_use, len(self.scheduler.active_requests)))
 
     def _request_slots(self, state: RequestState) -> RequestSlots:
         entry = self.slots.get(state.request_id)
         if entry is None:
-            q = len(state.initial_tokens)
+            q = prompt_length(state)
             bounds = self.settings.bounds
             entry = RequestSlots(
                 row=self.table.acquire_row(),
@@ -169,6 +180,12 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
 
     def _record_batch(self) -> None:
         """Write the metadata of the batch's new tokens and shift their positions to absolute ones."""
+        if not self.settings.bounded:  # the full cache: statistics only, the engine runs as shipped
+            for future in self.inputs_and_outputs.requests_in_batch:
+                entry = self._request_slots(future.state)
+                entry.peak_slots = max(entry.peak_slots, future.state.position_offset)
+                entry.peak_blocks = max(entry.peak_blocks, len(self.allocator.block_table.get(future.state.request_id, ())))
+            return
         rows, slots, positions, segments, tokens, shifts = [], [], [], [], [], []
         shifted = False
         for future in self.inputs_and_outputs.requests_in_batch:
@@ -185,7 +202,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
                 raise RuntimeError(f"request {state.request_id}: cannot find the {q} tokens of this forward")
             seg = []
             for i, tok in enumerate(new):
-                if start + i < len(prompt):
+                if start + i < entry.question_length:
                     seg.append(int(Segment.QUESTION))
                     continue
                 if self.think_end_token_id is not None and tok == self.think_end_token_id:
@@ -229,9 +246,28 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         return dict(self.finished_stats.get(rid, {}))
 
     def _release_finished(self) -> None:
-        active = self.scheduler.active_requests
-        for rid in [r for r in self.slots if r not in active]:
+        active, waiting = self.scheduler.active_requests, self.scheduler.waiting_requests
+        for rid in [r for r in self.slots if r not in active and r not in waiting]:
             self._release(rid)
+
+    def _after_preemption(self) -> None:
+        """A request sent back to the waiting queue keeps its cache only when offloaded to CPU; a soft reset
+        re-prefills prompt + generated tokens, which replays a different (unevicted) trajectory once the
+        request has evicted: fail such a request with a clear error instead of continuing wrongly."""
+        waiting = self.scheduler.waiting_requests
+        for rid in [r for r in self.slots if r in waiting and not waiting[r].is_cpu_offloaded]:
+            entry = self.slots[rid]
+            if entry.evictions == 0:
+                self._release(rid)  # nothing evicted yet: the re-prefill is exact, start a fresh entry
+                continue
+            state = waiting.pop(rid)
+            if rid in self.scheduler.waiting_requests_order:
+                self.scheduler.waiting_requests_order.remove(rid)
+            self._release(rid)
+            self._handle_request_error(RuntimeError(
+                f"request {rid} was preempted after {entry.evictions} eviction events; its evicted cache cannot be "
+                "rebuilt by a re-prefill. Give the KV pool more blocks (num_blocks) or lower the budget."
+            ), state)
 
     def _release(self, rid: str) -> None:
         entry = self.slots[rid]
