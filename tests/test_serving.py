@@ -183,6 +183,8 @@ def test_unsupported_methods_and_bad_input_raise():
         dynts.generate_batch(model, None, [[5, 6]], method="window", budget=32, local_window=4, max_new_tokens=-1)
     with pytest.raises(ValueError, match="unknown"):
         EvictionSettings("nope", 32, 4)
+    with pytest.raises(ValueError, match="one row to every request"):
+        EvictionSettings(FixedPositions(keep=[[0, 1], [0, 2]]), 32, 4)
 
 
 def test_sliding_window_models_are_rejected():

@@ -57,6 +57,12 @@ class EvictionSettings:
                 f"continuous batching does not gather; choose one of {serving_methods()} "
                 "(or use dynts.generate for this method)"
             )
+        keep = getattr(self.evictor, "keep", None)
+        if self.evictor.name == "fixed" and keep is not None and len(keep) != 1:
+            raise ValueError(
+                f"method='fixed' got {len(keep)} rows of positions; a served engine applies one row to every "
+                "request (requests are not batch rows): pass keep=[[...]]"
+            )
         self.bounds = None
         if self.bounded:
             if self.budget is None or self.local_window is None:
