@@ -13,6 +13,7 @@ import dynts
 from conftest import TINY, tiny_model
 from dynts.evictors.fixed import FixedPositions, fixed_budget
 from dynts.serving import EvictionSettings, init_evicting_batching, missing_internals, serving_methods
+from dynts.serving.batch import encode_prompt
 from dynts.serving.compat import check_transformers_version
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -192,3 +193,28 @@ def test_sliding_window_models_are_rejected():
     model = Qwen2ForCausalLM(config).eval()
     with pytest.raises(ValueError, match="full-attention models only"):
         init_evicting_batching(model, EvictionSettings("window", 32, 4))
+
+
+@pytest.mark.slow
+def test_smollm2_chats_equal_generate_alone_and_stock(smollm2):
+    model, tokenizer = smollm2
+    chats = [[{"role": "user", "content": text}] for text in
+             ("What is 7 times 8?", "Name a prime number.<|im_end|> Then stop.", "Say hi")]
+    kw = dict(method="streamingllm", local_window=8, max_new_tokens=40)
+    prompt_lengths = [len(encode_prompt(tokenizer, c)) for c in chats]
+    budget = max(prompt_lengths) + 8 + 12
+    results = dynts.generate_batch(model, tokenizer, chats, budget=budget, **kw,
+                                   continuous_batching_config=cb_config(num_blocks=128, max_batch_tokens=128))
+    for chat, result in zip(chats, results):
+        ref = dynts.generate(model, tokenizer, [chat], budget=budget, **kw, do_sample=False)
+        n = ref.stats["lengths"][0]
+        assert result.sequence == ref.sequences[0, :n].tolist()
+        assert result.stats["peak_slots"] <= budget
+    assert sum(r.stats["evictions"] for r in results) >= 3
+    ids = [r.prompt_ids for r in results]
+    gen = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=model.generation_config.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+    stock = model.generate_batch(ids, generation_config=gen, continuous_batching_config=cb_config(128, 128))
+    ours = dynts.generate_batch(model, tokenizer, chats, budget=4096, **kw,
+                                continuous_batching_config=cb_config(num_blocks=128, max_batch_tokens=128))
+    assert [r.sequence for r in ours] == [o.generated_tokens for o in stock.values()]

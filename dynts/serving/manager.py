@@ -135,6 +135,8 @@ def init_evicting_batching(
     cb_config.use_async_batching = False
     if settings.bounded:
         cb_config.allow_block_sharing = False
+    if settings.needs_scores:  # the predictor hook indexes this batch's slots: never replay it from a graph
+        cb_config.use_cuda_graph = False
     gen_config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     if gen_config.eos_token_id is None:
         gen_config.eos_token_id = -1
