@@ -169,6 +169,13 @@ def test_blocks_freed_at_eviction_events():
     assert all(r.stats["peak_slots"] == 6 + 70 - 1 for r in full)
 
 
+def test_request_larger_than_the_pool_fails_clearly():
+    model = tiny_model("qwen2")
+    with pytest.raises(RuntimeError, match="reserves 20 KV blocks .* the pool holds 12"):
+        dynts.generate_batch(model, None, [[5] * 5], method="window", budget=200, local_window=4, max_new_tokens=155,
+                             continuous_batching_config=cb_config(num_blocks=12), eos_token_id=None)
+
+
 def test_unsupported_methods_and_bad_input_raise():
     assert set(serving_methods()) == {"full", "window", "streamingllm", "sepllm", "fixed", "dynts"}
     model = tiny_model("qwen2")

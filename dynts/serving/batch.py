@@ -106,10 +106,10 @@ def generate_batch(
         model, settings, tokenizer=tokenizer, generation_config=gen_config,
         continuous_batching_config=continuous_batching_config,
     )
-    outputs = {}
+    outputs, request_ids = {}, []
     manager.start()
     try:
-        request_ids = [manager.add_request(p, max_new_tokens=max_new_tokens) for p in ids]
+        request_ids += [manager.add_request(p, max_new_tokens=max_new_tokens) for p in ids]
         deadline = time.monotonic() + timeout
         while len(outputs) < len(request_ids):
             result = manager.get_result(timeout=1)
@@ -123,7 +123,7 @@ def generate_batch(
         manager.stop(block=True, timeout=30)
         fatal = manager.background_thread_status.fatal_error
         results = []
-        for rid, prompt in zip(request_ids if "request_ids" in locals() else [], ids):
+        for rid, prompt in zip(request_ids, ids):
             out = outputs.get(rid)
             results.append(ServedResult(
                 request_id=rid,

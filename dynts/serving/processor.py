@@ -126,7 +126,8 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
 
     def reservation(self, state: RequestState) -> int:
         """Blocks a request may hold at most (its admission reserves them)."""
-        slots = self.settings.reserved_slots(len(state.initial_tokens), state.max_new_tokens)  # a soft reset moves tokens from one to the other
+        # after a soft reset, generated tokens move from max_new_tokens to the prompt: the sum is unchanged
+        slots = self.settings.reserved_slots(len(state.initial_tokens), state.max_new_tokens)
         return math.ceil(slots / self.page) if slots > 0 else 0
 
     def _admissible(self, waiting: list[RequestState]) -> list[RequestState]:
@@ -140,6 +141,15 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         admitted = []
         for state in waiting:
             need = self.reservation(state)
+            if need > self.allocator.num_blocks:  # would wait forever: fail it now, with the fix
+                self.scheduler.waiting_requests.pop(state.request_id, None)
+                if state.request_id in self.scheduler.waiting_requests_order:
+                    self.scheduler.waiting_requests_order.remove(state.request_id)
+                self._handle_request_error(ValueError(
+                    f"request {state.request_id} reserves {need} KV blocks (min(budget, prompt + max_new_tokens) / "
+                    f"page) but the pool holds {self.allocator.num_blocks}; lower the budget or add blocks (num_blocks)"
+                ), state)
+                continue
             if claimed + need > free:
                 break
             claimed += need
