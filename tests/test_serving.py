@@ -225,3 +225,43 @@ def test_smollm2_chats_equal_generate_alone_and_stock(smollm2):
     ours = dynts.generate_batch(model, tokenizer, chats, budget=4096, **kw,
                                 continuous_batching_config=cb_config(num_blocks=128, max_batch_tokens=128))
     assert [r.sequence for r in ours] == [o.generated_tokens for o in stock.values()]
+
+
+def test_without_admission_control_preempted_requests_fail_or_stay_exact(monkeypatch):
+    """Bypass the reservation gate so the stock scheduler over-admits and preempts (soft reset: prompt +
+    generated tokens are re-prefilled). A request that had not evicted yet must still equal generate alone
+    (its question window stays its own prompt); one that had must fail with a clear error."""
+    from dynts.serving.processor import EvictingBatchProcessor
+
+    monkeypatch.setattr(EvictingBatchProcessor, "_admissible", lambda self, waiting: waiting)
+    model = tiny_model("llama")
+    # n_keep = 7 (one block), B = 16 (two blocks): every request frees and re-claims a block per event
+    budget, local_window, retention, new = 16, 2, 0.1, 60
+    prompts = prompts_of([5, 5, 4, 5, 3, 5, 4, 5], seed=7)  # the engine preempts the newest requests
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    settings = EvictionSettings("window", budget, local_window, retention)
+    manager = init_evicting_batching(model, settings, generation_config=gen,
+                                     continuous_batching_config=cb_config(num_blocks=9, max_batch_tokens=64))
+    manager.start()
+    try:
+        ids = [manager.add_request(p, max_new_tokens=new) for p in prompts]
+        outputs = {}
+        while len(outputs) < len(ids):
+            out = manager.get_result(timeout=60)
+            assert out is not None
+            if out.is_finished():
+                outputs[out.request_id] = out
+        preemptions = manager.engine_stats()["preemptions"]
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    assert preemptions > 0
+    failed = [o for o in outputs.values() if o.error]
+    assert all("was preempted after" in o.error and "eviction events" in o.error for o in failed)
+    assert len(failed) < len(outputs)
+    for rid, prompt in zip(ids, prompts):
+        if outputs[rid].error is None:
+            ref = dynts.generate(model, input_ids=torch.tensor([prompt]), method="window", budget=budget,
+                                 local_window=local_window, retention=retention, max_new_tokens=new, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            assert outputs[rid].generated_tokens == ref.sequences[0].tolist()
