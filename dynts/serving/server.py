@@ -190,7 +190,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dynts serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="dynts serve", description="OpenAI-compatible server (transformers serve, continuous batching) with a bounded KV cache per request")
     p.add_argument("model", help="local HF directory, smollm2-135m or testbed (dynts.load)")
     p.add_argument("--kv-method", default="dynts", help=f"one of {serving_methods()}")
     p.add_argument("--kv-budget", type=int, default=None, help="B: most KV entries per request")
