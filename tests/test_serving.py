@@ -265,3 +265,32 @@ def test_without_admission_control_preempted_requests_fail_or_stay_exact(monkeyp
                                  local_window=local_window, retention=retention, max_new_tokens=new, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
             assert outputs[rid].generated_tokens == ref.sequences[0].tolist()
+
+
+def test_soft_reset_after_eviction_fails_the_request_clearly():
+    """Drive the engine step by step; once a request has evicted, soft-reset it exactly as the engine's
+    offloading manager does (re-prefill prompt + generated): the guard must fail it with a clear error."""
+    model = tiny_model("qwen2")
+    gen = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = init_evicting_batching(model, EvictionSettings("window", 16, 2), generation_config=gen,
+                                     continuous_batching_config=cb_config())
+    processor = manager._create_batch_processor()
+    manager.batch_processor = processor
+    try:
+        rid = manager.add_request(prompts_of([5])[0], max_new_tokens=40)
+        with torch.no_grad():
+            while not processor.slots.get(rid) or processor.slots[rid].evictions == 0:
+                assert processor.prepare_next_batch()
+                processor._generation_step(model)
+                processor.update_batch()
+        scheduler = processor.scheduler
+        state = scheduler.active_requests[rid]
+        scheduler.finish_request(rid)
+        scheduler.add_waiting_request(state.create_equivalent_initial_request())
+        processor._after_preemption()
+        out = manager.output_router.output_queue.get(timeout=5)
+    finally:
+        manager.destroy()
+    assert out.request_id == rid and out.error is not None
+    assert "was preempted after 1 eviction events" in out.error
+    assert rid not in processor.scheduler.waiting_requests and rid not in processor.slots
