@@ -16,6 +16,13 @@ def load(name_or_path: str, **kwargs):
     return load_model(name_or_path, **kwargs)
 
 
+def generate_batch(model, tokenizer=None, prompts=(), **kwargs):
+    """Continuous batching with a bounded KV cache per request (see :func:`dynts.serving.generate_batch`)."""
+    from .serving import generate_batch as _generate_batch
+
+    return _generate_batch(model, tokenizer, prompts, **kwargs)
+
+
 __all__ = [
     "BoundedCache",
     "Budget",
@@ -29,6 +36,7 @@ __all__ = [
     "available_methods",
     "build_cache",
     "generate",
+    "generate_batch",
     "load",
     "make_evictor",
     "register",
