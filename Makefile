@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml requirements-offline.txt
 	$(PY) -m venv $(VENV)
 	# The CPU build of torch lies on local disk; pin it first so nothing pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[train,eval,models,kernels,notebooks,dev]"
+	$(BIN)/pip install -q -e ".[train,eval,models,kernels,serve,notebooks,dev]"
 	$(BIN)/pip install -q --no-deps -r requirements-offline.txt
 	touch $@
 
