@@ -177,7 +177,9 @@ def test_request_larger_than_the_pool_fails_clearly():
 
 
 def test_unsupported_methods_and_bad_input_raise():
-    assert set(serving_methods()) == {"full", "window", "streamingllm", "sepllm", "fixed", "dynts"}
+    served = set(serving_methods())  # other packages may register more budget-only methods (testbed-oracle)
+    assert {"full", "window", "streamingllm", "sepllm", "fixed", "dynts"} <= served
+    assert not served & {"h2o", "snapkv", "rkv"}
     model = tiny_model("qwen2")
     for method in ("h2o", "snapkv", "rkv"):
         with pytest.raises(ValueError, match=r"attention statistics.*choose one of \['dynts'"):
