@@ -14,6 +14,7 @@ import torch
 from .attention import recording_attention
 from .budget import Budget
 from .cache import BoundedCache
+from .compiled import compiled_decode
 from .evictors import Evictor, make_evictor
 from .predictor import ImportancePredictor
 
@@ -172,6 +173,7 @@ def generate(
     max_new_tokens: int,
     think_end: str | int | None = "</think>",
     method_options: dict[str, Any] | None = None,
+    compile: bool | str = False,
     **generate_kwargs: Any,
 ) -> GenerationResult:
     """Generate with a KV cache bounded to ``budget`` entries, evicting with ``method``.
@@ -190,6 +192,8 @@ def generate(
         max_new_tokens: generation length cap.
         think_end: token closing the thinking segment (tokens after it are kept as answer).
         method_options: fields of the method's dataclass (e.g. ``{"sink_size": 4}``).
+        compile: ``True`` (or a ``torch.compile`` mode) decodes with a static-layout cache and a
+            compiled decode step (:mod:`dynts.compiled`); the first steps pay the compilation.
         **generate_kwargs: passed to ``model.generate`` (``do_sample``, ``temperature``, ...).
     """
     evictor = make_evictor(method, **(method_options or {}))
@@ -225,7 +229,8 @@ def generate(
         predictor = load_predictor(predictor, model)
     elif predictor is not None:
         predictor = None  # only score-based methods use it; skip the per-token MLP
-    cache = build_cache(model, evictor, bounds, _think_end_id(tokenizer, think_end))
+    static = {"static": True, "max_length": prompt_length + max_new_tokens} if compile else {}
+    cache = build_cache(model, evictor, bounds, _think_end_id(tokenizer, think_end), **static)
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if tokenizer is not None and generate_kwargs.get("pad_token_id") is None:
@@ -234,7 +239,11 @@ def generate(
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     generate_kwargs.setdefault("do_sample", False)
     start = time.perf_counter()
-    with torch.no_grad(), attach(model, cache, predictor):
+    with ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(attach(model, cache, predictor))
+        if compile:
+            stack.enter_context(compiled_decode(model, None if compile is True else compile))
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,

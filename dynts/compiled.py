@@ -1,0 +1,77 @@
+"""A ``torch.compile``'d decode step for a model driven with a static :class:`~dynts.cache.BoundedCache`.
+
+Only single-token forwards (decode steps) go through the compiled function; prefills and other
+multi-token forwards stay eager (their shapes differ every call). ``dynts.attach``'s hooks on the
+model run outside the compiled function (eviction events, the slot table), because the compiled
+function is the model's ``forward``, not its ``__call__`` (transformers' ``get_compiled_call``
+compiles ``__call__`` and would trace the hooks). Inside the step: the layers' ``index_copy_`` into the
+static buffers, the 4-D slot mask, attention recording (H2O, SnapKV, R-KV) and the predictor's
+final-norm hook (DynTS), all on tensors whose shapes never change.
+
+Modes (``torch.compile``'s ``mode``): ``"default"`` on CPU; ``"reduce-overhead"`` (CUDA graphs) is
+the default on CUDA, where per-step launch overhead dominates a decode step. ``dynamic=False``:
+one graph per (batch, capacity), compiled on the first decode step of a new shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = ["COMPILE_MODES", "compiled_decode", "default_compile_mode"]
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_ATTRIBUTE = "_dynts_compiled_forwards"  # per model: mode -> compiled forward (compile once, reuse)
+
+
+def default_compile_mode(device: torch.device) -> str:
+    """``"reduce-overhead"`` (CUDA graphs) on CUDA, ``"default"`` elsewhere."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else "default"
+
+
+def _compiled_forward(model: torch.nn.Module, eager: Callable, mode: str) -> Callable:
+    cache = model.__dict__.setdefault(_ATTRIBUTE, {})
+    if mode not in cache:
+        cache[mode] = torch.compile(eager, mode=mode, dynamic=False)
+    return cache[mode]
+
+
+def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ref = ids if ids is not None else kwargs.get("inputs_embeds")
+    return ref.shape[1] if ref is not None else 0
+
+
+@contextmanager
+def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Iterator[Callable]:
+    """Within the block, ``model``'s single-token forwards run through ``torch.compile``.
+
+    Args:
+        model: a Hugging Face causal LM; its class ``forward`` is compiled (once per ``mode``, kept
+            on the model for later calls).
+        mode: one of :data:`COMPILE_MODES`; default :func:`default_compile_mode` of the model's device.
+
+    Use with a ``static=True`` :class:`~dynts.cache.BoundedCache` (``dynts.generate(..., compile=True)``
+    builds one): with the default dynamic layout every step has a new shape and would recompile.
+    """
+    if mode is None:
+        mode = default_compile_mode(next(model.parameters()).device)
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r} must be one of {COMPILE_MODES}")
+    if "forward" in model.__dict__:
+        raise ValueError("model.forward is already patched (nested compiled_decode?); leave the outer block first")
+    eager = type(model).forward.__get__(model)
+    compiled = _compiled_forward(model, eager, mode)
+
+    @functools.wraps(eager)  # generate inspects forward's signature (position_ids, cache)
+    def forward(*args: Any, **kwargs: Any):
+        return (compiled if _query_length(args, kwargs) == 1 else eager)(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        yield compiled
+    finally:
+        del model.forward
