@@ -161,6 +161,10 @@ class BoundedCache(Cache):
             default: the evictor's ``observation_window`` field if it has one, else 8.
         keys_layer: layer whose keys feed ``TokenInfo.keys`` (R-KV); default the last one.
         static: fixed-capacity buffers and static-shape decode steps (see the module docstring).
+        defer_scores: keep the final hidden states of eager decode steps (``[b, K, d]``, K the
+            eviction volume) and score them in one batched predictor call at the next eviction event
+            (or when :attr:`scores` is read through :meth:`flush_scores`), instead of a predictor
+            call per step: the same scores from the same hidden states, without the per-step MLP.
         max_length: capacity of a static full (unbounded) cache: prompt + new tokens.
     """
 
@@ -175,6 +179,7 @@ class BoundedCache(Cache):
         keys_layer: int = -1,
         static: bool = False,
         max_length: int | None = None,
+        defer_scores: bool = False,
     ):
         super().__init__(layers=[BoundedLayer(self, i) for i in range(num_layers)])
         self.bounded = getattr(evictor, "bounded", True)
@@ -195,6 +200,11 @@ class BoundedCache(Cache):
         self.static = bool(static)
         self.max_length = max_length
         self.static_step = False  # the forward in flight is a static-shape decode step
+        self.defer_scores = bool(defer_scores)
+        self.predictor: torch.nn.Module | None = None  # set by dynts.attach
+        self._hidden: torch.Tensor | None = None  # [b, slots, d] hidden states awaiting scores
+        self._deferred = 0  # how many, for slots _deferred_base ... _deferred_base + _deferred - 1
+        self._deferred_base = 0
         self.write_index: torch.Tensor | None = None  # [1] slot the decode step writes (static layout)
         self.slot_mask: torch.Tensor | None = None  # [b, capacity] bool validity (static layout)
         self.stats = CacheStats()
@@ -286,6 +296,37 @@ class BoundedCache(Cache):
             return
         self.scores[:, self.length : self.length + self.pending] = scores.float()
 
+    def score_hidden(self, hidden: torch.Tensor) -> None:
+        """Predictor scores for the forward in flight from its final hidden states ``[b, q, d]``:
+        now (prefills, static steps) or deferred to the next :meth:`flush_scores` (eager decode
+        steps with ``defer_scores``)."""
+        if not self.pending:
+            return
+        b, q, d = hidden.shape
+        if self.static_step or not self.defer_scores or q != 1:
+            self.flush_scores()
+            with torch.no_grad():
+                self.write_scores(self.predictor(hidden))
+            return
+        if self._hidden is None or self._hidden.shape[0] != b or self._hidden.shape[2] != d:
+            slots = max(1, self.capacity - (self.n_keep or 0))
+            self._hidden = hidden.new_empty(b, slots, d)
+        if self._deferred and (self._deferred_base + self._deferred != self.length or self._deferred == self._hidden.shape[1]):
+            self.flush_scores()
+        if not self._deferred:
+            self._deferred_base = self.length
+        self._hidden[:, self._deferred] = hidden[:, 0]
+        self._deferred += 1
+
+    def flush_scores(self) -> None:
+        """Score the decode steps whose hidden states were kept (one batched predictor call)."""
+        if not self._deferred:
+            return
+        n, start = self._deferred, self._deferred_base
+        self._deferred = 0
+        with torch.no_grad():
+            self.scores[:, start : start + n] = self.predictor(self._hidden[:, :n]).float()
+
     # ------------------------------------------------------------------ statistics
     def record_attention(self, probs: torch.Tensor) -> None:
         """Add one layer's attention ``[b, heads, q, stored + q]`` of the in-flight queries
@@ -321,6 +362,7 @@ class BoundedCache(Cache):
     # ------------------------------------------------------------------ eviction
     def token_info(self) -> TokenInfo:
         """Metadata of the stored slots as an evictor sees it."""
+        self.flush_scores()
         n = self.length
         info = TokenInfo(
             positions=self.positions[:, :n],
@@ -341,6 +383,7 @@ class BoundedCache(Cache):
 
     def evict(self) -> torch.Tensor:
         """Run one eviction event now; returns the kept indices ``[b, n_keep]``."""
+        self.flush_scores()
         if "scores" in self.requires:
             stale = self.scores[:, : self.length].isnan() & (self.segments[:, : self.length] == Segment.THINKING)
             if bool(stale.any()):
@@ -354,6 +397,7 @@ class BoundedCache(Cache):
 
     def apply_kept(self, kept: torch.Tensor) -> None:
         """Compact every layer's buffers and the slot table to ``kept`` ``[b, k]`` (ascending)."""
+        self.flush_scores()
         k = kept.shape[1]
         buffers = [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
         compact_(buffers, kept, self.length)

@@ -72,6 +72,7 @@ def build_cache(
     **cache_options: Any,
 ) -> BoundedCache:
     """A :class:`BoundedCache` sized for ``model``."""
+    cache_options.setdefault("defer_scores", True)
     return BoundedCache(
         model.config.get_text_config().num_hidden_layers,
         evictor,
@@ -105,9 +106,7 @@ def attach(
             cache.end_forward()
 
     def score(module, args, output):
-        if cache.pending:
-            with torch.no_grad():
-                cache.write_scores(predictor(output))
+        cache.score_hidden(output)
 
     if "scores" in cache.requires and predictor is None:
         raise ValueError(f"method={cache.evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
@@ -117,7 +116,9 @@ def attach(
             model.register_forward_hook(after, with_kwargs=True),
         ]
         if predictor is not None:
+            cache.predictor = predictor
             handles.append(final_norm(model).register_forward_hook(score))
+            stack.callback(cache.flush_scores)
         stack.callback(lambda: [h.remove() for h in handles])
         if cache.requires & {"attention", "window_attention"}:
             stack.enter_context(recording_attention(model, lambda module, probs: cache.record_attention(probs)))
