@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["COMPILE_MODES", "compiled_decode", "default_compile_mode"]
+__all__ = ["COMPILE_MODES", "compiled_decode", "default_compile_mode", "scoring_slot"]
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _ATTRIBUTE = "_dynts_compiled_forwards"  # per model: mode -> compiled forward (compile once, reuse)
@@ -35,6 +35,9 @@ def default_compile_mode(device: torch.device) -> str:
 def _compiled_forward(model: torch.nn.Module, eager: Callable, mode: str) -> Callable:
     cache = model.__dict__.setdefault(_ATTRIBUTE, {})
     if mode not in cache:
+        # one graph per (method hooks, batch, capacity): an eval loop over methods and budgets needs
+        # more than dynamo's default 8 before it would silently fall back to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         cache[mode] = torch.compile(eager, mode=mode, dynamic=False)
     return cache[mode]
 
@@ -43,6 +46,28 @@ def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
     ids = kwargs.get("input_ids", args[0] if args else None)
     ref = ids if ids is not None else kwargs.get("inputs_embeds")
     return ref.shape[1] if ref is not None else 0
+
+
+def scoring_slot(model: torch.nn.Module) -> list:
+    """The one-element list naming the cache whose predictor scores ``model``'s final hidden states.
+
+    One forward hook per model, registered on first use and kept: ``torch.compile`` does not guard on
+    a module's hooks, so a hook added or removed per call would be silently kept or dropped by a
+    compiled decode step traced earlier; a permanent hook that reads this slot is traced once and
+    guarded on what the slot holds (``None``: the hook does nothing)."""
+    slot = model.__dict__.get("_dynts_scoring_slot")
+    if slot is None:
+        from .generate import final_norm  # lazy: generate imports this module
+
+        slot = model.__dict__["_dynts_scoring_slot"] = [None]
+
+        def score(module, args, output):
+            cache = slot[0]
+            if cache is not None:
+                cache.score_hidden(output)
+
+        final_norm(model).register_forward_hook(score)
+    return slot
 
 
 @contextmanager
@@ -63,6 +88,7 @@ def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Iterator
         raise ValueError(f"compile mode {mode!r} must be one of {COMPILE_MODES}")
     if "forward" in model.__dict__:
         raise ValueError("model.forward is already patched (nested compiled_decode?); leave the outer block first")
+    scoring_slot(model)  # the predictor hook exists before any trace (see scoring_slot)
     eager = type(model).forward.__get__(model)
     compiled = _compiled_forward(model, eager, mode)
 

@@ -14,7 +14,7 @@ import torch
 from .attention import recording_attention
 from .budget import Budget
 from .cache import BoundedCache
-from .compiled import compiled_decode
+from .compiled import compiled_decode, scoring_slot
 from .evictors import Evictor, make_evictor
 from .predictor import ImportancePredictor
 
@@ -105,9 +105,6 @@ def attach(
         if kwargs.get("cache", kwargs.get("past_key_values")) is cache:
             cache.end_forward()
 
-    def score(module, args, output):
-        cache.score_hidden(output)
-
     if "scores" in cache.requires and predictor is None:
         raise ValueError(f"method={cache.evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
     with ExitStack() as stack:
@@ -117,7 +114,9 @@ def attach(
         ]
         if predictor is not None:
             cache.predictor = predictor
-            handles.append(final_norm(model).register_forward_hook(score))
+            slot = scoring_slot(model)
+            outer, slot[0] = slot[0], cache
+            stack.callback(slot.__setitem__, 0, outer)
             stack.callback(cache.flush_scores)
         stack.callback(lambda: [h.remove() for h in handles])
         if cache.requires & {"attention", "window_attention"}:

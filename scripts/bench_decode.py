@@ -22,8 +22,15 @@ in cache length over a sawtooth cycle); the speedup ``t_full(L) / t(L)``; the di
 :mod:`dynts.cost`. A continuous decode of the small model traces the sawtooth of the paper's Fig. 5.
 Writes ``bench_decode.json`` and ``decode_latency.png`` under ``--out``.
 
+``--compile``: every lane uses a static-layout cache (fixed buffers: ``B`` slots for a method, for the
+full cache ``max(positions) + 3N`` slots, for ``full@B`` ``B`` slots, like transformers' StaticCache)
+and decode steps run through :func:`dynts.compiled.compiled_decode`; ``t_full(B)`` is then the
+compiled static full cache at length ``B``. Compilation (one graph per lane) happens in an untimed
+warm-up step before the timed phases.
+
     flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_decode.py            # ~10 min on 2 cores
     .venv/bin/python scripts/bench_decode.py --quick                               # tiny model, ~1 min
+    flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_decode.py --models small --compile
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dynts  # noqa: E402
+from dynts.compiled import compiled_decode  # noqa: E402
 from dynts.cost import ModelShape, decode_flops, predictor_flops, selection_flops  # noqa: E402
 from dynts.kernels import backend_for  # noqa: E402
 from dynts.models import checkpoints_dir  # noqa: E402
@@ -97,8 +106,9 @@ class Lane:
 class Driver:
     """Runs forwards of one model for several lanes, each through ``dynts.attach`` of its own cache."""
 
-    def __init__(self, model: torch.nn.Module, vocab: int, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, vocab: int, seed: int = 0, compile: bool = False):
         self.model = model
+        self.compile = compile
         self.vocab = vocab
         self.generator = torch.Generator().manual_seed(seed)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -110,7 +120,9 @@ class Driver:
     @torch.no_grad()
     def forward(self, lane: Lane, ids: torch.Tensor) -> float:
         """One forward of ``ids`` [b, q] through ``lane``; returns seconds (the forward and the argmax)."""
-        with dynts.attach(self.model, lane.cache, lane.predictor):
+        with dynts.attach(self.model, lane.cache, lane.predictor), ExitStack() as stack:
+            if self.compile:
+                stack.enter_context(compiled_decode(self.model))
             sync(self.device)
             start = time.perf_counter()
             out = self.model(input_ids=ids, logits_to_keep=1, use_cache=True, **{self.cache_kw: lane.cache})
@@ -182,10 +194,12 @@ def method_options(name: str, vocab: int) -> dict:
     return {"separator_token_ids": tuple(range(3, vocab, 16))} if name == "sepllm" else {}
 
 
-def make_lane(model, name: str, budget: dynts.Budget | None, batch: int) -> Lane:
+def make_lane(model, name: str, budget: dynts.Budget | None, batch: int, max_length: int | None = None) -> Lane:
+    """A lane; ``max_length`` (a static full cache's capacity) turns on the static layout."""
     method = "full" if name.startswith("full") else name
     evictor = dynts.make_evictor(method, **method_options(method, model.config.get_text_config().vocab_size))
-    cache = dynts.build_cache(model, evictor, budget)
+    static = {} if max_length is None else {"static": True, "max_length": max_length}
+    cache = dynts.build_cache(model, evictor, budget, **static)
     predictor = None
     if "scores" in cache.requires:
         torch.manual_seed(0)  # speed does not depend on the weights: an untrained predictor scores the same way
@@ -196,30 +210,35 @@ def make_lane(model, name: str, budget: dynts.Budget | None, batch: int) -> Lane
 def bench_positions(model, model_name: str, batch: int, methods: list[str], positions: list[int], args) -> dict:
     """Time every lane at every position (see the module docstring); returns the JSON record."""
     config = model.config.get_text_config()
-    driver = Driver(model, config.vocab_size, seed=args.seed)
+    driver = Driver(model, config.vocab_size, seed=args.seed, compile=args.compile)
     bounds = dynts.Budget(args.budget, args.local_window, args.retention)
     m, n = args.prompt_tokens, args.steps
+    full_length = max(positions) + 3 * n + 1 if args.compile else None  # static full cache capacity
+    bound_length = args.budget if args.compile else None
     n_keep, volume = bounds.n_keep(m), bounds.eviction_volume(m)
     if n >= volume:
         raise ValueError(f"--steps {n} must be below the eviction volume K={volume}")
     prompt = driver.random_ids(batch, m)
-    lanes = [make_lane(model, "full", None, batch)] + [make_lane(model, name, bounds, batch) for name in methods]
+    lanes = [make_lane(model, "full", None, batch, full_length)]
+    lanes += [make_lane(model, name, bounds, batch, bound_length) for name in methods]
     for lane in lanes:
         driver.forward(lane, prompt)
     started = time.perf_counter()
+    warm = 1 if args.compile else 0  # the last untimed token is a single-token forward: compiles the lane's graph
     for position in positions:
         for lane in lanes:  # reach L - N untimed
             cache = lane.cache
             if lane.bounded:
-                chunks = plan_chunks(cache.seen, cache.length, position - n, args.budget - n, args.budget, n_keep)
+                chunks = plan_chunks(cache.seen, cache.length, position - n - warm, args.budget - n - warm,
+                                     args.budget, n_keep)
             else:
-                chunks = full_chunks(position - n - cache.seen, args.full_chunk)
-            driver.advance(lane, chunks)
+                chunks = full_chunks(position - n - warm - cache.seen, args.full_chunk)
+            driver.advance(lane, chunks + [1] * warm)
             if lane.bounded and (cache.seen, cache.length) != (position - n, args.budget - n):
                 raise AssertionError(f"{lane.name}: at {cache.seen} tokens with {cache.length} cached, planned otherwise")
-        reference = make_lane(model, "full@B", None, batch)  # the bound, timed alongside
+        reference = make_lane(model, "full@B", None, batch, bound_length)  # the bound, timed alongside
         driver.forward(reference, prompt)
-        driver.advance(reference, full_chunks(args.budget - n - m, args.full_chunk))
+        driver.advance(reference, full_chunks(args.budget - n - m - warm, args.full_chunk) + [1] * warm)
         for phase, count, members in (
             ("top", n, lanes + [reference]),
             ("event", 1, lanes),
@@ -410,6 +429,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sawtooth-length", type=int, default=None, help="continuous trace length (small model)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="per-phase statistic of step times (min resists a shared machine's noise)")
+    parser.add_argument("--compile", action="store_true",
+                        help="static-layout caches and torch.compile'd decode steps (see the module docstring)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_decode")

@@ -99,3 +99,26 @@ def test_compiled_decode_is_token_identical(compile_model, method, budget):
         ref = getattr(eager.cache, name)
         if ref is not None and not ref[:, :n].isnan().all():
             torch.testing.assert_close(getattr(again.cache, name)[:, :n], ref[:, :n], rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.slow
+def test_compiled_lanes_of_one_shape_keep_their_own_hooks():
+    """Methods whose decode graphs have identical shapes (same batch, same capacity) but different
+    work (nothing / attention recording / predictor scores) each get their own graph: torch.compile
+    does not guard on hooks, so a graph traced for one must never serve another."""
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", seed=3)
+    ids, mask = padded_batch([17, 12], seed=6)
+    kw = dict(input_ids=ids, attention_mask=mask, budget=36, local_window=8, max_new_tokens=40, eos_token_id=None, pad_token_id=0,
+              predictor=_predictor(model))
+    for method in ("window", "dynts", "h2o", "dynts"):
+        eager = dynts.generate(model, method=method, **kw)
+        compiled = dynts.generate(model, method=method, compile=True, **kw)
+        assert eager.stats["evictions"] >= 2 and compiled.cache.capacity == eager.cache.capacity
+        assert torch.equal(compiled.sequences, eager.sequences), method
+        n = eager.cache.length
+        torch.testing.assert_close(compiled.cache.scores[:, :n], eager.cache.scores[:, :n], equal_nan=True,
+                                   rtol=1e-4, atol=1e-5)
+        if eager.cache.attention is not None:
+            torch.testing.assert_close(compiled.cache.attention[:, :n], eager.cache.attention[:, :n],
+                                       rtol=1e-4, atol=1e-5)
