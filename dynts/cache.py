@@ -112,7 +112,10 @@ class BoundedLayer(CacheLayerMixin):
         return stored + query_length, self.owner.seen - stored
 
     def get_seq_length(self) -> int:
-        return self.owner.seen
+        owner = self.owner
+        if owner.static_step and torch.compiler.is_compiling():
+            return owner.seen_tensor  # a device scalar: a host int would be baked into the graph
+        return owner.seen
 
     def get_max_length(self) -> int:
         return -1
@@ -206,6 +209,7 @@ class BoundedCache(Cache):
         self._deferred = 0  # how many, for slots _deferred_base ... _deferred_base + _deferred - 1
         self._deferred_base = 0
         self.write_index: torch.Tensor | None = None  # [1] slot the decode step writes (static layout)
+        self.seen_tensor: torch.Tensor | None = None  # [] tokens seen before the step (static layout)
         self.slot_mask: torch.Tensor | None = None  # [b, capacity] bool validity (static layout)
         self.stats = CacheStats()
         self.seen = 0  # absolute tokens seen before the current forward
@@ -249,6 +253,7 @@ class BoundedCache(Cache):
             self.static_step = q == 1 and self.length + 1 <= self.capacity
             if self.static_step:
                 self.write_index.fill_(self.length)
+                self.seen_tensor.fill_(self.seen)
                 return self.slot_mask[:, None, None, :]
         return self._slot_mask() if self.holds_pads else None
 
@@ -434,6 +439,7 @@ class BoundedCache(Cache):
         b = batch_size
         if self.static:
             self.write_index = torch.zeros(1, dtype=torch.long, device=device)
+            self.seen_tensor = torch.zeros((), dtype=torch.long, device=device)
             self.slot_mask = torch.zeros(b, cap, dtype=torch.bool, device=device)
         self.positions = torch.zeros(b, cap, dtype=torch.long, device=device)
         self.segments = torch.full((b, cap), int(Segment.PAD), dtype=torch.long, device=device)
@@ -446,7 +452,7 @@ class BoundedCache(Cache):
         self.in_answer = torch.zeros(b, dtype=torch.bool, device=device)
         self._window_fresh = True
         if self.static:
-            mark_static(self.write_index, self.slot_mask, self.scores, self.attention, self.window_attention)
+            mark_static(self.write_index, self.seen_tensor, self.slot_mask, self.scores, self.attention, self.window_attention)
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:

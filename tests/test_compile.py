@@ -8,11 +8,14 @@ compiled once per model and method and reused by the next call (no recompilation
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import dynts
+from dynts.compiled import compiled_decode
 from conftest import decode_with_cache, padded_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,3 +125,29 @@ def test_compiled_lanes_of_one_shape_keep_their_own_hooks():
         if eager.cache.attention is not None:
             torch.testing.assert_close(compiled.cache.attention[:, :n], eager.cache.attention[:, :n],
                                        rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_step_without_position_ids_compiles_once():
+    """A caller that passes no position_ids (the model derives them from get_seq_length) still gets
+    one graph for every step, and the same tokens as the eager cache."""
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", seed=5)
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    tokens = {}
+    for compile_ in (False, True):
+        cache = dynts.build_cache(model, dynts.make_evictor("window"), dynts.Budget(24, 4, 0.5), static=compile_)
+        counters.clear()
+        with torch.no_grad(), dynts.attach(model, cache), ExitStack() as stack:
+            if compile_:
+                stack.enter_context(compiled_decode(model))
+            out = model(input_ids=ids, cache=cache)
+            seq = []
+            for _ in range(30):
+                token = out.logits[:, -1:].argmax(-1)
+                seq.append(token)
+                out = model(input_ids=token, cache=cache)
+        tokens[compile_] = torch.cat(seq, 1)
+        assert cache.stats.evictions >= 2
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(tokens[True], tokens[False])
