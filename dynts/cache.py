@@ -98,6 +98,7 @@ class BoundedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if owner.static_step:  # static shapes: no host integer read, whole buffers + 4-D mask
+            self.grow(owner.capacity)  # a no-op unless max_length was too small (then: a new graph)
             self.keys.index_copy_(2, owner.write_index, key_states)
             self.values.index_copy_(2, owner.write_index, value_states)
             return self.keys, self.values

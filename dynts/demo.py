@@ -67,12 +67,14 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--predictor", default=None, help="directory written by ImportancePredictor.save_pretrained")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    parser.add_argument("--compile", action="store_true",
+                        help="static-layout cache + torch.compile'd decode step (the first steps compile)")
     args = parser.parse_args(argv)
     model, tokenizer = load(args.model)
     prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat else args.prompt
     result = generate(
         model, tokenizer, prompts, method=args.method, budget=args.budget, local_window=args.local_window,
-        retention=args.retention, predictor=args.predictor, max_new_tokens=args.max_new_tokens,
+        retention=args.retention, predictor=args.predictor, max_new_tokens=args.max_new_tokens, compile=args.compile,
     )
     for text in result.texts:
         print(text)
