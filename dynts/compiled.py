@@ -48,6 +48,15 @@ def _query_length(args: tuple, kwargs: dict[str, Any]) -> int:
     return ref.shape[1] if ref is not None else 0
 
 
+_SLOT = "_dynts_scoring_slot"
+
+
+def _score_from_slot(module: torch.nn.Module, args, output: torch.Tensor) -> None:
+    cache = getattr(module, _SLOT)[0]  # read through the module: a deep copy gets its own slot
+    if cache is not None:
+        cache.score_hidden(output)
+
+
 def scoring_slot(model: torch.nn.Module) -> list:
     """The one-element list naming the cache whose predictor scores ``model``'s final hidden states.
 
@@ -55,18 +64,14 @@ def scoring_slot(model: torch.nn.Module) -> list:
     a module's hooks, so a hook added or removed per call would be silently kept or dropped by a
     compiled decode step traced earlier; a permanent hook that reads this slot is traced once and
     guarded on what the slot holds (``None``: the hook does nothing)."""
-    slot = model.__dict__.get("_dynts_scoring_slot")
+    from .generate import final_norm  # lazy: generate imports this module
+
+    norm = final_norm(model)
+    slot = getattr(norm, _SLOT, None)
     if slot is None:
-        from .generate import final_norm  # lazy: generate imports this module
-
-        slot = model.__dict__["_dynts_scoring_slot"] = [None]
-
-        def score(module, args, output):
-            cache = slot[0]
-            if cache is not None:
-                cache.score_hidden(output)
-
-        final_norm(model).register_forward_hook(score)
+        slot = [None]
+        setattr(norm, _SLOT, slot)
+        norm.register_forward_hook(_score_from_slot)
     return slot
 
 

@@ -67,3 +67,17 @@ def test_deferred_scores_equal_per_step_scores(qwen2):
     assert cache_a.stats.evictions >= 2 and torch.equal(seq_a, seq_b) and visible_a == visible_b
     n = cache_a.length
     torch.testing.assert_close(cache_b.scores[:, :n], cache_a.scores[:, :n], equal_nan=True)
+
+
+def test_deep_copied_model_scores_through_its_own_slot(qwen2):
+    """The predictor hook stays on the model after a call; a deep copy scores for its own caches."""
+    import copy
+
+    predictor = dynts.ImportancePredictor(qwen2.config.hidden_size).eval()
+    ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    kw = dict(input_ids=ids, method="dynts", budget=24, local_window=4, predictor=predictor, max_new_tokens=30,
+              pad_token_id=0, eos_token_id=None)
+    first = dynts.generate(qwen2, **kw)
+    twin = copy.deepcopy(qwen2)
+    second = dynts.generate(twin, **kw)
+    assert first.stats["evictions"] >= 2 and torch.equal(first.sequences, second.sequences)
