@@ -1,45 +1,25 @@
-"""Load a model and its tokenizer for the pipeline (``dynts.load`` + a word-level tokenizer fix).
+"""The pipeline's model loading: :func:`dynts.load` itself (one loading path for every module).
 
-transformers 5 maps every ``model_type: qwen2`` directory to ``Qwen2Tokenizer`` in
-``AutoTokenizer``, a byte-level BPE that silently mangles a word-level vocabulary such as the
-testbed's. Directories whose ``tokenizer_config.json`` names the generic fast tokenizer class are
-therefore read with ``PreTrainedTokenizerFast`` directly.
+``model_path`` / ``load_tokenizer`` are :func:`dynts.models.resolve_path` /
+:func:`dynts.models.load_tokenizer` (word-level testbed tokenizers load as saved, hub ids come
+from the local HF cache, adapter directories load their base + adapter).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from typing import Any
 
 import torch
 
+from dynts.models import load_tokenizer
+from dynts.models import resolve_path as model_path
+
 __all__ = ["load_model", "load_tokenizer", "model_path"]
 
-GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
-
-def model_path(name_or_path: str) -> Path:
-    """The local directory of a ``dynts.load`` name or path."""
-    from dynts.models import _resolve
-
-    return _resolve(name_or_path)[0]
-
-
-def load_tokenizer(name_or_path: str):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    path = model_path(name_or_path)
-    config = path / "tokenizer_config.json"
-    cls = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if cls in GENERIC_TOKENIZERS:
-        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def load_model(name_or_path: str, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """``(model, tokenizer)`` in eval mode, offline."""
+def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None, **options: Any):
+    """``(model, tokenizer)`` in eval mode, offline: ``dynts.load(name_or_path, dtype=..., device=..., **options)``
+    (``device_map``, ``attn_implementation``, ``adapter``... as in :func:`dynts.models.load`)."""
     import dynts
 
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model, _ = dynts.load(name_or_path, dtype=dtype, device=device)
-    return model, load_tokenizer(name_or_path)
+    return dynts.load(name_or_path, dtype=dtype, device=device, **options)

@@ -25,6 +25,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from data_pipeline.grading import last_boxed
+
 __all__ = ["Question", "QuestionDataModule", "WorkItem", "load_questions"]
 
 QUESTION_FIELDS = ("problem", "question", "prompt")
@@ -56,19 +58,6 @@ class WorkItem:
     sample_id: int
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (balanced braces), else ``None``."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i, depth = start + len("\\boxed{"), 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
 def _gold(row: dict[str, Any]) -> str | None:
     answer = row.get("answer")
     if isinstance(answer, (int, float)):
@@ -77,7 +66,7 @@ def _gold(row: dict[str, Any]) -> str | None:
         match = re.search(r"####\s*(.+?)\s*$", answer.strip())
         return match.group(1).replace(",", "") if match else answer.strip()
     solution = row.get("solution")
-    return last_boxed(solution) if isinstance(solution, str) else None
+    return last_boxed(solution, skip_unclosed=False) if isinstance(solution, str) else None
 
 
 def _textarena_path(spec: str) -> Path:

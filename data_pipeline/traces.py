@@ -26,7 +26,7 @@ from datasets import Features, Sequence as ListOf, Value
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from data_pipeline.loading import load_model, load_tokenizer
-from data_pipeline.grading import ANSWER_RULES, find_answer_start, make_grader
+from data_pipeline.grading import ANSWER_RULES, GRADE_ON, find_answer_start, make_grader
 from data_pipeline.questions import Question, QuestionDataModule, load_questions
 from data_pipeline.shards import ShardStore, settings_from_dict, stage_main
 
@@ -64,6 +64,8 @@ class TraceConfig:
         answer_rule: how the answer start is found (:data:`data_pipeline.grading.ANSWER_RULES`).
         think_end: the thinking delimiter for ``answer_rule: delimiter``.
         grader: ``math`` / ``testbed`` / ``exact`` / ``any`` / ``module:function``.
+        grade_on: ``answer`` (the grader reads the text after the answer start, default) or ``full``
+            (the whole generated text); see :mod:`data_pipeline.grading`.
         require_correct: keep only correct traces (the paper); False keeps every complete trace.
         require_eos: reject traces cut by ``max_new_tokens`` (no EOS).
         system / suffix: instruction added to every question.
@@ -89,6 +91,7 @@ class TraceConfig:
     answer_rule: str = "delimiter"
     think_end: str = "</think>"
     grader: str = "math"
+    grade_on: str = "answer"
     require_correct: bool = True
     require_eos: bool = True
     system: str | None = None
@@ -117,6 +120,8 @@ class TraceConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
         make_grader(self.grader)  # fail early on a bad name
+        if self.grade_on not in GRADE_ON:
+            raise ValueError(f"grade_on={self.grade_on!r} must be one of {GRADE_ON}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TraceConfig":
@@ -151,7 +156,7 @@ def make_record(
     answer_text = tokenizer.decode(generated[start:], skip_special_tokens=True)
     if config.answer_rule == "delimiter":
         answer_text = answer_text.split(config.think_end, 1)[-1]
-    correct = bool(grader(question, text, answer_text))
+    correct = bool(grader(question, text, text if config.grade_on == "full" else answer_text))
     if config.require_correct and not correct:
         return None, "incorrect"
     record = {

@@ -8,10 +8,19 @@ from .predictor import ImportancePredictor, PredictorConfig
 
 
 def load(name_or_path: str, **kwargs):
-    """Load ``(model, tokenizer)``: a local HF directory, ``smollm2-135m`` or the bundled testbed."""
-    from .models import load as _load
+    """Load ``(model, tokenizer)`` offline: a bundled name, a local HF directory, a hub id in the
+    local HF cache or a PEFT adapter directory; ``dtype``, ``device``, ``device_map``,
+    ``attn_implementation``, ``adapter``... (see :func:`dynts.models.load`)."""
+    from .models import load as load_model
 
-    return _load(name_or_path, **kwargs)
+    return load_model(name_or_path, **kwargs)
+
+
+def generate_batch(model, tokenizer=None, prompts=(), **kwargs):
+    """Continuous batching with a bounded KV cache per request (see :func:`dynts.serving.generate_batch`)."""
+    from .serving import generate_batch as _generate_batch
+
+    return _generate_batch(model, tokenizer, prompts, **kwargs)
 
 
 __all__ = [
@@ -27,6 +36,7 @@ __all__ = [
     "available_methods",
     "build_cache",
     "generate",
+    "generate_batch",
     "load",
     "make_evictor",
     "register",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+SIZINGS = ("paper", "official")
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -14,14 +16,23 @@ class Budget:
         budget: ``B``, the most entries the cache holds (the token being decoded included).
         local_window: ``W_l``, the most recent tokens that windowed methods always keep.
         retention: fraction of the selection window ``W_s = B - W_q - W_l`` kept at an event.
+        sizing: how ``n_keep`` follows from the other three (every method keeps the same count):
 
-    At each event every method keeps ``n_keep = W_q + floor(retention * W_s) + W_l`` entries, so the
-    eviction volume is ``K = B - n_keep`` (at least 1) and events fire every ``K`` decoded tokens.
+            - ``"paper"`` (default, as the DynTS paper words it, 4.2): the question window plus
+              ``floor(retention * W_s)`` selected tokens plus the local window,
+              ``n_keep = W_q + floor(retention * W_s) + W_l``;
+            - ``"official"`` (the DynTS reference code): ``n_keep = int(retention * (B - W_l)) + W_l``,
+              the question counted inside the ``int(retention * (B - W_l))`` kept non-local tokens
+              (it needs ``W_q <= int(retention * (B - W_l))``).
+
+            Either way the eviction volume is ``K = B - n_keep`` (at least 1) and events fire every
+            ``K`` decoded tokens.
     """
 
     budget: int
     local_window: int
     retention: float = 0.4
+    sizing: str = "paper"
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget <= 0:
@@ -30,6 +41,8 @@ class Budget:
             raise ValueError(f"local_window={self.local_window!r} must be an int >= 0 (e.g. local_window=128)")
         if not (0.0 < float(self.retention) <= 1.0):
             raise ValueError(f"retention={self.retention!r} must lie in (0, 1] (e.g. retention=0.4)")
+        if self.sizing not in SIZINGS:
+            raise ValueError(f"sizing={self.sizing!r} must be one of {SIZINGS} (the paper's formula or the reference code's)")
 
     def check_question(self, question_length: int) -> None:
         """Raise unless the prompt, the local window and at least one selection slot fit in ``B``."""
@@ -39,6 +52,16 @@ class Budget:
                 f"budget={self.budget} is smaller than question ({question_length} tokens) + local_window "
                 f"({self.local_window}) + 1; raise budget to at least {need} or shrink local_window"
             )
+        if self.sizing == "official" and question_length > self._official_kept():
+            need = math.ceil(question_length / float(self.retention)) + self.local_window
+            raise ValueError(
+                f"sizing='official' keeps int(retention * (budget - local_window)) = {self._official_kept()} "
+                f"non-local tokens, fewer than the question ({question_length} tokens); raise budget to at "
+                f"least {need}, raise retention, or use sizing='paper'"
+            )
+
+    def _official_kept(self) -> int:
+        return int(float(self.retention) * (self.budget - self.local_window))
 
     def selection_window(self, question_length: int) -> int:
         """``W_s``: slots between the question window and the local window."""
@@ -46,8 +69,10 @@ class Budget:
         return self.budget - question_length - self.local_window
 
     def n_keep(self, question_length: int) -> int:
-        """Entries kept by every method at an eviction event."""
+        """Entries kept by every method at an eviction event (see ``sizing``)."""
         ws = self.selection_window(question_length)
+        if self.sizing == "official":
+            return min(self._official_kept() + self.local_window, self.budget - 1)
         kept = math.floor(self.retention * ws)
         return self.budget - max(1, ws - kept)
 

@@ -28,6 +28,7 @@ The model must be driven through :func:`dynts.attach` (``dynts.generate`` does i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -35,6 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .budget import Budget
 from .evictors.base import Evictor, Segment, TokenInfo
 from .kernels import compact_
+from .thinking import DelimiterMatcher
 
 __all__ = ["BoundedCache", "BoundedLayer", "CacheStats"]
 
@@ -159,8 +161,9 @@ class BoundedCache(Cache):
         num_layers: decoder layers of the model.
         evictor: the method; ``bounded = False`` evictors (``full``) ignore the budget.
         budget: the :class:`Budget`; ``None`` only for the full cache.
-        think_end_token_id: token id that closes the thinking segment (``</think>``); tokens after
-            it are :attr:`Segment.ANSWER`.
+        think_end_token_id: token id, or sequence of ids, of the delimiter that closes the thinking
+            segment (``</think>``, see :func:`dynts.thinking.think_end_ids`); the delimiter and the
+            tokens after it are :attr:`Segment.ANSWER`. ``None``: every generated token is thinking.
         observation_window: number of recent query rows kept for ``window_attention`` (SnapKV);
             default: the evictor's ``observation_window`` field if it has one, else 8.
         keys_layer: layer whose keys feed ``TokenInfo.keys`` (R-KV); default the last one.
@@ -178,7 +181,7 @@ class BoundedCache(Cache):
         evictor: Evictor,
         budget: Budget | None = None,
         *,
-        think_end_token_id: int | None = None,
+        think_end_token_id: int | Sequence[int] | None = None,
         observation_window: int | None = None,
         keys_layer: int = -1,
         static: bool = False,
@@ -192,6 +195,8 @@ class BoundedCache(Cache):
         self.evictor = evictor
         self.budget = budget
         self.think_end_token_id = think_end_token_id
+        delimiter = (think_end_token_id,) if isinstance(think_end_token_id, int) else think_end_token_id
+        self.delimiter = DelimiterMatcher(delimiter) if delimiter is not None else None
         self.requires = frozenset(evictor.requires) if self.bounded else frozenset()
         if observation_window is None:
             observation_window = getattr(evictor, "observation_window", 8)
@@ -223,7 +228,8 @@ class BoundedCache(Cache):
         self.positions = self.segments = self.token_ids = self.scores = None
         self.attention: torch.Tensor | None = None
         self.window_attention: torch.Tensor | None = None
-        self.in_answer: torch.Tensor | None = None
+        self.in_answer: torch.Tensor | None = None  # [b] the row has emitted the delimiter
+        self.think_match: torch.Tensor | None = None  # [b] delimiter tokens matched so far (automaton state)
         self.holds_pads = False  # host flag: may a stored slot be padding? (avoids a per-step device read)
 
     # ------------------------------------------------------------------ forward protocol
@@ -451,6 +457,7 @@ class BoundedCache(Cache):
         if "window_attention" in self.requires:
             self.window_attention = torch.zeros(b, self.observation_window, cap, device=device)
         self.in_answer = torch.zeros(b, dtype=torch.bool, device=device)
+        self.think_match = torch.zeros(b, dtype=torch.long, device=device)
         self._window_fresh = True
         if self.static:
             mark_static(self.write_index, self.seen_tensor, self.slot_mask, self.scores, self.attention, self.window_attention)
@@ -470,15 +477,36 @@ class BoundedCache(Cache):
         self.capacity = cap
 
     def _generated_segments(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Thinking until the row has emitted ``</think>`` (that token included in the answer)."""
-        if self.think_end_token_id is None:
+        """Thinking until the row has emitted the whole delimiter; the delimiter (all its tokens,
+        also those stored by earlier forwards) and everything after it are answer."""
+        if self.delimiter is None:
             seg = torch.full_like(input_ids, int(Segment.THINKING))
-        else:
-            closes = (input_ids == self.think_end_token_id).long().cumsum(1) > 0
-            answer = self.in_answer.unsqueeze(1) | closes
-            seg = torch.where(answer, int(Segment.ANSWER), int(Segment.THINKING))
-            self.in_answer |= answer[:, -1]
+            return torch.where(valid, seg, int(Segment.PAD))
+        m = self.delimiter.length
+        closes, self.think_match = self.delimiter.scan(self.think_match, input_ids, valid)
+        after = closes.long().cumsum(1) > 0
+        newly = ~self.in_answer & after[:, -1]
+        answer = self.in_answer.unsqueeze(1) | after
+        if m > 1:  # the delimiter's first tokens: in this forward, or stored by earlier ones
+            real = valid.long().cumsum(1)  # [b, q] 1-based count of real tokens
+            closing = (real * (closes & (closes.long().cumsum(1) == 1))).sum(1)  # real count at the first close
+            answer |= valid & newly.unsqueeze(1) & (real > (closing - m).unsqueeze(1))
+            self._relabel_stored_pieces(torch.where(newly, (m - closing).clamp(min=0), 0))
+        self.in_answer |= newly
+        seg = torch.where(answer, int(Segment.ANSWER), int(Segment.THINKING))
         return torch.where(valid, seg, int(Segment.PAD))
+
+    def _relabel_stored_pieces(self, pieces: torch.Tensor) -> None:
+        """Mark as answer the last ``pieces`` ``[b]`` real stored slots of each row that hold the
+        delimiter's first ids (a slot lost to an eviction is simply not found)."""
+        n = self.length
+        segments = self.segments[:, :n]
+        real = segments != Segment.PAD
+        rank = real.flip(1).long().cumsum(1).flip(1)  # 1 on the last real slot
+        index = pieces.unsqueeze(1) - rank  # the delimiter id a slot must hold
+        hit = real & (rank <= pieces.unsqueeze(1)) & (segments == Segment.THINKING)
+        hit &= self.token_ids[:, :n] == self.delimiter.piece_ids(index)
+        segments.masked_fill_(hit, int(Segment.ANSWER))
 
     # ------------------------------------------------------------------ info
     @property

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-predictor": ("trainers.predictor_cli:main", "train the DynTS importance predictor (LightningCLI: fit / validate)"),
     "pipeline": ("trainers.pipeline:main", "traces -> importance -> predictor training -> export, resumable"),
     "eval": ("eval.cli:main", "pass@1 / tokens/s / peak KV of methods x budgets x benchmarks, ablations, resumable"),
+    "serve": ("dynts.serving.server:main", "OpenAI-compatible server: continuous batching, a bounded KV cache per request"),
     "rescue": ("eval.rescue_cli:main", "KV-Rescue: evicted base + full-context helper + PRM; generate, or bench vs best-of-N"),
 }
 

@@ -135,13 +135,13 @@ class ModelShape:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            from .models import BUNDLED, _resolve  # a bundled name (smollm2-135m converts once, ~30 s)
+            from .models import BUNDLED, resolve_path  # a bundled name (smollm2-135m converts once, ~30 s)
 
             if str(name_or_path) not in BUNDLED:
                 raise ValueError(
                     f"{name_or_path!r} is neither a config.json, a directory with one, nor a bundled model {list(BUNDLED)}"
                 )
-            path = _resolve(str(name_or_path))[0] / "config.json"
+            path = resolve_path(str(name_or_path)) / "config.json"
         return cls.from_config(json.loads(path.read_text()), name=overrides.pop("name", str(name_or_path)), **overrides)
 
     # ------------------------------------------------------------------ sizes

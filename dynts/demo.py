@@ -1,4 +1,7 @@
-"""``dynts demo`` and ``dynts generate``: bounded-cache generation from the command line."""
+"""``dynts demo-smollm2`` and ``dynts generate``: bounded-cache generation from the command line.
+
+Both follow the model's ``generation_config`` for sampling unless a sampling flag is given
+(``--greedy``, ``--do-sample``, ``--temperature``, ``--top-p``, ``--top-k``)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import argparse
 
 import torch
 
+from .cli_options import add_load_arguments, add_sampling_arguments, load_kwargs, parse_options, sampling_kwargs
 from .generate import generate
 from .models import load
 from .predictor import ImportancePredictor
@@ -35,17 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-window", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--methods", default="full,window,streamingllm,dynts")
+    add_load_arguments(parser)
+    add_sampling_arguments(parser)
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    model, tokenizer = load(args.model)
+    sampling = sampling_kwargs(args)
+    torch.manual_seed(0 if args.seed is None else args.seed)
+    model, tokenizer = load(args.model, **load_kwargs(args))
     chats = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
-    predictor = ImportancePredictor(model.config.hidden_size)  # untrained: shows the mechanics only
-    generate(model, tokenizer, chats, method="full", max_new_tokens=2)  # warm-up: first calls pay one-off costs
+    device = next(model.parameters()).device
+    # untrained: shows the mechanics only
+    predictor = ImportancePredictor(model.config.get_text_config().hidden_size).to(device)
+    generate(model, tokenizer, chats, method="full", max_new_tokens=2, **sampling)  # warm-up: one-off costs
     rows = []
     for method in args.methods.split(","):
         result = generate(
             model, tokenizer, chats, method=method, budget=args.budget, local_window=args.local_window,
-            predictor=predictor, max_new_tokens=args.max_new_tokens,
+            predictor=predictor, max_new_tokens=args.max_new_tokens, **sampling,
         )
         label = method + (" (untrained predictor)" if method == "dynts" else "")
         rows.append({**result.stats, "method": label})
@@ -57,25 +66,40 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generate_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dynts generate")
+    parser = argparse.ArgumentParser(prog="dynts generate", description=__doc__)
     parser.add_argument("prompt", nargs="+")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--method", default="window")
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--local-window", type=int, default=32)
-    parser.add_argument("--retention", type=float, default=0.4)
-    parser.add_argument("--predictor", default=None, help="directory written by ImportancePredictor.save_pretrained")
+    parser.add_argument("--model", default="smollm2-135m", help="a bundled name, a local HF directory or a cached hub id")
+    parser.add_argument("--method", default="window", help="a name from dynts.available_methods()")
+    parser.add_argument("--budget", type=int, default=256, help="cache budget B (KV entries)")
+    parser.add_argument("--local-window", type=int, default=32, help="W_l, recent tokens always kept")
+    parser.add_argument("--retention", type=float, default=0.4, help="share of the selection window kept per eviction")
+    parser.add_argument("--predictor", default=None, help="directory written by ImportancePredictor.save_pretrained (dynts)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--think-end", default="</think>", help="text closing the thinking segment")
+    parser.add_argument("--method-option", action="append", default=None, metavar="KEY=VALUE",
+                        help="a field of the method's dataclass, e.g. sink_size=4 (repeatable)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     parser.add_argument("--compile", action="store_true",
                         help="static-layout cache + torch.compile'd decode step (the first steps compile)")
+    add_load_arguments(parser)
+    add_sampling_arguments(parser)
     args = parser.parse_args(argv)
-    model, tokenizer = load(args.model)
-    prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat else args.prompt
-    result = generate(
-        model, tokenizer, prompts, method=args.method, budget=args.budget, local_window=args.local_window,
-        retention=args.retention, predictor=args.predictor, max_new_tokens=args.max_new_tokens, compile=args.compile,
-    )
+    try:
+        sampling, options = sampling_kwargs(args), parse_options(args.method_option)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    try:
+        model, tokenizer = load(args.model, **load_kwargs(args))
+        prompts = [[{"role": "user", "content": p}] for p in args.prompt] if args.chat else args.prompt
+        result = generate(
+            model, tokenizer, prompts, method=args.method, budget=args.budget, local_window=args.local_window,
+            retention=args.retention, predictor=args.predictor, max_new_tokens=args.max_new_tokens,
+            think_end=args.think_end, method_options=options, compile=args.compile, **sampling,
+        )
+    except ValueError as err:  # bad input (unknown model, dtype, method option...): say so, no traceback
+        parser.error(str(err))
     for text in result.texts:
         print(text)
     print({k: v for k, v in result.stats.items() if k != "lengths"})

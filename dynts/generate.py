@@ -17,6 +17,7 @@ from .cache import BoundedCache
 from .compiled import compiled_decode, scoring_slot
 from .evictors import Evictor, make_evictor
 from .predictor import ImportancePredictor
+from .thinking import think_end_ids
 
 __all__ = ["GenerationResult", "attach", "build_cache", "generate", "load_predictor"]
 
@@ -68,7 +69,7 @@ def build_cache(
     model: torch.nn.Module,
     evictor: Evictor,
     budget: Budget | None,
-    think_end_token_id: int | None = None,
+    think_end_token_id: int | Sequence[int] | None = None,
     **cache_options: Any,
 ) -> BoundedCache:
     """A :class:`BoundedCache` sized for ``model``."""
@@ -149,15 +150,6 @@ def _encode(tokenizer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
     return enc["input_ids"], enc["attention_mask"]
 
 
-def _think_end_id(tokenizer, think_end: str | int | None) -> int | None:
-    if think_end is None or isinstance(think_end, int):
-        return think_end
-    if tokenizer is None:
-        return None
-    ids = tokenizer.encode(think_end, add_special_tokens=False)
-    return ids[0] if len(ids) == 1 else None
-
-
 def generate(
     model: torch.nn.Module,
     tokenizer=None,
@@ -166,12 +158,12 @@ def generate(
     input_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     method: str | Evictor = "dynts",
-    budget: int | None = None,
+    budget: int | Budget | None = None,
     local_window: int | None = None,
     retention: float = 0.4,
     predictor: ImportancePredictor | str | Path | None = None,
     max_new_tokens: int,
-    think_end: str | int | None = "</think>",
+    think_end: str | int | Sequence[int] | None = "</think>",
     method_options: dict[str, Any] | None = None,
     compile: bool | str = False,
     **generate_kwargs: Any,
@@ -185,16 +177,22 @@ def generate(
             chat template is applied).
         input_ids / attention_mask: pre-tokenised ``[b, M]`` input instead of ``prompts``.
         method: a name from :func:`dynts.available_methods` or an :class:`Evictor`.
-        budget: ``B``, the most KV entries held (not needed for ``full``).
+        budget: ``B``, the most KV entries held (not needed for ``full``), or a :class:`Budget`
+            (then ``local_window`` and ``retention`` come from it; e.g. ``sizing="official"``).
         local_window: ``W_l`` recent tokens always kept.
         retention: fraction of the selection window kept at each eviction event.
         predictor: :class:`ImportancePredictor` or its directory (required by ``dynts``).
         max_new_tokens: generation length cap.
-        think_end: token closing the thinking segment (tokens after it are kept as answer).
+        think_end: the delimiter closing the thinking segment: text (encoded with ``tokenizer``; it
+            may span several tokens), a token id or a sequence of ids; the delimiter and the tokens
+            after it are answer tokens. ``None``: no answer detection. A text delimiter without a
+            tokenizer, or one the tokenizer cannot encode, warns that detection is off.
         method_options: fields of the method's dataclass (e.g. ``{"sink_size": 4}``).
         compile: ``True`` (or a ``torch.compile`` mode) decodes with a static-layout cache and a
             compiled decode step (:mod:`dynts.compiled`); the first steps pay the compilation.
         **generate_kwargs: passed to ``model.generate`` (``do_sample``, ``temperature``, ...).
+            Sampling follows ``model.generation_config`` (e.g. an R1 model's T=0.6, top-p 0.95)
+            unless given here; pass ``do_sample=False`` for greedy decoding.
     """
     evictor = make_evictor(method, **(method_options or {}))
     if tokenizer is not None:
@@ -219,9 +217,12 @@ def generate(
         )
     bounds = None
     if getattr(evictor, "bounded", True):
-        if budget is None or local_window is None:
+        if isinstance(budget, Budget):  # a full Budget (e.g. sizing="official"); local_window/retention unused
+            bounds = budget
+        elif budget is None or local_window is None:
             raise ValueError(f"method={evictor.name!r} needs budget=... and local_window=... (e.g. 1024 and 128)")
-        bounds = Budget(budget, local_window, retention)
+        else:
+            bounds = Budget(budget, local_window, retention)
         bounds.check_question(prompt_length)
     if "scores" in evictor.requires:
         if predictor is None:
@@ -230,14 +231,13 @@ def generate(
     elif predictor is not None:
         predictor = None  # only score-based methods use it; skip the per-token MLP
     static = {"static": True, "max_length": prompt_length + max_new_tokens} if compile else {}
-    cache = build_cache(model, evictor, bounds, _think_end_id(tokenizer, think_end), **static)
+    cache = build_cache(model, evictor, bounds, think_end_ids(tokenizer, think_end), **static)
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if tokenizer is not None and generate_kwargs.get("pad_token_id") is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         generate_kwargs["pad_token_id"] = pad
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    generate_kwargs.setdefault("do_sample", False)
     start = time.perf_counter()
     with ExitStack() as stack:
         stack.enter_context(torch.no_grad())
@@ -257,7 +257,7 @@ def generate(
     new_tokens = int(sum(lengths))
     stats = {
         "method": evictor.name,
-        "budget": budget if bounds else None,
+        "budget": bounds.budget if bounds else None,
         "n_keep": cache.n_keep,
         "peak_cache_tokens": cache.stats.peak_cache_tokens,
         "evictions": cache.stats.evictions,

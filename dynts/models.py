@@ -1,4 +1,11 @@
-"""Load models offline: local Hugging Face directories, bundled SmolLM2-135M, the bundled testbed."""
+"""One loading path for every model and tokenizer dynts touches, offline.
+
+:func:`load` accepts a bundled name (``smollm2-135m``, ``testbed``, ``testbed-helper``,
+``testbed-prm``), a local Hugging Face directory, a hub id already in the local HF cache
+(nothing is downloaded), or a PEFT adapter directory (its base model is resolved the same way and
+the adapter applied with peft). Precision, placement and attention kernel are the caller's:
+``dtype``, ``device`` / ``device_map`` (accelerate), ``attn_implementation``.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +13,68 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, PreTrainedTokenizerFast
 
-__all__ = ["BUNDLED", "checkpoints_dir", "load", "smollm2_dir"]
+__all__ = [
+    "BUNDLED",
+    "DTYPES",
+    "checkpoints_dir",
+    "configs_dir",
+    "load",
+    "load_tokenizer",
+    "parse_dtype",
+    "resolve_path",
+    "smollm2_dir",
+]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TESTBED = {"testbed": "testbed-lrm", "testbed-helper": "testbed-helper", "testbed-prm": "testbed-prm"}
 BUNDLED = ("smollm2-135m", *TESTBED)
+DTYPES: dict[str, torch.dtype | str] = {
+    "auto": "auto",
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+TASKS = ("auto", "causal-lm", "token-classification", "model")
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _shipped(kind: str) -> Path:
+    """``checkpoints``/``configs``: the source tree's copy, else the one a wheel installed under
+    ``<prefix>/share/dynts/`` (``pyproject.toml`` ships them as data files)."""
+    source = Path(__file__).resolve().parents[1] / kind
+    if source.is_dir():
+        return source
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parents[4]))):
+        installed = Path(prefix) / "share" / "dynts" / kind
+        if installed.is_dir():
+            return installed
+    return source
 
 
 def checkpoints_dir() -> Path:
-    """Where shipped checkpoints live (``$DYNTS_CHECKPOINTS`` or the repository's ``checkpoints/``)."""
-    return Path(os.environ.get("DYNTS_CHECKPOINTS", Path(__file__).resolve().parents[1] / "checkpoints"))
+    """Where shipped checkpoints live: ``$DYNTS_CHECKPOINTS``, the source tree's ``checkpoints/``,
+    or ``<prefix>/share/dynts/checkpoints`` of a non-editable install."""
+    if os.environ.get("DYNTS_CHECKPOINTS"):
+        return Path(os.environ["DYNTS_CHECKPOINTS"])
+    return _shipped("checkpoints")
+
+
+def configs_dir() -> Path:
+    """Where the shipped YAML configs live (source tree or ``<prefix>/share/dynts/configs``)."""
+    return _shipped("configs")
 
 
 def cache_dir() -> Path:
@@ -63,64 +116,183 @@ def smollm2_dir() -> Path:
     return target
 
 
-def _resolve(name_or_path: str | os.PathLike) -> tuple[Path, bool]:
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    """``"auto"`` (the checkpoint's own dtype) or a floating ``torch.dtype`` from a name or dtype."""
+    if dtype is None:
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype={dtype} is not a floating dtype; choose one of {sorted(DTYPES)} or a torch float dtype")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"dtype={dtype!r} is unknown; choose one of {sorted(DTYPES)} or a torch float dtype")
+
+
+def _hub_cache() -> str | None:
+    """The HF hub cache, read at call time (``$HF_HUB_CACHE``, ``$HF_HOME/hub``, else huggingface_hub's)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return str(Path(os.environ["HF_HOME"]) / "hub")
+    return None
+
+
+def _from_hub_cache(repo_id: str, revision: str | None) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=_hub_cache(), local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, ValueError):
+        return None
+
+
+def resolve_path(name_or_path: str | os.PathLike, *, revision: str | None = None) -> Path:
+    """The local directory behind a model name, offline (nothing is downloaded).
+
+    Args:
+        name_or_path: a bundled name (:data:`BUNDLED`), a local directory holding ``config.json``
+            (a model) or ``adapter_config.json`` (a PEFT adapter), or a hub id (``org/name``)
+            whose snapshot is in the local HF cache (``$HF_HUB_CACHE``).
+        revision: the hub revision (branch, tag or commit) to look up; default ``main``.
+    """
     name = str(name_or_path)
     if name == "smollm2-135m":
-        return smollm2_dir(), False
+        return smollm2_dir()
     if name in TESTBED:
         path = checkpoints_dir() / TESTBED[name]
         if not (path / "config.json").is_file():
             raise ValueError(f"{name!r} checkpoint missing at {path}; train it with `dynts testbed train`")
-        return path, name == "testbed-prm"
+        return path
     path = Path(name).expanduser()
-    if (path / "config.json").is_file():
-        return path, False
+    if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+        return path
+    if not path.exists() and name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        cached = _from_hub_cache(name, revision)
+        if cached is not None:
+            return cached
     raise ValueError(
-        f"model {name!r} is neither a bundled name {list(BUNDLED)} nor a local directory with config.json "
-        "(nothing is downloaded from a hub)"
+        f"model {name!r} is neither a bundled name {list(BUNDLED)}, a local directory with config.json or "
+        "adapter_config.json, nor a hub id in the local HF cache (nothing is downloaded: fetch it first with "
+        "`huggingface-cli download ORG/NAME`)"
     )
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
+    """The tokenizer of a model name or directory (resolved by :func:`resolve_path`), exactly as saved.
+
+    transformers 5 maps ``AutoTokenizer`` to the model family's class (a byte-level BPE for qwen2),
+    which garbles a plain ``tokenizer.json`` saved with ``tokenizer_class: TokenizersBackend`` /
+    ``PreTrainedTokenizerFast`` (the testbed's word-level vocabulary); those load as they are.
+    An adapter directory without its own tokenizer uses its base model's.
+    """
+    path = resolve_path(name_or_path)
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if not has_tokenizer and (path / "adapter_config.json").is_file():
+        return load_tokenizer(_adapter_base(path), trust_remote_code=trust_remote_code)
+    config_file = path / "tokenizer_config.json"
+    if config_file.is_file() and (path / "tokenizer.json").is_file():
+        if json.loads(config_file.read_text()).get("tokenizer_class") in GENERIC_TOKENIZERS:
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def _adapter_base(adapter_dir: Path) -> str:
+    base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"adapter {str(adapter_dir)!r} has no base_model_name_or_path in adapter_config.json; "
+                         "load the base with dynts.load(BASE, adapter=ADAPTER_DIR)")
+    return base
+
+
+def _auto_class(path: Path, task: str, token_classification: bool | None):
+    if token_classification is not None:
+        task = "token-classification" if token_classification else "causal-lm"
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is unknown; choose one of {list(TASKS)}")
+    if task == "auto":
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+        is_tc = any(a.endswith("ForTokenClassification") for a in architectures)
+        task = "token-classification" if is_tc else "causal-lm"
+    if task == "model":  # a bare AutoModel, e.g. a remote-code PRM (Qwen2ForProcessRewardModel)
+        from transformers import AutoModel
+
+        return AutoModel
+    return AutoModelForTokenClassification if task == "token-classification" else AutoModelForCausalLM
 
 
 def load(
     name_or_path: str | os.PathLike,
     *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    attn_implementation: str = "sdpa",
-    trust_remote_code: bool = False,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    device_map: str | dict[str, Any] | None = None,
+    attn_implementation: str | None = None,
+    adapter: str | os.PathLike | None = None,
+    merge_adapter: bool = False,
+    revision: str | None = None,
+    task: str = "auto",
     token_classification: bool | None = None,
+    trust_remote_code: bool = False,
+    **model_kwargs: Any,
 ):
     """Return ``(model, tokenizer)`` in eval mode, offline.
 
     Args:
-        name_or_path: ``smollm2-135m``, ``testbed``, ``testbed-helper``, ``testbed-prm`` or a local
-            Hugging Face directory.
-        token_classification: load an ``AutoModelForTokenClassification`` (PRMs); default: only for
-            ``testbed-prm``.
-        trust_remote_code: only when you trust the directory's code.
+        name_or_path: a bundled name, a local HF directory, a hub id in the local HF cache, or a
+            PEFT adapter directory (see :func:`resolve_path`).
+        dtype: ``"auto"`` (the checkpoint's ``dtype``), ``"bfloat16"``/``"bf16"``,
+            ``"float16"``/``"fp16"``, ``"float32"``/``"fp32"`` or a ``torch.dtype``.
+        device: move the model there (``"cuda"``, ``"cuda:1"``, ``"cpu"``); only without ``device_map``.
+        device_map: passed to ``from_pretrained`` (accelerate), e.g. ``"auto"`` to shard over GPUs.
+        attn_implementation: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``...; default: transformers'.
+        adapter: a PEFT adapter directory (or cached hub id) applied on top of the model. When
+            ``name_or_path`` itself is an adapter directory its ``base_model_name_or_path`` is loaded.
+            The result is the transformers model with the adapter's layers injected.
+        merge_adapter: fold the adapter into the base weights (``merge_and_unload``): plain
+            transformers modules, same outputs within rounding.
+        revision: hub revision for cached hub ids.
+        task: ``"causal-lm"``, ``"token-classification"`` (PRMs), ``"model"`` (``AutoModel``, e.g.
+            a remote-code PRM) or ``"auto"`` (token classification when the config's
+            ``architectures`` say so, else causal LM); ``token_classification=True/False`` is the same switch.
+        trust_remote_code: only when you trust the directory's code; never implied.
+        **model_kwargs: passed to ``from_pretrained`` (e.g. ``quantization_config``).
     """
-    path, is_prm = _resolve(name_or_path)
-    auto = AutoModelForTokenClassification if (token_classification or (token_classification is None and is_prm)) else AutoModelForCausalLM
+    if device is not None and device_map is not None:
+        raise ValueError("pass device=... or device_map=..., not both (device_map places the model itself)")
+    torch_dtype = parse_dtype(dtype)
+    path = resolve_path(name_or_path, revision=revision)
+    tokenizer_path = path
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        if adapter is not None:
+            raise ValueError(f"{str(name_or_path)!r} is an adapter directory; pass adapter=... only with a base model")
+        adapter, tokenizer_path = path, path
+        path = resolve_path(_adapter_base(path))
+    auto = _auto_class(path, task, token_classification)
+    options = dict(model_kwargs)
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        options["device_map"] = device_map
     model = auto.from_pretrained(
-        path,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-        trust_remote_code=trust_remote_code,
+        path, dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code, **options
     )
-    return model.to(device).eval(), load_tokenizer(path, trust_remote_code=trust_remote_code)
+    if adapter is not None:
+        model = _apply_adapter(model, resolve_path(adapter, revision=revision), merge_adapter)
+    if device is not None and device_map is None:
+        model = model.to(device)
+    return model.eval(), load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False):
-    """The directory's tokenizer, exactly as saved.
-
-    transformers 5 maps ``AutoTokenizer`` to the model family's class (a byte-level BPE for qwen2),
-    which garbles a plain ``tokenizer.json`` saved with ``tokenizer_class: TokenizersBackend`` /
-    ``PreTrainedTokenizerFast`` (the testbed's word-level vocabulary); load those as they are.
-    """
-    config_file = Path(path) / "tokenizer_config.json"
-    if config_file.is_file() and (Path(path) / "tokenizer.json").is_file():
-        declared = json.loads(config_file.read_text()).get("tokenizer_class")
-        if declared in {"TokenizersBackend", "PreTrainedTokenizerFast"}:
-            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+def _apply_adapter(model: torch.nn.Module, adapter_dir: Path, merge: bool) -> torch.nn.Module:
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise ValueError(f"adapter={str(adapter_dir)!r} has no adapter_config.json (a PEFT adapter directory)")
+    try:
+        from peft import PeftModel
+    except ImportError as err:  # pragma: no cover - peft is in the `train` extra
+        raise ValueError("adapter=... needs peft: pip install 'dynts-lrm[train]'") from err
+    peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+    # The transformers model itself (LoRA layers injected, or merged into its weights): dynts hooks
+    # its forward and ``generate``, which a ``PeftModel`` wrapper would route around.
+    return peft_model.merge_and_unload() if merge else peft_model.get_base_model()

@@ -152,19 +152,18 @@ def add_importance(traces: Any, model: torch.nn.Module, *, max_batch_tokens: int
     return datasets.Dataset.from_list(data)
 
 
-def load_model(name: str | os.PathLike) -> tuple[torch.nn.Module, Any]:
-    """``(model, tokenizer)``: :func:`data_pipeline.loading.load_model` (``dynts.load`` with the
-    word-level tokenizer read by its own class, which ``AutoTokenizer`` mangles on qwen2 dirs)."""
-    from data_pipeline.loading import load_model as _load
+def load_model(name: str | os.PathLike, **load_options: Any) -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)`` through :func:`dynts.load` (``dtype``, ``device``, ``device_map``, ...)."""
+    import dynts
 
-    return _load(str(name))
+    return dynts.load(str(name), **load_options)
 
 
 def load_tokenizer(name: str | os.PathLike) -> Any:
-    """The tokenizer alone (:func:`data_pipeline.loading.load_tokenizer`)."""
-    from data_pipeline.loading import load_tokenizer as _load
+    """The tokenizer alone (:func:`dynts.models.load_tokenizer`)."""
+    from dynts.models import load_tokenizer as load_model_tokenizer
 
-    return _load(str(name))
+    return load_model_tokenizer(str(name))
 
 
 # ------------------------------------------------------------------ testbed traces
@@ -303,7 +302,7 @@ def chat_traces(
 
     import dynts
 
-    from .grading import MathGrader
+    from data_pipeline.grading import MathGrader
 
     config = config or ChatTraceConfig()
     grader = grader or MathGrader()

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from dynts.cli_options import add_load_arguments, load_kwargs
+
 __all__ = ["main"]
 
 
@@ -63,7 +65,7 @@ def cmd_traces(args: argparse.Namespace) -> int:
     from .analysis_traces import ChatTraceConfig, add_importance, chat_traces, load_model, save_traces, testbed_traces
 
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, **load_kwargs(args))
     start = time.perf_counter()
     if args.source == "testbed":
         from data_pipeline.testbed import task
@@ -109,7 +111,7 @@ def cmd_pareto(args: argparse.Namespace) -> int:
     )
     traces = _traces(args.traces, args.limit)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, **load_kwargs(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -194,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-reasoning-tokens", type=int, default=128, help="chat models: reasoning length cap")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    add_load_arguments(p)
     p.set_defaults(func=cmd_traces)
 
     p = sub.add_parser("pareto", parents=[common], help="accuracy when answering from the question + top/bottom/random p%% of thinking")
@@ -212,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only-correct", action="store_true", help="only traces whose original answer was correct")
     p.add_argument("--limit", type=int, default=None, help="first N traces")
     p.add_argument("--seed", type=int, default=0)
+    add_load_arguments(p)
     p.set_defaults(func=cmd_pareto)
 
     p = sub.add_parser("pos", parents=[common], help="content-word ratio of thinking tokens per importance decile (spaCy)")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .grading import ChoiceGrader, Grader, MathGrader, TestbedGrader
+from data_pipeline.grading import ChoiceGrader, Grader, MathGrader, TestbedGrader
 
 __all__ = [
     "BUILTIN",
@@ -30,6 +30,7 @@ __all__ = [
     "available_benchmarks",
     "load_benchmark",
     "load_jsonl",
+    "split_benchmark_specs",
     "textarena_data_dir",
 ]
 
@@ -159,7 +160,7 @@ class JsonlFields:
 
 
 def _choice_example(row: dict, fields: JsonlFields, ex_id: str, question: str, path: Path, lineno: int) -> Example:
-    from .grading import LETTERS
+    from data_pipeline.grading import LETTERS
 
     if len(fields.choices) == 1:
         options = _field(row, fields.choices[0], path, lineno, "choices")
@@ -303,6 +304,24 @@ def load_testbed(options: dict[str, str] | None = None) -> Benchmark:
 
 def available_benchmarks() -> list[str]:
     return [*BUILTIN, "testbed"]
+
+
+def split_benchmark_specs(text: str) -> list[str]:
+    """Split a comma list of benchmark specs, keeping ``key=value`` options with the spec before
+    them: ``"gsm8k,testbed:n=200,set=dev"`` -> ``["gsm8k", "testbed:n=200,set=dev"]``. An item is an
+    option when it holds ``=`` before any ``:`` and is not a ``.jsonl`` path."""
+    specs: list[str] = []
+    for item in (i.strip() for i in str(text).split(",")):
+        if not item:
+            continue
+        option = "=" in item and ":" not in item.split("=", 1)[0] and not item.endswith(".jsonl")
+        if option:
+            if not specs:
+                raise ValueError(f"benchmark list {text!r} starts with an option {item!r}; write name:key=value")
+            specs[-1] += ("," if ":" in specs[-1] else ":") + item
+        else:
+            specs.append(item)
+    return specs
 
 
 def _options(text: str, spec: str) -> dict[str, str]:

@@ -24,6 +24,8 @@ import json
 import sys
 from pathlib import Path
 
+from dynts.cli_options import add_load_arguments, load_kwargs
+
 from .methods import ABLATIONS
 
 __all__ = ["main", "parse_float_list", "parse_int_list"]
@@ -90,11 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffle-choices", action="store_true", help="JSONL multiple choice: shuffle options per question")
     p.add_argument("--no-chat-template", action="store_true", help="send raw text instead of the chat template")
     p.add_argument("--think-end", default="</think>", help="token closing the thinking segment")
+    p.add_argument("--grade-on", default="auto", choices=["auto", "answer", "full"],
+                   help="grade the text after --think-end (answer; unclosed thinking = unanswered) or the whole "
+                        "text (full); auto = answer when the tokenizer knows the delimiter (reasoning models)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice; 1 is much faster for tiny models on a busy machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list benchmarks, methods and ablation presets, then exit")
+    add_load_arguments(p)
     return p
+
 
 
 def _methods(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -127,10 +134,10 @@ def _methods(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def config_from_args(args: argparse.Namespace):
-    from .benchmarks import JsonlFields
+    from .benchmarks import JsonlFields, split_benchmark_specs
     from .config import EvalConfig
 
-    benchmarks = [b.strip() for v in (args.benchmark or ["gsm8k"]) for b in v.split(",") if b.strip()]
+    benchmarks = [b for v in (args.benchmark or ["gsm8k"]) for b in split_benchmark_specs(v)]
     methods, notes = _methods(args)
     for note in notes:
         print(f"dynts eval: {note}", file=sys.stderr)
@@ -150,10 +157,12 @@ def config_from_args(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, greedy=args.greedy, predictor=args.predictor, seed=args.seed,
         run_dir=args.run_dir or "runs/eval", fields=fields, chat_template=not args.no_chat_template,
-        think_end=args.think_end, progress=not args.no_progress,
+        think_end=args.think_end, grade_on=args.grade_on, progress=not args.no_progress,
     )
     if args.run_dir is None:
-        digest = hashlib.sha256(json.dumps(config.shared_settings(), sort_keys=True).encode()).hexdigest()[:8]
+        load = load_kwargs(args, given_only=True)
+        settings = {**config.shared_settings(), **({"load": load} if load else {})}
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
         config.run_dir = Path("runs/eval") / f"{Path(args.model).name}-{digest}"
     return config
 
@@ -187,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         print(f"dynts eval: run dir {config.run_dir}", file=sys.stderr)
-        results = run(config)
+        results = run(config, load_options=load_kwargs(args, given_only=True))
     except ValueError as err:
         print(f"dynts eval: error: {err}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from data_pipeline.grading import GRADE_ON
+
 from .benchmarks import JsonlFields
 from .methods import MethodSpec, parse_methods
 
@@ -43,6 +45,9 @@ class EvalConfig:
         fields: how to read ``.jsonl`` benchmarks.
         chat_template: render prompts with the tokenizer's chat template.
         think_end: token closing the thinking segment.
+        grade_on: what the grader reads: ``answer`` (the text after ``think_end``; a trace that never
+            closes its thinking is unanswered), ``full`` (the whole text) or ``auto`` (``answer`` when
+            the tokenizer knows ``think_end``, else ``full``); see :mod:`data_pipeline.grading`.
         progress: show tqdm progress bars.
     """
 
@@ -66,6 +71,7 @@ class EvalConfig:
     fields: JsonlFields = field(default_factory=JsonlFields)
     chat_template: bool = True
     think_end: str = "</think>"
+    grade_on: str = "auto"
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -98,6 +104,8 @@ class EvalConfig:
             raise ValueError(f"methods {needs_scores} need a trained predictor: predictor=DIR (--predictor DIR)")
         if self.predictor is not None and not (Path(self.predictor) / "predictor_config.json").is_file():
             raise ValueError(f"predictor={self.predictor!r} is not a directory written by ImportancePredictor.save_pretrained")
+        if self.grade_on not in ("auto", *GRADE_ON):
+            raise ValueError(f"grade_on={self.grade_on!r} must be 'auto', 'answer' or 'full' (--grade-on)")
         self.run_dir = Path(self.run_dir)
 
     def sampling(self) -> dict[str, Any]:
@@ -120,6 +128,7 @@ class EvalConfig:
             "fields": dataclasses.asdict(self.fields),
             "chat_template": self.chat_template,
             "think_end": self.think_end,
+            "grade_on": self.grade_on,
         }
 
 

@@ -13,6 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from dynts.cli_options import add_load_arguments, load_kwargs
+
 __all__ = ["main"]
 
 TABLE = [
@@ -73,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                              "OpenMP spin-waits cost 10x+ when the cores are shared)")
     parser.add_argument("--run-dir", default="runs/demo")
     parser.add_argument("--fresh", action="store_true", help="discard earlier demo results")
+    add_load_arguments(parser)
     args = parser.parse_args(argv)
+    load_options = load_kwargs(args, given_only=True)
 
     import torch
 
@@ -109,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = make()
         try:
-            results = run(config)
+            results = run(config, load_options=load_options)
         except ValueError as err:
             if "other settings" not in str(err):
                 raise
             print(f"demo: checkpoints changed since the last demo; starting over in {run_dir}", file=sys.stderr)
             shutil.rmtree(run_dir)
-            results = run(make())
+            results = run(make(), load_options=load_options)
     except ValueError as err:
         print(f"demo: error: {err}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import dynts
+from data_pipeline.grading import answer_after_delimiter, grade_text, resolve_grade_on
 
 from .benchmarks import Benchmark, load_benchmark
 from .config import EvalConfig
@@ -185,12 +186,15 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
     eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
     finished = torch.isin(result.sequences.cpu(), eos).any(1).tolist()
     records = []
-    for (i, s), text, length, done in zip(pairs, result.texts, stats["lengths"], finished):
+    grade_on = resolve_grade_on(config.grade_on, ctx.tokenizer, config.think_end)
+    for (i, s), ids, text, length, done in zip(pairs, result.sequences.tolist(), result.texts, stats["lengths"], finished):
         example = ctx.bench.examples[i]
-        grade = ctx.bench.grader.grade(example.answer, text)
+        answer = answer_after_delimiter(ids, ctx.tokenizer, config.think_end)
+        grade = grade_text(ctx.bench.grader, example.answer, text, answer, grade_on)
         records.append({
             "question": i, "sample": s, "id": example.id, "correct": grade.correct, "extracted": grade.extracted,
-            "source": grade.source, "tokens": length, "truncated": not done, "text": text,
+            "source": grade.source, "tokens": length, "truncated": not done, "answered": answer is not None,
+            "grade_on": grade_on, "text": text,
         })
     return {
         "batch": index, "pairs": [list(p) for p in pairs], "rows": len(pairs), "seconds": stats["seconds"],
@@ -276,29 +280,18 @@ def run_cell(ctx: _Context, cell: Cell, config: EvalConfig, bar: Callable | None
     return result
 
 
-def load_model(name_or_path: str):
-    """``dynts.load``, keeping a directory's own fast tokenizer class: transformers 5 maps every
-    ``model_type: qwen2`` directory to ``Qwen2Tokenizer`` in ``AutoTokenizer``, a byte-level BPE that
-    silently mangles the testbed's word-level vocabulary (``find`` -> ``d``)."""
-    from transformers import PreTrainedTokenizerFast
-
-    from dynts.models import TESTBED, checkpoints_dir
-
-    model, tokenizer = dynts.load(name_or_path)
-    path = checkpoints_dir() / TESTBED[name_or_path] if name_or_path in TESTBED else Path(name_or_path)
-    config_file = path / "tokenizer_config.json"
-    if config_file.is_file():
-        wanted = json.loads(config_file.read_text()).get("tokenizer_class")
-        if wanted in {"TokenizersBackend", "PreTrainedTokenizerFast"} and type(tokenizer).__name__ != wanted:
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return model, tokenizer
+def load_model(name_or_path: str, **load_options: Any):
+    """``(model, tokenizer)`` through :func:`dynts.load` (``dtype``, ``device``, ``device_map``, ...)."""
+    return dynts.load(name_or_path, **load_options)
 
 
-def _contexts(config: EvalConfig, benches: dict[str, Benchmark], todo: Sequence[Cell]) -> dict[str, _Context]:
+def _contexts(
+    config: EvalConfig, benches: dict[str, Benchmark], todo: Sequence[Cell], load_options: dict[str, Any] | None = None
+) -> dict[str, _Context]:
     """Load the model once and tokenize the prompts of every benchmark that has work left."""
     from dynts.generate import load_predictor
 
-    model, tokenizer = load_model(config.model)
+    model, tokenizer = load_model(config.model, **(load_options or {}))
     predictor = load_predictor(config.predictor, model) if config.predictor is not None else None
     contexts = {}
     for spec in dict.fromkeys(c.benchmark for c in todo):
@@ -313,9 +306,12 @@ def _contexts(config: EvalConfig, benches: dict[str, Benchmark], todo: Sequence[
     return contexts
 
 
-def run(config: EvalConfig, after_cell: Callable[[dict], None] | None = None) -> list[dict[str, Any]]:
+def run(
+    config: EvalConfig, after_cell: Callable[[dict], None] | None = None, load_options: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """Run (or resume) every cell of ``config``; returns the cell results in plan order. Tables are
-    rendered into the run dir after each finished cell (``after_cell`` is called too), plots at the end."""
+    rendered into the run dir after each finished cell (``after_cell`` is called too), plots at the end.
+    ``load_options`` go to :func:`dynts.load` (``dtype``, ``device``, ``device_map``, ...)."""
     from tqdm.auto import tqdm
 
     from .report import write_reports
@@ -329,7 +325,7 @@ def run(config: EvalConfig, after_cell: Callable[[dict], None] | None = None) ->
         if path.is_file():
             results[cell.key] = json.loads(path.read_text())
     todo = [c for c in cells if c.key not in results]
-    contexts = _contexts(config, benches, todo) if todo else {}
+    contexts = _contexts(config, benches, todo, load_options) if todo else {}
     bar = tqdm if config.progress else None
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc="cells", disable=not config.progress) as outer:
         for cell in todo:

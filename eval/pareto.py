@@ -169,7 +169,7 @@ def answer_from_kept(
 def testbed_grader(tokenizer: Any) -> TraceGrader:
     """The testbed's exact check: the answer after ``</think>`` names the asked key and carries the
     value that key's step has in the trace's own (full) thinking."""
-    from .grading import TestbedGrader
+    from data_pipeline.grading import TestbedGrader
 
     grader = TestbedGrader()
     decoded: dict[tuple, tuple[str, str]] = {}
@@ -188,7 +188,7 @@ def testbed_grader(tokenizer: Any) -> TraceGrader:
 
 def math_grader() -> TraceGrader:
     """math-verify against the trace's ``gold`` answer."""
-    from .grading import MathGrader
+    from data_pipeline.grading import MathGrader
 
     grader = MathGrader()
     return lambda trace, completion: grader.grade(str(trace["gold"]), completion).correct

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from .benchmarks import INSTRUCTION, Benchmark, Example
-from .grading import LETTERS
+from data_pipeline.grading import LETTERS
 
 __all__ = ["INSTRUCTION", "choice_instruction", "encode_prompts", "left_pad", "user_message"]
 

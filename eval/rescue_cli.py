@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from eval.rescue_eval import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, _prm, _load, _write_atomic
+from dynts.cli_options import add_load_arguments, load_kwargs
+from eval.rescue_eval import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, _prm, helper_options, load_model, _write_atomic
 
 __all__ = ["main"]
 
@@ -42,6 +43,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for tiny models on shared cores)")
+    add_load_arguments(p, trust_remote_code=False)
 
 
 def _detector(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,9 +89,10 @@ def _parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> int:
     from dynts.rescue import rescue_generate
 
-    base, tokenizer = _load(args.base)
-    helper = _load(args.helper)[0] if args.n_helper else None
-    prm = _prm(args.prm, args.delimiter, args.trust_remote_code)
+    options = load_kwargs(args, given_only=True)
+    base, tokenizer = load_model(args.base, **options)
+    helper = load_model(args.helper, **helper_options(options))[0] if args.n_helper else None
+    prm = _prm(args.prm, args.delimiter, args.trust_remote_code, options)
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else list(args.prompts)
     out = rescue_generate(
         base, helper, prm, tokenizer, prompts, base_method=args.method, budget=args.budget,
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
             max_step_tokens=args.max_step_tokens, detector=_detector(args), temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit, trust_remote_code=args.trust_remote_code,
+            load_options=load_kwargs(args, given_only=True),
         )
         result = calibrate(config, args.method, verify=args.verify)
         if args.out:
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         max_step_tokens=args.max_step_tokens, degen_steps=args.degen_steps, detector=_detector(args),
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit,
         settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), max_rows=args.max_rows,
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=args.trust_remote_code, load_options=load_kwargs(args, given_only=True),
     )
     summary = evaluate(config)
     print(summary_table(summary))

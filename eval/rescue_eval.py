@@ -77,6 +77,7 @@ class RescueEvalConfig:
     max_rows: int = 64
     think_end: str | None = "</think>"
     trust_remote_code: bool = False
+    load_options: dict[str, Any] = field(default_factory=dict)  # dynts.load: dtype, device, device_map, ...
 
     def __post_init__(self) -> None:
         unknown = set(self.settings) - set(SETTINGS)
@@ -92,6 +93,8 @@ class RescueEvalConfig:
         from eval.config import fingerprint
 
         keep = {k: v for k, v in asdict(self).items() if k not in ("out", "settings", "methods", "max_rows", "method_options")}
+        if not keep["load_options"]:
+            keep.pop("load_options")  # default loading: cells of earlier runs stay reusable
         keep.update(setting=setting, method=method, method_options=self.method_options.get(method or "", {}))
         # the weights, so that a retrained model, PRM or predictor never reuses an old cell
         keep["weights"] = {"base": fingerprint(self.base), "helper": fingerprint(self.helper),
@@ -141,23 +144,27 @@ def testbed_step_verifier(question: str, steps: Sequence[str]) -> float:
     return float(right)
 
 
-def _prm(name: str, delimiter: str, trust_remote_code: bool = False):
+def _prm(name: str, delimiter: str, trust_remote_code: bool = False, load_options: dict[str, Any] | None = None):
     from dynts.rescue import CallablePRM, load_prm
 
+    placement = {k: v for k, v in (load_options or {}).items() if k in ("dtype", "device") and v is not None}
     if name == "testbed-verifier":
         return CallablePRM(testbed_step_verifier)
     if name.startswith("likelihood:"):  # a causal LM as verifier, e.g. likelihood:testbed
-        return load_prm(name.split(":", 1)[1], kind="likelihood", trust_remote_code=trust_remote_code)
-    return load_prm(name, step_delimiter=delimiter, trust_remote_code=trust_remote_code)
+        return load_prm(name.split(":", 1)[1], kind="likelihood", trust_remote_code=trust_remote_code, **placement)
+    return load_prm(name, step_delimiter=delimiter, trust_remote_code=trust_remote_code, **placement)
 
 
-def _load(name: str):
+def helper_options(load_options: dict[str, Any]) -> dict[str, Any]:
+    """The helper's load options: the base's placement, without the base's adapter."""
+    return {k: v for k, v in load_options.items() if k not in ("adapter", "merge_adapter")}
+
+
+def load_model(name: str, **load_options: Any):
+    """``(model, tokenizer)`` through :func:`dynts.load` (``dtype``, ``device``, ``device_map``, ...)."""
     import dynts
-    from dynts.models import _resolve
-    from dynts.rescue.prm import load_tokenizer
 
-    model, _ = dynts.load(name)
-    return model, load_tokenizer(_resolve(name)[0])
+    return dynts.load(name, **load_options)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -254,11 +261,11 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
 
     out = Path(config.out)
     bench = load_benchmark(config.benchmark).head(config.limit)
-    models: dict[str, Any] = {"base": _load(config.base)}
+    models: dict[str, Any] = {"base": load_model(config.base, **config.load_options)}
     if {"helper", "kvr", "kvr-noexit"} & set(config.settings):
-        models["helper"] = _load(config.helper)
+        models["helper"] = load_model(config.helper, **helper_options(config.load_options))
     if set(STEPWISE) & set(config.settings):
-        models["prm"] = _prm(config.prm, config.delimiter, config.trust_remote_code)
+        models["prm"] = _prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
     tokenizer = models["base"][1]
     models["messages"] = [user_message(e, bench) for e in bench.examples]
     prompts = encode_prompts(tokenizer, models["messages"])
@@ -353,7 +360,8 @@ def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = F
     from dynts.rescue import DegenerationDetector, rescue_generate
 
     bench = load_benchmark(config.benchmark).head(config.limit)
-    (base, tokenizer), prm = _load(config.base), _prm(config.prm, config.delimiter, config.trust_remote_code)
+    (base, tokenizer) = load_model(config.base, **config.load_options)
+    prm = _prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
     options = {**config.detector, "entropy_threshold": 1e9, "compress_threshold": 1e-9}
     rows: list[tuple[bool, float, float]] = []
     judged: list[tuple[float, int]] = []  # (PRM score, exact verifier label) of complete candidates (testbed)

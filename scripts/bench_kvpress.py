@@ -173,7 +173,7 @@ def dynts_side(model, ids, spec: dict, args) -> dict:
             result = dynts.generate(
                 model, input_ids=ids, method=method, budget=args.budget, local_window=args.local_window,
                 retention=args.retention, predictor=predictor, max_new_tokens=spec["new_tokens"],
-                min_new_tokens=spec["new_tokens"], pad_token_id=0, think_end=None,
+                min_new_tokens=spec["new_tokens"], pad_token_id=0, think_end=None, do_sample=False,
             )
         finally:
             handle.remove()
@@ -206,12 +206,12 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT))
     import dynts
-    from dynts.models import _resolve
+    from dynts.models import resolve_path
 
     torch.set_num_threads(args.threads)
     python = ensure_venv(VENV)
     model, tokenizer = dynts.load(args.model)
-    model_dir = str(_resolve(args.model)[0]) if not Path(args.model).is_dir() else args.model
+    model_dir = str(resolve_path(args.model))
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"].repeat(args.batch, 1)
     bounds = dynts.Budget(args.budget, args.local_window, args.retention)
     spec = dict(model=model_dir, ids=ids.tolist(), new_tokens=args.new_tokens,

@@ -43,7 +43,7 @@ FAMILIES = {
 }
 
 
-def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
     extra = {"head_dim": 16} if family == "qwen3" else {}
@@ -52,7 +52,7 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     if not model.config.tie_word_embeddings:
         with torch.no_grad():
             model.lm_head.weight.mul_(8.0)
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -111,3 +111,21 @@ def decode_with_cache(model, ids, mask, method, budget, steps, predictor=None, *
             valid = cache.segments[:, :n] != Segment.PAD
             visible.append([cache.positions[r, :n][valid[r]].tolist() for r in range(ids.shape[0])])
     return seq, torch.stack(logits, 1), visible, sizes, cache
+
+
+def explicit_mask_logits(model, ids, mask, seq, visible) -> torch.Tensor:
+    """Logits ``[b, steps - 1, V]`` of a plain forward over ``seq`` (from :func:`decode_with_cache`)
+    with an explicit 4-D mask: each decode step attends exactly to the positions the cache kept."""
+    b, m = ids.shape
+    total, steps = seq.shape[1], seq.shape[1] - ids.shape[1]
+    full = torch.zeros(b, 1, total, total, dtype=torch.bool)
+    for r in range(b):
+        for q in range(m):  # prefill rows: causal over real tokens
+            full[r, 0, q, : q + 1] = mask[r, : q + 1].bool()
+            full[r, 0, q, q] = True
+        for t, rows in enumerate(visible):
+            full[r, 0, m + t, rows[r]] = True
+    positions = (torch.cat([mask, torch.ones(b, steps, dtype=mask.dtype)], 1).cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=seq[:, :-1], attention_mask=full[:, :, :-1, :-1], position_ids=positions[:, :-1])
+    return out.logits[:, m:]

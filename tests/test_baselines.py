@@ -318,7 +318,8 @@ def test_smollm2_baselines_exact_without_eviction(smollm2):
     new = 5
     expected = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     for method in ["h2o", "snapkv", "sepllm", "rkv"]:
-        result = dynts.generate(model, tokenizer, prompts, method=method, budget=64, local_window=8, max_new_tokens=new)
+        result = dynts.generate(model, tokenizer, prompts, method=method, budget=64, local_window=8, max_new_tokens=new,
+                                do_sample=False)
         assert result.stats["evictions"] == 0
         assert torch.equal(result.sequences, expected[:, enc["input_ids"].shape[1] :]), method
 

@@ -11,7 +11,7 @@ from eval.benchmarks import BUILTIN, JsonlFields, load_benchmark, load_jsonl
 from eval.cli import main as eval_main
 from eval.cli import parse_float_list, parse_int_list
 from eval.config import EvalConfig
-from eval.grading import ChoiceGrader, MathGrader
+from data_pipeline.grading import ChoiceGrader, MathGrader
 from eval.methods import ABLATIONS, parse_method, parse_methods, split_specs
 from eval.prompts import INSTRUCTION, user_message
 

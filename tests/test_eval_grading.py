@@ -8,7 +8,7 @@ import random
 import pytest
 
 from eval.benchmarks import load_benchmark
-from eval.grading import ChoiceGrader, MathGrader, TestbedGrader, accuracy, extract_choice, last_boxed
+from data_pipeline.grading import ChoiceGrader, MathGrader, TestbedGrader, accuracy, extract_choice, last_boxed
 
 
 def _sample(name: str, n: int = 100):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dynts
-from conftest import decode_with_cache, padded_batch
+from conftest import decode_with_cache, explicit_mask_logits, padded_batch
 
 
 @pytest.mark.parametrize(
@@ -27,19 +27,8 @@ def test_logits_match_explicit_mask(family_model, method, lengths):
     assert cache.stats.evictions >= 3
     assert max(sizes) <= budget  # the physical cache never holds more than B entries (decoded token included)
 
-    b, m = ids.shape
-    total = seq.shape[1]
-    full = torch.zeros(b, 1, total, total, dtype=torch.bool)
-    for r in range(b):
-        for q in range(m):  # prefill rows: causal over real tokens
-            full[r, 0, q, : q + 1] = mask[r, : q + 1].bool()
-            full[r, 0, q, q] = True
-        for t, rows in enumerate(visible):
-            full[r, 0, m + t, rows[r]] = True
-    positions = (torch.cat([mask, torch.ones(b, steps, dtype=mask.dtype)], 1).cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = model(input_ids=seq[:, :-1], attention_mask=full[:, :, :-1, :-1], position_ids=positions[:, :-1]).logits
-    torch.testing.assert_close(logits[:, :-1], ref[:, m:], atol=1e-5, rtol=1e-5)
+    ref = explicit_mask_logits(model, ids, mask, seq, visible)
+    torch.testing.assert_close(logits[:, :-1], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_question_always_kept_and_budget_respected(qwen2):

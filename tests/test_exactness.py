@@ -25,7 +25,7 @@ def test_no_eviction_is_exact(family_model, method, lengths):
     predictor = dynts.ImportancePredictor(family_model.config.hidden_size)
     result = dynts.generate(
         family_model, input_ids=ids, attention_mask=mask, method=method, budget=ids.shape[1] + new + 8,
-        local_window=4, predictor=predictor, max_new_tokens=new, pad_token_id=0,
+        local_window=4, predictor=predictor, max_new_tokens=new, pad_token_id=0, do_sample=False,
     )
     assert result.stats["evictions"] == 0
     assert torch.equal(result.sequences, expected)
@@ -42,6 +42,6 @@ def test_smollm2_no_eviction_is_exact(smollm2):
     for method in ["window", "dynts"]:
         result = dynts.generate(
             model, tokenizer, prompts, method=method, budget=64, local_window=8,
-            predictor=dynts.ImportancePredictor(model.config.hidden_size), max_new_tokens=new,
+            predictor=dynts.ImportancePredictor(model.config.hidden_size), max_new_tokens=new, do_sample=False,
         )
         assert torch.equal(result.sequences, expected[:, enc["input_ids"].shape[1] :]), method

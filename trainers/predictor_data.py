@@ -44,6 +44,8 @@ HIDDEN_MODES = ("cache", "recompute")
 def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """``[b, S, d]`` post-norm final hidden states of left-padded ``input_ids`` (no LM head)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    device = model.get_input_embeddings().weight.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
@@ -100,7 +102,9 @@ class PredictorDataModule(L.LightningDataModule):
         max_length: truncate traces to this many tokens (the paper: 18000).
         num_workers: DataLoader workers.
         seed: split and shuffling seed.
-        dtype: backbone dtype when it is loaded (``float32``/``bfloat16``/``float16``).
+        dtype: backbone dtype when it is loaded (``float32``/``bfloat16``/``float16``/``auto``).
+        device / device_map / attn_implementation: backbone placement and attention kernel
+            (:func:`dynts.load`), e.g. ``device_map: auto`` for a sharded 7B-32B backbone.
         max_batch_tokens: padded tokens per backbone forward while building the cache.
     """
 
@@ -118,6 +122,9 @@ class PredictorDataModule(L.LightningDataModule):
         seed: int = 0,
         dtype: str = "float32",
         max_batch_tokens: int = 16384,
+        device: str | None = None,
+        device_map: str | None = None,
+        attn_implementation: str | None = None,
     ) -> None:
         super().__init__()
         if hidden_states not in HIDDEN_MODES:
@@ -133,6 +140,7 @@ class PredictorDataModule(L.LightningDataModule):
         self.label_transform, self.val_fraction = label_transform, val_fraction
         self.micro_batch_size, self.max_length, self.num_workers = micro_batch_size, max_length, num_workers
         self.seed, self.dtype, self.max_batch_tokens = seed, dtype, max_batch_tokens
+        self.load_options = {"device": device, "device_map": device_map, "attn_implementation": attn_implementation}
         self.backbone: torch.nn.Module | None = None
         self.hidden_size: int | None = None
         self.pad_token_id = 0
@@ -147,11 +155,12 @@ class PredictorDataModule(L.LightningDataModule):
             )
         return data
 
-    def _load_backbone(self) -> torch.nn.Module:
+    def load_backbone(self) -> torch.nn.Module:
+        """The frozen backbone, loaded once through :func:`dynts.load`."""
         if self.backbone is None:
-            from data_pipeline.loading import load_model
+            import dynts
 
-            self.backbone, _ = load_model(self.backbone_name, self.dtype)
+            self.backbone, _ = dynts.load(self.backbone_name, dtype=self.dtype, **self.load_options)
             self.backbone.requires_grad_(False)
             self.pad_token_id = self.backbone.config.get_text_config().pad_token_id or 0
         return self.backbone
@@ -161,7 +170,7 @@ class PredictorDataModule(L.LightningDataModule):
         data = self._data()
         if self.hidden_mode != "cache" or "hidden" in data.column_names:
             return
-        model = self._load_backbone()
+        model = self.load_backbone()
         d = model.config.get_text_config().hidden_size
         store = ShardStore(
             self.cache_dir,
@@ -180,7 +189,7 @@ class PredictorDataModule(L.LightningDataModule):
                 ids, mask = _left_pad([row["input_ids"]], self.pad_token_id)
                 hidden = final_hidden_states(model, ids, mask)[0]
                 records.append({"question_id": row["question_id"], "sample_id": row["sample_id"],
-                                "hidden": hidden.to(torch.float16).numpy()})
+                                "hidden": hidden.to(torch.float16).cpu().numpy()})
             store.write(records, [((r["question_id"], r["sample_id"]), "kept") for r in records])
         order = {k: i for i, k in enumerate(zip(data["question_id"], data["sample_id"]))}
         store.merge(sort_key=lambda k: order[(k["question_id"], k["sample_id"])])
@@ -201,7 +210,7 @@ class PredictorDataModule(L.LightningDataModule):
             self.hidden_size = int(hidden.features["hidden"].shape[1])
             hidden = hidden.with_format("numpy", columns=["hidden"])
         else:
-            model = self._load_backbone()
+            model = self.load_backbone()
             self.hidden_size = model.config.get_text_config().hidden_size
         qids = sorted(set(data["question_id"]))
         random.Random(self.seed).shuffle(qids)

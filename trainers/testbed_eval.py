@@ -28,19 +28,10 @@ class BanUntil:
 
 
 def load_testbed(name: str, **kwargs: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``dynts.models.load(name)`` with the word-level tokenizer loaded by its own class.
+    """``dynts.load(name, **kwargs)``: the model and its word-level tokenizer, loaded as saved."""
+    import dynts
 
-    transformers 5 maps every ``model_type: qwen2`` directory to ``Qwen2Tokenizer`` in
-    ``AutoTokenizer`` (a byte-level BPE that silently mangles a word-level vocabulary), so the
-    tokenizer is read with ``PreTrainedTokenizerFast.from_pretrained`` instead.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    from dynts.models import checkpoints_dir, load
-
-    model, _ = load(name, **kwargs)
-    path = checkpoints_dir() / CHECKPOINTS[name] if name in CHECKPOINTS else name
-    return model, PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return dynts.load(name, **kwargs)
 
 
 @torch.no_grad()

@@ -226,7 +226,9 @@ class PRMModule(L.LightningModule):
         self.model = Qwen2ForTokenClassification(config)
         self.base_layers = base_layers
         if self.cfg.init_from:
-            lm = AutoModelForCausalLM.from_pretrained(self.cfg.init_from)
+            from dynts.models import resolve_path  # weights only: a bundled name, directory or cached hub id
+
+            lm = AutoModelForCausalLM.from_pretrained(resolve_path(self.cfg.init_from), local_files_only=True)
             loaded = self.model.model.load_state_dict(lm.model.state_dict(), strict=False)
             fresh = tuple(f"layers.{i}." for i in range(base_layers, base_layers + self.cfg.extra_layers))
             assert not loaded.unexpected_keys and all(k.startswith(fresh) for k in loaded.missing_keys), loaded

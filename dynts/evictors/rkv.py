@@ -23,6 +23,10 @@ Differences from the reference code, forced by one selection serving all layers 
 the DynTS reference code): R-KV selects per layer and per KV head with that layer's attention; here
 importance is averaged over layers and heads and redundancy over the KV heads of one layer. Rows
 with no similar key do not zero their similarity to slot 0 (an artefact of R-KV's ``argmax``).
+R-KV's code softmaxes the window's attention logits over the keys before the window only; ours
+normalises over all keys (the distribution the model attended with). ``normalize="non_window"``
+renormalises the recorded rows over the non-window slots instead: exact for one layer and head,
+and for the layer/head sum a renormalisation of that sum (the per-head softmaxes are not recorded).
 """
 
 from __future__ import annotations
@@ -36,14 +40,21 @@ from .base import Evictor, Segment, TokenInfo, keep_top, recent_mask, register
 from .options import check_flag, check_pooling, check_window
 from .snapkv import pooled_outside_window
 
+NORMALIZATIONS = ("all", "non_window")
 
-def window_importance(window_attention: torch.Tensor) -> torch.Tensor:
+
+def window_importance(window_attention: torch.Tensor, exclude_recent: int = 0) -> torch.Tensor:
     """``[b, w, n]`` summed attention rows -> ``[b, n]`` mean attention distribution of the window.
 
     Each query row is normalised to sum to 1 (averaging over layers and heads); rows never filled
-    (fewer than ``w`` queries seen) are skipped.
+    (fewer than ``w`` queries seen) are skipped. ``exclude_recent > 0`` normalises each row over the
+    slots before the last ``exclude_recent`` only (those get 0), as R-KV's code softmaxes the window's
+    logits over the non-window keys.
     """
     rows = window_attention.float()
+    if exclude_recent > 0:
+        keep = torch.arange(rows.shape[-1], device=rows.device) < rows.shape[-1] - exclude_recent
+        rows = rows * keep
     mass = rows.sum(-1, keepdim=True)
     filled = (mass > 0).float()
     return (rows / mass.clamp(min=1e-30) * filled).sum(1) / filled.sum(1).clamp(min=1.0)
@@ -82,6 +93,9 @@ class RKV(Evictor):
         pooling: ``"max"`` (R-KV) or ``"avg"``.
         similarity_threshold: cosine above which two keys count as copies (R-KV: 0.5), in [-1, 1].
         keep_question: also protect the prompt (off in R-KV; an option for ablations).
+        normalize: the keys each window query's attention is normalised over: ``"all"`` (default:
+            the distribution the model used) or ``"non_window"`` (R-KV's code: the softmax over the
+            keys before the observation window, which then get importance 0).
 
     Uses ``info.window_attention`` ``[b, W, n]`` and ``info.keys`` ``[b, h_kv, n, d]``.
     """
@@ -94,6 +108,7 @@ class RKV(Evictor):
     pooling: str = "max"
     similarity_threshold: float = 0.5
     keep_question: bool = False
+    normalize: str = "all"
 
     def __post_init__(self) -> None:
         if isinstance(self.mix_lambda, bool) or not isinstance(self.mix_lambda, (int, float)) or not 0.0 <= self.mix_lambda <= 1.0:
@@ -104,12 +119,15 @@ class RKV(Evictor):
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not -1.0 <= t <= 1.0:
             raise ValueError(f"similarity_threshold={t!r} must lie in [-1, 1] (R-KV uses 0.5)")
         check_flag("keep_question", self.keep_question)
+        if self.normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize={self.normalize!r} must be one of {NORMALIZATIONS} ('non_window' = R-KV's code)")
 
     def scores(self, info: TokenInfo) -> torch.Tensor:
         """``[b, n]`` R-KV score ``Z`` of every slot (before protection)."""
         if info.window_attention is None or info.keys is None:
             raise RuntimeError("R-KV needs window attention and keys; the cache must record both")
-        importance = window_importance(info.window_attention[:, -self.observation_window :])
+        exclude = self.observation_window if self.normalize == "non_window" else 0
+        importance = window_importance(info.window_attention[:, -self.observation_window :], exclude)
         importance = pooled_outside_window(importance, info, self.kernel_size, self.pooling)
         redundancy = key_redundancy(info.keys, info.valid, float(self.similarity_threshold))
         return self.mix_lambda * importance - (1.0 - self.mix_lambda) * redundancy

@@ -25,8 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..budget import Budget
-from ..generate import _encode, _think_end_id, load_predictor
+from ..generate import _encode, load_predictor
 from ..predictor import ImportancePredictor
+from ..thinking import think_end_ids
 from .detector import DegenerationDetector
 from .engine import Candidate, Policy, State
 from .prm import StepRequest, StepScorer, load_prm
@@ -108,7 +109,7 @@ def rescue_generate(
     top_p: float = 0.95,
     top_k: int = 20,
     seed: int = 0,
-    think_end: str | int | None = "</think>",
+    think_end: str | int | Sequence[int] | None = "</think>",
     max_rows: int = 64,
     progress: Callable[[int, ProblemResult], None] | None = None,
     on_candidate: Callable[[Candidate], None] | None = None,
@@ -183,9 +184,9 @@ def rescue_generate(
         eos_ids |= {source} if isinstance(source, int) else set(source or [])
     eos_ids = frozenset(eos_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
-    think_id = _think_end_id(tokenizer, think_end)
-    if think_id is not None and think_id in (tokenizer.unk_token_id, tokenizer.pad_token_id):
-        think_id = None  # the vocabulary has no such token
+    think_id = think_end_ids(tokenizer, think_end)
+    if think_id is not None and tokenizer.pad_token_id in think_id:
+        think_id = None  # the vocabulary has no such token (it encodes to padding)
 
     from ..evictors import make_evictor
 

@@ -17,7 +17,17 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-__all__ = ["PrefixScorer"]
+__all__ = ["PrefixScorer", "reuse_tolerance"]
+
+
+def reuse_tolerance(dtype: torch.dtype) -> float:
+    """Largest label-probability difference between reuse and a full forward that :meth:`PrefixScorer.check`
+    accepts for a PRM computing in ``dtype``: ``max(1e-4, 4 * eps)`` (fp32 1e-4, fp16 3.9e-3, bf16
+    3.1e-2). A cache built by another forward sums in another order; in bf16 that alone moves the
+    probabilities by ~1e-3 on a tiny model (more on deep ones), while a non-causal backbone changes
+    them by far more (and is also refused by its ``config.is_causal``)."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return max(1e-4, 4 * eps)
 
 
 class PrefixScorer:
@@ -90,9 +100,18 @@ class PrefixScorer:
         return logits[torch.arange(len(rows), device=logits.device), at].float().softmax(-1)
 
     @torch.no_grad()
-    def check(self, rows: Sequence[list[int]], positions: Sequence[int], atol: float = 1e-4) -> bool:
-        """Compare reuse with full forwards once; reuse stays on only for causal backbones."""
+    def check(self, rows: Sequence[list[int]], positions: Sequence[int], atol: float | None = None) -> bool:
+        """Compare reuse with full forwards once; reuse stays on only for causal backbones.
+
+        ``atol``: accepted label-probability difference; default :func:`reuse_tolerance` of the
+        model's dtype."""
         if self.verified is None:
+            if atol is None:
+                atol = reuse_tolerance(next(self.model.parameters()).dtype)
+            if getattr(self.model.config, "is_causal", True) is False:
+                self.verified = False
+                self.store.clear()
+                return False
             try:
                 reused = self.score_group(rows, positions)
                 device = self._device()

@@ -36,7 +36,6 @@ __all__ = [
     "StepScorer",
     "TokenClassificationPRM",
     "load_prm",
-    "load_tokenizer",
 ]
 
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -265,22 +264,8 @@ class TokenClassificationPRM(_TokenScorer):
         return self.score_rows(rows, [len(r) - 1 for r in rows], _groups(requests))
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """A directory's tokenizer, offline. transformers 5 maps every ``qwen2`` directory to the byte-level
-    ``Qwen2Tokenizer`` in ``AutoTokenizer``, which mangles a word-level vocabulary (the testbed's);
-    directories saved with the generic fast class are therefore read with it directly."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    path = Path(path)
-    config = path / "tokenizer_config.json"
-    cls = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-
-
 def _load_dir(path: Path, trust_remote_code: bool, dtype: torch.dtype, device: str | torch.device):
-    from transformers import AutoModel, AutoModelForTokenClassification
+    from ..models import load
 
     config = json.loads((path / "config.json").read_text())
     remote = "AutoModel" in (config.get("auto_map") or {})
@@ -289,16 +274,13 @@ def _load_dir(path: Path, trust_remote_code: bool, dtype: torch.dtype, device: s
             f"PRM {str(path)!r} ships its own model code (auto_map {config['auto_map'].get('AutoModel')!r}); "
             "pass trust_remote_code=True if you trust that directory"
         )
-    if remote:
-        model = AutoModel.from_pretrained(path, dtype=dtype, local_files_only=True, trust_remote_code=True)
-    elif any(a.endswith("ForTokenClassification") for a in config.get("architectures") or []):
-        model = AutoModelForTokenClassification.from_pretrained(path, dtype=dtype, local_files_only=True)
-    else:
+    if not remote and not any(a.endswith("ForTokenClassification") for a in config.get("architectures") or []):
         raise ValueError(
             f"PRM {str(path)!r} is neither a token-classification model (architectures "
             f"{config.get('architectures')}) nor a remote-code PRM with auto_map.AutoModel"
         )
-    return model.to(device).eval(), load_tokenizer(path, trust_remote_code)
+    task = "model" if remote else "token-classification"
+    return load(path, task=task, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
 
 
 def load_prm(
@@ -344,10 +326,9 @@ def load_prm(
     if isinstance(prm, (str, Path)):
         name = str(prm)
         if name.startswith("testbed"):
-            from ..models import _resolve, load
+            from ..models import load
 
-            model, _ = load(name, dtype=dtype, device=device, token_classification=True)
-            tokenizer = load_tokenizer(_resolve(name)[0])
+            model, tokenizer = load(name, dtype=dtype, device=device, token_classification=True)
             kind, separator = kind or "token", separator or ";"
         else:
             path = Path(name).expanduser()

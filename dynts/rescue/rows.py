@@ -240,7 +240,7 @@ class RaggedCache(BoundedCache):
 
         new.row_seen, new.row_question, new.row_keep = cat("row_seen"), cat("row_question"), cat("row_keep")
         new.row_evictions = cat("row_evictions")
-        new.in_answer = cat("in_answer")
+        new.in_answer, new.think_match = cat("in_answer"), cat("think_match")
         new.seen = max(width, int(new.row_seen.max()))
         new.stats = CacheStats()
         return new

@@ -1,0 +1,140 @@
+"""``dynts.generate_batch``: a list of prompts through continuous batching with a bounded cache per request."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from transformers import ContinuousBatchingConfig
+
+from ..evictors import Evictor
+from ..predictor import ImportancePredictor
+from .manager import init_evicting_batching
+from .settings import EvictionSettings
+
+__all__ = ["ServedResult", "encode_prompt", "generate_batch"]
+
+
+@dataclass
+class ServedResult:
+    """One request's output.
+
+    Attributes:
+        request_id: the engine's id.
+        prompt_ids: the prompt tokens.
+        sequence: generated token ids (EOS included when emitted).
+        text: ``sequence`` decoded (special tokens skipped) when a tokenizer was given.
+        stats: ``peak_slots``, ``evictions``, ``evicted_tokens``, ``freed_blocks``, ``peak_blocks``,
+            ``reserved_blocks``.
+        error: the engine's error message, ``None`` on success.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sequence: list[int]
+    text: str | None = None
+    stats: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[dict] | Sequence[int]) -> list[int]:
+    """Token ids of one prompt: ids pass through; a string gets the tokenizer's special tokens; a chat
+    (list of ``{"role", "content"}``) gets the chat template with the generation prompt (as
+    :func:`dynts.generate` encodes them)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("string prompts need tokenizer=...; or pass token id lists")
+        return tokenizer(prompt)["input_ids"]
+    prompt = list(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        if tokenizer is None:
+            raise ValueError("chat prompts need tokenizer=...")
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not prompt or not all(isinstance(t, int) for t in prompt):
+        raise ValueError("a prompt must be a string, a chat message list or a non-empty list of token ids")
+    return prompt
+
+
+def generate_batch(
+    model: torch.nn.Module,
+    tokenizer=None,
+    prompts: Sequence[Any] = (),
+    *,
+    method: str | Evictor = "dynts",
+    budget: int | None = None,
+    local_window: int | None = None,
+    retention: float = 0.4,
+    predictor: ImportancePredictor | str | Path | None = None,
+    max_new_tokens: int,
+    think_end: str | int | None = "</think>",
+    method_options: dict[str, Any] | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    timeout: float = 600.0,
+    **sampling: Any,
+) -> list[ServedResult]:
+    """Generate for every prompt with continuous batching, each request's KV cache bounded to ``budget``.
+
+    The arguments mean what they mean in :func:`dynts.generate`; each request evicts on its own,
+    exactly as ``dynts.generate`` would on that prompt alone. ``**sampling`` are
+    ``GenerationConfig`` fields (``do_sample``, ``temperature``, ``top_p``, ...; greedy by default).
+    ``continuous_batching_config`` sizes the paged cache (``num_blocks``, ``page_size``,
+    ``max_batch_tokens``). Returns one :class:`ServedResult` per prompt, in order.
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts is empty; pass a list of prompts")
+    settings = EvictionSettings(method, budget, local_window, retention, predictor, think_end, method_options)
+    ids = [encode_prompt(tokenizer, p) for p in prompts]
+    for i, p in enumerate(ids):
+        try:
+            settings.check_prompt(len(p))
+        except ValueError as err:
+            raise ValueError(f"prompts[{i}]: {err}") from None
+    gen_config = copy.deepcopy(model.generation_config)
+    gen_config.update(**{"do_sample": False, **sampling, "max_new_tokens": max_new_tokens})
+    if tokenizer is not None and gen_config.pad_token_id is None:
+        gen_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    manager = init_evicting_batching(
+        model, settings, tokenizer=tokenizer, generation_config=gen_config,
+        continuous_batching_config=continuous_batching_config,
+    )
+    outputs, request_ids = {}, []
+    manager.start()
+    try:
+        request_ids += [manager.add_request(p, max_new_tokens=max_new_tokens) for p in ids]
+        deadline = time.monotonic() + timeout
+        while len(outputs) < len(request_ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                outputs[result.request_id] = result
+            elif result is None and not manager.is_running():
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generate_batch: {len(request_ids) - len(outputs)} requests unfinished after {timeout}s")
+    finally:
+        manager.stop(block=True, timeout=30)
+        fatal = manager.background_thread_status.fatal_error
+        results = []
+        for rid, prompt in zip(request_ids, ids):
+            out = outputs.get(rid)
+            results.append(ServedResult(
+                request_id=rid,
+                prompt_ids=prompt,
+                sequence=list(out.generated_tokens) if out else [],
+                text=tokenizer.decode(out.generated_tokens, skip_special_tokens=True) if out and tokenizer else None,
+                stats=manager.request_stats(rid),
+                error=(out.error if out else f"no result ({fatal or 'engine stopped'})"),
+            ))
+        manager.destroy()
+    failed = [r for r in results if r.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed; first: {failed[0].error}")
+    return results

@@ -1,0 +1,153 @@
+"""The continuous-batching manager with eviction: requests arriving over time, results with statistics.
+
+:class:`EvictingBatchingManager` is transformers' ``ContinuousBatchingManager`` whose batch processor
+is an :class:`~dynts.serving.processor.EvictingBatchProcessor`. Use it like the stock manager
+(``start`` / ``add_request`` / ``get_result`` / ``stop``); :func:`init_evicting_batching` builds one
+for a model. DynTS scores come from a forward hook on the model's final norm: the packed batch's
+hidden states ``[1, T, h]`` go through the predictor, one score per new token.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+from ..generate import final_norm, load_predictor
+from .processor import EvictingBatchProcessor
+from .settings import EvictionSettings
+
+__all__ = ["EvictingBatchingManager", "check_model", "init_evicting_batching", "think_end_token_id"]
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` for models whose layers are not all full attention."""
+    groups = group_layers_by_attn_type(model.config.get_text_config())
+    other = sorted(set(groups) - {"full_attention"})
+    if other:
+        raise ValueError(
+            f"dynts serving supports full-attention models only; this model has {other} layers (the engine's "
+            "sliding-window allocator is a ring buffer that never frees blocks early); use dynts.generate instead"
+        )
+
+
+def think_end_token_id(tokenizer, think_end: str | int | None) -> int | None:
+    """The id of the token closing the thinking segment (``None`` when it is not a single token)."""
+    if think_end is None or isinstance(think_end, int):
+        return think_end
+    if tokenizer is None:
+        return None
+    ids = tokenizer.encode(think_end, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+class EvictingBatchingManager(ContinuousBatchingManager):
+    """``ContinuousBatchingManager`` whose requests each hold at most ``budget`` KV entries.
+
+    Build it with :func:`init_evicting_batching`. Extra over the stock manager: :meth:`add_request`
+    checks the prompt against the budget (``ValueError``), :meth:`request_stats` returns a finished
+    request's ``peak_slots``, ``evictions``, ``evicted_tokens``, ``freed_blocks``, ``peak_blocks``.
+    """
+
+    eviction: EvictionSettings
+    think_end_id: int | None
+    predictor: torch.nn.Module | None
+
+    def _create_batch_processor(self):
+        self.continuous_batching_config.use_async_batching = False
+        if self.eviction.bounded:
+            self.continuous_batching_config.allow_block_sharing = False
+        processor = super()._create_batch_processor()
+        if not isinstance(processor, EvictingBatchProcessor):
+            processor.__class__ = EvictingBatchProcessor
+            processor.attach_eviction(self.eviction, self.think_end_id, self.finished_stats)
+        self.last_processor = processor
+        return processor
+
+    def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                    **kwargs: Any) -> str | None:
+        self.eviction.check_prompt(len(input_ids))
+        limit = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_new_tokens={limit!r} must be a positive int")
+        return super().add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+
+    def request_stats(self, request_id: str) -> dict[str, int]:
+        """A request's statistics (final once its result is delivered; empty if unknown)."""
+        processor = self.last_processor
+        if processor is not None:
+            return processor.request_stats(request_id)
+        return dict(self.finished_stats.get(request_id, {}))
+
+    def engine_stats(self) -> dict[str, Any]:
+        """Pool-level statistics: ``preemptions``, ``peak_blocks_in_use``, ``blocks_in_use``, ``num_blocks``."""
+        p = self.last_processor
+        if p is None:
+            return {}
+        return {
+            "preemptions": p.preemptions,
+            "peak_blocks_in_use": p.peak_blocks_in_use,
+            "blocks_in_use": p.blocks_in_use(),
+            "free_blocks": p.free_blocks_in_pool(),
+            "num_blocks": p.cache.num_blocks,
+            "block_trace": list(p.block_trace),
+        }
+
+    def _score(self, module, args, output) -> None:
+        processor = self.batch_processor
+        if isinstance(processor, EvictingBatchProcessor) and self.predictor is not None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            with torch.no_grad():
+                processor.write_scores(hidden, self.predictor)
+
+    def destroy(self) -> None:
+        hook = getattr(self, "_score_hook", None)
+        if hook is not None:
+            hook.remove()
+            self._score_hook = None
+        super().destroy()
+
+
+def init_evicting_batching(
+    model: torch.nn.Module,
+    settings: EvictionSettings,
+    *,
+    tokenizer=None,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+) -> EvictingBatchingManager:
+    """Build (not start) an :class:`EvictingBatchingManager` for ``model``.
+
+    ``continuous_batching_config`` sizes the paged cache (``num_blocks``, ``page_size``,
+    ``max_batch_tokens``; set them on CPU). Async batching and (when evicting) prefix block
+    sharing are switched off: both assume a request's cache only grows.
+    """
+    check_model(model)
+    if not isinstance(settings, EvictionSettings):
+        raise ValueError(f"settings must be an EvictionSettings, got {type(settings).__name__}")
+    if tokenizer is not None:
+        settings.evictor.bind(tokenizer)
+    cb_config = copy.deepcopy(continuous_batching_config) if continuous_batching_config else ContinuousBatchingConfig()
+    cb_config.use_async_batching = False
+    if settings.bounded:
+        cb_config.allow_block_sharing = False
+    if settings.needs_scores:  # the predictor hook indexes this batch's slots: never replay it from a graph
+        cb_config.use_cuda_graph = False
+    gen_config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    if gen_config.eos_token_id is None:
+        gen_config.eos_token_id = -1
+    manager = EvictingBatchingManager(model=model, generation_config=gen_config, continuous_batching_config=cb_config)
+    manager.eviction = settings
+    manager.think_end_id = think_end_token_id(tokenizer, settings.think_end)
+    manager.predictor = None
+    manager._score_hook = None
+    manager.finished_stats = {}
+    manager.last_processor = None
+    if settings.needs_scores:
+        manager.predictor = load_predictor(settings.predictor, model)
+        manager._score_hook = final_norm(model).register_forward_hook(manager._score)
+    return manager

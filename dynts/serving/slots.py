@@ -1,0 +1,129 @@
+"""Per-request slot metadata of a paged KV cache: one row per request in flight, one column per stored slot.
+
+Column ``j`` of a request's row describes the ``j``-th KV entry the request stores, i.e. the entry
+the engine reads at logical index ``j`` through the request's block table. An eviction event gathers
+the kept columns to the front of the row, exactly as the K/V rows are gathered to the front of the
+request's pages, so the table and the cache always agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..evictors.base import Segment, TokenInfo
+
+__all__ = ["RequestSlots", "SlotTable"]
+
+
+@dataclass
+class RequestSlots:
+    """Host-side bookkeeping of one request (no device reads in the hot path).
+
+    Attributes:
+        row: the request's row in the :class:`SlotTable`.
+        question_length: ``W_q``, the prompt length.
+        n_keep: slots kept at an eviction event (``None`` without a budget).
+        reserved_blocks: blocks the request may hold at most (admission reserves them).
+        shift: tokens evicted so far; absolute position = stored index + ``shift`` for new tokens.
+        in_answer: the request has emitted ``</think>``.
+        peak_slots / evictions / evicted_tokens / freed_blocks / peak_blocks: statistics.
+    """
+
+    row: int
+    question_length: int
+    n_keep: int | None
+    reserved_blocks: int
+    shift: int = 0
+    in_answer: bool = False
+    peak_slots: int = 0
+    evictions: int = 0
+    evicted_tokens: int = 0
+    freed_blocks: int = 0
+    peak_blocks: int = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "peak_slots": self.peak_slots,
+            "evictions": self.evictions,
+            "evicted_tokens": self.evicted_tokens,
+            "freed_blocks": self.freed_blocks,
+            "peak_blocks": self.peak_blocks,
+            "reserved_blocks": self.reserved_blocks,
+        }
+
+
+@dataclass
+class SlotTable:
+    """Device tensors ``[rows, width]`` of slot metadata (positions, segments, token ids, scores).
+
+    Rows are recycled when requests finish; rows and width grow by doubling (never per step).
+    """
+
+    device: torch.device
+    rows: int = 8
+    width: int = 256
+    positions: torch.Tensor = field(init=False)
+    segments: torch.Tensor = field(init=False)
+    token_ids: torch.Tensor = field(init=False)
+    scores: torch.Tensor = field(init=False)
+    free_rows: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.positions = torch.zeros(self.rows, self.width, dtype=torch.long, device=self.device)
+        self.segments = torch.full((self.rows, self.width), int(Segment.PAD), dtype=torch.long, device=self.device)
+        self.token_ids = torch.zeros(self.rows, self.width, dtype=torch.long, device=self.device)
+        self.scores = torch.full((self.rows, self.width), float("nan"), device=self.device)
+        self.free_rows = list(range(self.rows - 1, -1, -1))
+
+    _FILL = {"positions": 0, "segments": int(Segment.PAD), "token_ids": 0, "scores": float("nan")}
+
+    def _resize(self, rows: int, width: int) -> None:
+        for name, fill in self._FILL.items():
+            old = getattr(self, name)
+            new = torch.full((rows, width), fill, dtype=old.dtype, device=old.device)
+            new[: old.shape[0], : old.shape[1]] = old
+            setattr(self, name, new)
+        self.free_rows = list(range(rows - 1, self.rows - 1, -1)) + self.free_rows
+        self.rows, self.width = rows, width
+
+    def acquire_row(self) -> int:
+        if not self.free_rows:
+            self._resize(2 * self.rows, self.width)
+        return self.free_rows.pop()
+
+    def release_row(self, row: int) -> None:
+        self.free_rows.append(row)
+
+    def ensure_width(self, needed: int) -> None:
+        if needed > self.width:
+            self._resize(self.rows, max(needed, 2 * self.width))
+
+    def write(self, rows: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
+              token_ids: torch.Tensor) -> None:
+        """Record the ``T`` new tokens of a forward: ``rows``/``slots``/... are ``[T]`` tensors."""
+        self.positions[rows, slots] = positions
+        self.segments[rows, slots] = segments
+        self.token_ids[rows, slots] = token_ids
+        self.scores[rows, slots] = float("nan")
+
+    def token_info(self, rows: torch.Tensor, length: int, n_keep: int, local_window: int,
+                   question_length: int) -> TokenInfo:
+        """The :class:`TokenInfo` of ``rows`` (``[g]``), each storing ``length`` slots."""
+        return TokenInfo(
+            positions=self.positions[rows, :length],
+            segments=self.segments[rows, :length],
+            token_ids=self.token_ids[rows, :length],
+            n_keep=n_keep,
+            local_window=local_window,
+            question_length=question_length,
+            scores=self.scores[rows, :length],
+        )
+
+    def compact(self, rows: torch.Tensor, kept: torch.Tensor) -> None:
+        """Gather the ``kept`` columns (``[g, k]``, ascending) of ``rows`` to the front of each row."""
+        k = kept.shape[1]
+        for name in self._FILL:
+            t = getattr(self, name)
+            t[rows, :k] = t[rows].gather(1, kept)

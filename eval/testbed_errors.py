@@ -1,0 +1,87 @@
+"""Why testbed answers are wrong: a breakdown of the wrong samples of a ``dynts eval`` run on the
+testbed benchmark (``docs/evaluation.md``'s error table comes from here).
+
+Each wrong sample falls in exactly one class, checked in this order:
+
+- ``unparsed``: no ``</think> rK= v`` answer could be read (the thinking never closed, or junk);
+- ``wrong key``: the answer names another key than the one asked;
+- ``asked step never written``: the trace's thinking holds no step for the asked key;
+- ``step's own value wrong``: the answer copies a value the trace wrote for the asked key, but that
+  step's arithmetic was wrong (the answer is checked against the true value of the step);
+- ``retrieval wrong``: the trace wrote the asked step, yet the answer carries a value the trace
+  never wrote for it (the lookup failed).
+
+Run: ``python -m eval.testbed_errors RUN_DIR`` (prints a markdown table, one row per cell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from data_pipeline.testbed import task
+
+__all__ = ["ERROR_CLASSES", "classify_error", "error_table", "main"]
+
+ERROR_CLASSES = ("wrong key", "unparsed", "asked step never written", "step's own value wrong", "retrieval wrong")
+
+
+def classify_error(problem: task.Problem, text: str) -> str | None:
+    """The class of a generated ``text`` for ``problem`` (see the module docstring); ``None`` when
+    the answer is correct."""
+    if task.check_answer(problem, text):
+        return None
+    parsed = task.parse_answer(text)
+    if parsed is None:
+        return "unparsed"
+    key, value = parsed
+    if key != problem.asked:
+        return "wrong key"
+    written = [v for *_, k, v in task.parse_steps(text) if k == problem.asked]
+    if not written:
+        return "asked step never written"
+    return "step's own value wrong" if value in written else "retrieval wrong"
+
+
+def cell_errors(run_dir: Path, cell: dict[str, Any]) -> dict[str, int]:
+    """Counts per class (and ``wrong``) over the samples of one finished cell of ``run_dir``."""
+    from .benchmarks import load_benchmark
+
+    problems = {ex.id: ex.answer for ex in load_benchmark(cell["benchmark"]).examples}
+    counts = {"wrong": 0, **{c: 0 for c in ERROR_CLASSES}}
+    for line in (run_dir / "samples" / f"{cell['key']}.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        kind = classify_error(problems[record["id"]], record["text"])
+        if kind is not None:
+            counts["wrong"] += 1
+            counts[kind] += 1
+    return counts
+
+
+def error_table(run_dir: str | Path, cells: Sequence[dict[str, Any]] | None = None) -> str:
+    """Markdown table of the wrong samples of every testbed cell in ``run_dir``'s ``results.json``."""
+    run_dir = Path(run_dir)
+    cells = cells if cells is not None else json.loads((run_dir / "results.json").read_text())
+    header = ["method", "wrong", *ERROR_CLASSES]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell in cells:
+        if not cell["benchmark"].startswith("testbed"):
+            continue
+        counts = cell_errors(run_dir, cell)
+        lines.append("| " + " | ".join([cell["method"]["label"], *(str(counts[h]) for h in header[1:])]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.testbed_errors", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a dynts eval run directory on the testbed benchmark")
+    args = parser.parse_args(argv)
+    print(error_table(args.run_dir))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

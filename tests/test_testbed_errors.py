@@ -1,0 +1,47 @@
+"""The testbed error breakdown (``python -m eval.testbed_errors``): each wrong answer gets one class."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from data_pipeline.testbed import task
+from eval.testbed_errors import classify_error, error_table
+
+
+def variants() -> tuple[task.Problem, dict[str, str]]:
+    """A reference trace and one edited copy per error class."""
+    problem = task.problem_set("errors", 1)[0]
+    text = problem.text.split("<think>", 1)[1]
+    asked, value = f"r{problem.asked}=", problem.answer
+    step = re.search(rf"\S+ \d \S+ \S+ \d gives {asked} (\d) ;", text)
+    wrong = (value + 1) % 10
+    other = f"r{problem.asked % 3 + 1 if problem.asked > 3 else problem.asked + 1}="
+    answer = f"</think> {asked} {value}"
+    return problem, {
+        "correct": text,
+        "unparsed": text.split("</think>")[0],
+        "wrong key": text.replace(answer, f"</think> {other} {value}"),
+        "asked step never written": text.replace(step.group(0), ""),
+        "step's own value wrong": text.replace(step.group(0), step.group(0).replace(f"{asked} {value} ;", f"{asked} {wrong} ;"))
+        .replace(answer, f"</think> {asked} {wrong}"),
+        "retrieval wrong": text.replace(answer, f"</think> {asked} {wrong}"),
+    }
+
+
+def test_each_error_class():
+    problem, texts = variants()
+    for kind, text in texts.items():
+        assert classify_error(problem, text) == (None if kind == "correct" else kind), kind
+
+
+def test_error_table_from_a_run_dir(tmp_path):
+    problem, texts = variants()
+    cell = {"key": "c1", "benchmark": "testbed:n=1,set=errors", "method": {"label": "window"}}
+    (tmp_path / "samples").mkdir()
+    records = [{"id": problem.name, "text": t} for t in texts.values()]
+    (tmp_path / "samples" / "c1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "results.json").write_text(json.dumps([cell]))
+    table = error_table(tmp_path).splitlines()
+    assert table[0].startswith("| method | wrong | wrong key | unparsed")
+    assert table[2] == "| window | 5 | 1 | 1 | 1 | 1 | 1 |"
