@@ -23,6 +23,8 @@ ATTN_IMPLEMENTATION = "dynts_sdpa"
 Recorder = Callable[[torch.nn.Module, torch.Tensor], None]
 _RECORDER: ContextVar[Recorder | None] = ContextVar("dynts_attention_recorder", default=None)
 _LAST_ROWS: ContextVar[int | None] = ContextVar("dynts_attention_last_rows", default=None)
+# the same two values for a torch.compile'd step (dynamo cannot trace ContextVar.get: a graph break per layer)
+_COMPILED_VIEW: list = [None, None]
 
 
 def attention_rows(
@@ -61,9 +63,10 @@ def _recording_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
     out = sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )
-    recorder = _RECORDER.get()
+    compiling = torch.compiler.is_compiling()
+    recorder = _COMPILED_VIEW[0] if compiling else _RECORDER.get()
     if recorder is not None:
-        rows = _LAST_ROWS.get()
+        rows = _COMPILED_VIEW[1] if compiling else _LAST_ROWS.get()
         if rows is not None and rows < query.shape[2]:  # only the last `rows` queries (answer rows)
             query = query[:, :, -rows:]
             if attention_mask is not None and attention_mask.shape[-2] > 1:
@@ -89,9 +92,12 @@ def recording_attention(model: torch.nn.Module, recorder: Recorder, last_rows: i
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     token = _RECORDER.set(recorder)
     rows_token = _LAST_ROWS.set(last_rows)
+    outer = list(_COMPILED_VIEW)
+    _COMPILED_VIEW[:] = [recorder, last_rows]
     try:
         yield
     finally:
+        _COMPILED_VIEW[:] = outer
         _LAST_ROWS.reset(rows_token)
         _RECORDER.reset(token)
         model.set_attn_implementation(previous)

@@ -10,6 +10,17 @@ seen, and ``get_mask_sizes(q)`` is ``(stored + q, seen - stored)`` so the kept e
 the query in the causal mask. Padding and evicted gaps are handled by a per-slot validity mask that
 :meth:`BoundedCache.begin_forward` hands to the model as its 2-D ``attention_mask``.
 
+Static layout (``static=True``, what ``dynts.generate(..., compile=True)`` uses): the buffers have a
+fixed capacity (``B``, or ``max_length`` for the full cache), allocated once. A single-token forward
+(a decode step) then writes its K/V with ``index_copy_`` at a device index, returns the WHOLE buffers
+``[b, h_kv, capacity, d]`` and gets a 4-D boolean mask ``[b, 1, 1, capacity]`` (the persistent
+per-slot validity, unfilled and evicted slots False), so every decode step has the same shapes and
+reads no host integer inside the model: it can be captured by ``torch.compile`` / CUDA graphs once.
+Eviction events, the slot table's bookkeeping and multi-token forwards (prefill) run eagerly outside
+the captured step, in :meth:`BoundedCache.begin_forward`. Layers keep ``is_compileable = False``: the
+mask is always explicit, so transformers' own auto-compile (which would trace ``dynts.attach``'s
+hooks) and its 4-D mask building in ``generate`` stay off.
+
 The model must be driven through :func:`dynts.attach` (``dynts.generate`` does it), which calls
 :meth:`begin_forward` / :meth:`end_forward` around each forward.
 """
@@ -63,6 +74,8 @@ class BoundedLayer(CacheLayerMixin):
         cap = self.owner.capacity
         self.keys = key_states.new_zeros(b, h, cap, d)
         self.values = value_states.new_zeros(b, h, cap, value_states.shape[-1])
+        if self.owner.static:  # fixed addresses: CUDA graphs replay in-place writes without copies
+            mark_static(self.keys, self.values)
         self.is_initialized = True
 
     def grow(self, capacity: int) -> None:
@@ -86,6 +99,11 @@ class BoundedLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if owner.static_step:  # static shapes: no host integer read, whole buffers + 4-D mask
+            self.grow(owner.capacity)  # a no-op unless max_length was too small (then: a new graph)
+            self.keys.index_copy_(2, owner.write_index, key_states)
+            self.values.index_copy_(2, owner.write_index, value_states)
+            return self.keys, self.values
         self.grow(owner.capacity)
         start = owner.length
         self.keys[:, :, start : start + q] = key_states
@@ -97,7 +115,10 @@ class BoundedLayer(CacheLayerMixin):
         return stored + query_length, self.owner.seen - stored
 
     def get_seq_length(self) -> int:
-        return self.owner.seen
+        owner = self.owner
+        if owner.static_step and torch.compiler.is_compiling():
+            return owner.seen_tensor  # a device scalar: a host int would be baked into the graph
+        return owner.seen
 
     def get_max_length(self) -> int:
         return -1
@@ -108,6 +129,15 @@ class BoundedLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search is not supported with a bounded cache")
+
+
+def mark_static(*tensors: torch.Tensor | None) -> None:
+    """Tell ``torch.compile`` these buffers keep their address (as transformers' ``StaticLayer`` does)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.mark_static_address(t)
 
 
 def incoming_tokens(
@@ -137,6 +167,12 @@ class BoundedCache(Cache):
         observation_window: number of recent query rows kept for ``window_attention`` (SnapKV);
             default: the evictor's ``observation_window`` field if it has one, else 8.
         keys_layer: layer whose keys feed ``TokenInfo.keys`` (R-KV); default the last one.
+        static: fixed-capacity buffers and static-shape decode steps (see the module docstring).
+        defer_scores: keep the final hidden states of eager decode steps (``[b, K, d]``, K the
+            eviction volume) and score them in one batched predictor call at the next eviction event
+            (or when :attr:`scores` is read through :meth:`flush_scores`), instead of a predictor
+            call per step: the same scores from the same hidden states, without the per-step MLP.
+        max_length: capacity of a static full (unbounded) cache: prompt + new tokens.
     """
 
     def __init__(
@@ -148,6 +184,9 @@ class BoundedCache(Cache):
         think_end_token_id: int | Sequence[int] | None = None,
         observation_window: int | None = None,
         keys_layer: int = -1,
+        static: bool = False,
+        max_length: int | None = None,
+        defer_scores: bool = False,
     ):
         super().__init__(layers=[BoundedLayer(self, i) for i in range(num_layers)])
         self.bounded = getattr(evictor, "bounded", True)
@@ -165,6 +204,19 @@ class BoundedCache(Cache):
             raise ValueError(f"observation_window={observation_window!r} must be a positive int")
         self.observation_window = observation_window
         self.keys_layer = keys_layer % num_layers
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"max_length={max_length!r} must be a positive int (prompt + new tokens)")
+        self.static = bool(static)
+        self.max_length = max_length
+        self.static_step = False  # the forward in flight is a static-shape decode step
+        self.defer_scores = bool(defer_scores)
+        self.predictor: torch.nn.Module | None = None  # set by dynts.attach
+        self._hidden: torch.Tensor | None = None  # [b, slots, d] hidden states awaiting scores
+        self._deferred = 0  # how many, for slots _deferred_base ... _deferred_base + _deferred - 1
+        self._deferred_base = 0
+        self.write_index: torch.Tensor | None = None  # [1] slot the decode step writes (static layout)
+        self.seen_tensor: torch.Tensor | None = None  # [] tokens seen before the step (static layout)
+        self.slot_mask: torch.Tensor | None = None  # [b, capacity] bool validity (static layout)
         self.stats = CacheStats()
         self.seen = 0  # absolute tokens seen before the current forward
         self.length = 0  # stored slots before the current forward
@@ -203,6 +255,13 @@ class BoundedCache(Cache):
                 self.evict()
             segments = self._generated_segments(input_ids, new_valid)
         self._record_incoming(torch.arange(self.seen, self.seen + q, device=device), segments, input_ids)
+        if self.static:
+            self.slot_mask[:, self.length : self.length + q] = new_valid
+            self.static_step = q == 1 and self.length + 1 <= self.capacity
+            if self.static_step:
+                self.write_index.fill_(self.length)
+                self.seen_tensor.fill_(self.seen)
+                return self.slot_mask[:, None, None, :]
         return self._slot_mask() if self.holds_pads else None
 
     def _record_incoming(self, positions: torch.Tensor, segments: torch.Tensor, input_ids: torch.Tensor) -> None:
@@ -238,16 +297,55 @@ class BoundedCache(Cache):
         self.length += self.pending
         self.seen += self.pending
         self.pending = 0
+        self.static_step = False
         if not self.stats.kv_bytes_per_token:
             self.stats.kv_bytes_per_token = self.kv_bytes_per_token
 
     def write_scores(self, scores: torch.Tensor) -> None:
         """Store predictor scores ``[b, q]`` for the tokens of the forward in flight."""
+        if self.static_step:
+            self.scores.index_copy_(1, self.write_index, scores.float().reshape(-1, 1))
+            return
         self.scores[:, self.length : self.length + self.pending] = scores.float()
+
+    def score_hidden(self, hidden: torch.Tensor) -> None:
+        """Predictor scores for the forward in flight from its final hidden states ``[b, q, d]``:
+        now (prefills, static steps) or deferred to the next :meth:`flush_scores` (eager decode
+        steps with ``defer_scores``)."""
+        if not self.pending:
+            return
+        b, q, d = hidden.shape
+        if self.static_step or not self.defer_scores or q != 1:
+            self.flush_scores()
+            with torch.no_grad():
+                self.write_scores(self.predictor(hidden))
+            return
+        if self._hidden is None or self._hidden.shape[0] != b or self._hidden.shape[2] != d:
+            slots = max(1, self.capacity - (self.n_keep or 0))
+            self._hidden = hidden.new_empty(b, slots, d)
+        if self._deferred and (self._deferred_base + self._deferred != self.length or self._deferred == self._hidden.shape[1]):
+            self.flush_scores()
+        if not self._deferred:
+            self._deferred_base = self.length
+        self._hidden[:, self._deferred] = hidden[:, 0]
+        self._deferred += 1
+
+    def flush_scores(self) -> None:
+        """Score the decode steps whose hidden states were kept (one batched predictor call)."""
+        if not self._deferred:
+            return
+        n, start = self._deferred, self._deferred_base
+        self._deferred = 0
+        with torch.no_grad():
+            self.scores[:, start : start + n] = self.predictor(self._hidden[:, :n]).float()
 
     # ------------------------------------------------------------------ statistics
     def record_attention(self, probs: torch.Tensor) -> None:
-        """Add one layer's attention ``[b, heads, q, stored + q]`` of the in-flight queries."""
+        """Add one layer's attention ``[b, heads, q, stored + q]`` of the in-flight queries
+        (``[b, heads, 1, capacity]`` in a static decode step: masked slots carry probability 0)."""
+        if self.static_step:
+            self._record_static_step(probs)
+            return
         n = self.length + self.pending
         if self.attention is not None:
             self.attention[:, :n] += probs.sum(dim=(1, 2)).float()
@@ -262,9 +360,21 @@ class BoundedCache(Cache):
             take = min(w, q)
             self.window_attention[:, w - take :, :n] += rows[:, q - take :]
 
+    def _record_static_step(self, probs: torch.Tensor) -> None:
+        """:meth:`record_attention` of a decode step over the whole buffer (no host integer read)."""
+        if self.attention is not None:
+            self.attention += probs.sum(dim=(1, 2)).float()
+        if self.window_attention is not None:
+            if self._window_fresh:  # the first layer of the step shifts the window by one row
+                self.window_attention[:, :-1] = self.window_attention[:, 1:].clone()
+                self.window_attention[:, -1:] = 0.0
+                self._window_fresh = False
+            self.window_attention[:, -1:] += probs.sum(dim=1).float()
+
     # ------------------------------------------------------------------ eviction
     def token_info(self) -> TokenInfo:
         """Metadata of the stored slots as an evictor sees it."""
+        self.flush_scores()
         n = self.length
         info = TokenInfo(
             positions=self.positions[:, :n],
@@ -285,6 +395,7 @@ class BoundedCache(Cache):
 
     def evict(self) -> torch.Tensor:
         """Run one eviction event now; returns the kept indices ``[b, n_keep]``."""
+        self.flush_scores()
         if "scores" in self.requires:
             stale = self.scores[:, : self.length].isnan() & (self.segments[:, : self.length] == Segment.THINKING)
             if bool(stale.any()):
@@ -298,6 +409,7 @@ class BoundedCache(Cache):
 
     def apply_kept(self, kept: torch.Tensor) -> None:
         """Compact every layer's buffers and the slot table to ``kept`` ``[b, k]`` (ascending)."""
+        self.flush_scores()
         k = kept.shape[1]
         buffers = [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
         compact_(buffers, kept, self.length)
@@ -309,6 +421,9 @@ class BoundedCache(Cache):
             w = self.window_attention.shape[1]
             idx = kept.unsqueeze(1).expand(-1, w, -1)
             self.window_attention[:, :, :k] = self.window_attention[:, :, : self.length].gather(2, idx)
+        if self.slot_mask is not None:
+            self.slot_mask[:, :k] = self.segments[:, :k] != Segment.PAD
+            self.slot_mask[:, k:] = False
         if self.holds_pads:  # pads are evicted first; re-check once per event, not per step
             self.holds_pads = bool((self.segments[:, :k] == Segment.PAD).any())
         self.stats.evictions += 1
@@ -323,8 +438,16 @@ class BoundedCache(Cache):
             self.budget.check_question(question_length)
             self.n_keep = self.budget.n_keep(question_length)
         cap = max(self.budget.budget if self.bounded else 0, question_length + 1, 64)
+        if self.static and not self.bounded:
+            if self.max_length is None:
+                raise ValueError("a static full cache needs max_length=... (prompt + new tokens) to size its buffers")
+            cap = max(cap, self.max_length)
         self.capacity = cap
         b = batch_size
+        if self.static:
+            self.write_index = torch.zeros(1, dtype=torch.long, device=device)
+            self.seen_tensor = torch.zeros((), dtype=torch.long, device=device)
+            self.slot_mask = torch.zeros(b, cap, dtype=torch.bool, device=device)
         self.positions = torch.zeros(b, cap, dtype=torch.long, device=device)
         self.segments = torch.full((b, cap), int(Segment.PAD), dtype=torch.long, device=device)
         self.token_ids = torch.zeros(b, cap, dtype=torch.long, device=device)
@@ -336,12 +459,14 @@ class BoundedCache(Cache):
         self.in_answer = torch.zeros(b, dtype=torch.bool, device=device)
         self.think_match = torch.zeros(b, dtype=torch.long, device=device)
         self._window_fresh = True
+        if self.static:
+            mark_static(self.write_index, self.seen_tensor, self.slot_mask, self.scores, self.attention, self.window_attention)
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return
         cap = max(needed, 2 * self.capacity)
-        for name in ("positions", "segments", "token_ids", "scores", "attention", "window_attention"):
+        for name in ("positions", "segments", "token_ids", "scores", "attention", "window_attention", "slot_mask"):
             t = getattr(self, name)
             if t is None:
                 continue

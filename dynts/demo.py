@@ -79,6 +79,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method-option", action="append", default=None, metavar="KEY=VALUE",
                         help="a field of the method's dataclass, e.g. sink_size=4 (repeatable)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    parser.add_argument("--compile", action="store_true",
+                        help="static-layout cache + torch.compile'd decode step (the first steps compile)")
     add_load_arguments(parser)
     add_sampling_arguments(parser)
     args = parser.parse_args(argv)
@@ -94,7 +96,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         result = generate(
             model, tokenizer, prompts, method=args.method, budget=args.budget, local_window=args.local_window,
             retention=args.retention, predictor=args.predictor, max_new_tokens=args.max_new_tokens,
-            think_end=args.think_end, method_options=options, **sampling,
+            think_end=args.think_end, method_options=options, compile=args.compile, **sampling,
         )
     except ValueError as err:  # bad input (unknown model, dtype, method option...): say so, no traceback
         parser.error(str(err))

@@ -14,6 +14,7 @@ import torch
 from .attention import recording_attention
 from .budget import Budget
 from .cache import BoundedCache
+from .compiled import compiled_decode, scoring_slot
 from .evictors import Evictor, make_evictor
 from .predictor import ImportancePredictor
 from .thinking import think_end_ids
@@ -72,6 +73,7 @@ def build_cache(
     **cache_options: Any,
 ) -> BoundedCache:
     """A :class:`BoundedCache` sized for ``model``."""
+    cache_options.setdefault("defer_scores", True)
     return BoundedCache(
         model.config.get_text_config().num_hidden_layers,
         evictor,
@@ -104,11 +106,6 @@ def attach(
         if kwargs.get("cache", kwargs.get("past_key_values")) is cache:
             cache.end_forward()
 
-    def score(module, args, output):
-        if cache.pending:
-            with torch.no_grad():
-                cache.write_scores(predictor(output))
-
     if "scores" in cache.requires and predictor is None:
         raise ValueError(f"method={cache.evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
     with ExitStack() as stack:
@@ -117,7 +114,11 @@ def attach(
             model.register_forward_hook(after, with_kwargs=True),
         ]
         if predictor is not None:
-            handles.append(final_norm(model).register_forward_hook(score))
+            cache.predictor = predictor
+            slot = scoring_slot(model)
+            outer, slot[0] = slot[0], cache
+            stack.callback(slot.__setitem__, 0, outer)
+            stack.callback(cache.flush_scores)
         stack.callback(lambda: [h.remove() for h in handles])
         if cache.requires & {"attention", "window_attention"}:
             stack.enter_context(recording_attention(model, lambda module, probs: cache.record_attention(probs)))
@@ -164,6 +165,7 @@ def generate(
     max_new_tokens: int,
     think_end: str | int | Sequence[int] | None = "</think>",
     method_options: dict[str, Any] | None = None,
+    compile: bool | str = False,
     **generate_kwargs: Any,
 ) -> GenerationResult:
     """Generate with a KV cache bounded to ``budget`` entries, evicting with ``method``.
@@ -186,6 +188,8 @@ def generate(
             after it are answer tokens. ``None``: no answer detection. A text delimiter without a
             tokenizer, or one the tokenizer cannot encode, warns that detection is off.
         method_options: fields of the method's dataclass (e.g. ``{"sink_size": 4}``).
+        compile: ``True`` (or a ``torch.compile`` mode) decodes with a static-layout cache and a
+            compiled decode step (:mod:`dynts.compiled`); the first steps pay the compilation.
         **generate_kwargs: passed to ``model.generate`` (``do_sample``, ``temperature``, ...).
             Sampling follows ``model.generation_config`` (e.g. an R1 model's T=0.6, top-p 0.95)
             unless given here; pass ``do_sample=False`` for greedy decoding.
@@ -226,7 +230,8 @@ def generate(
         predictor = load_predictor(predictor, model)
     elif predictor is not None:
         predictor = None  # only score-based methods use it; skip the per-token MLP
-    cache = build_cache(model, evictor, bounds, think_end_ids(tokenizer, think_end))
+    static = {"static": True, "max_length": prompt_length + max_new_tokens} if compile else {}
+    cache = build_cache(model, evictor, bounds, think_end_ids(tokenizer, think_end), **static)
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if tokenizer is not None and generate_kwargs.get("pad_token_id") is None:
@@ -234,7 +239,11 @@ def generate(
         generate_kwargs["pad_token_id"] = pad
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     start = time.perf_counter()
-    with torch.no_grad(), attach(model, cache, predictor):
+    with ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(attach(model, cache, predictor))
+        if compile:
+            stack.enter_context(compiled_decode(model, None if compile is True else compile))
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -22,22 +22,27 @@ in cache length over a sawtooth cycle); the speedup ``t_full(L) / t(L)``; the di
 :mod:`dynts.cost`. A continuous decode of the small model traces the sawtooth of the paper's Fig. 5.
 Writes ``bench_decode.json`` and ``decode_latency.png`` under ``--out``.
 
+``--compile``: every lane uses a static-layout cache (fixed buffers: ``B`` slots for a method, for the
+full cache ``max(positions) + 3N`` slots, for ``full@B`` ``B`` slots, like transformers' StaticCache)
+and decode steps run through :func:`dynts.compiled.compiled_decode`; ``t_full(B)`` is then the
+compiled static full cache at length ``B``. Compilation (one graph per lane) happens in an untimed
+warm-up step before the timed phases.
+
     flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_decode.py            # ~10 min on 2 cores
     .venv/bin/python scripts/bench_decode.py --quick                               # tiny model, ~1 min
+    flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_decode.py --models small --compile
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import json
-import math
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,11 +50,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import dynts  # noqa: E402
+from dynts.compiled import compiled_decode  # noqa: E402
 from dynts.cost import ModelShape, decode_flops, predictor_flops, selection_flops  # noqa: E402
 from dynts.kernels import backend_for  # noqa: E402
 from dynts.models import checkpoints_dir  # noqa: E402
+from decode_report import plot, print_run, write_json  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -97,8 +105,9 @@ class Lane:
 class Driver:
     """Runs forwards of one model for several lanes, each through ``dynts.attach`` of its own cache."""
 
-    def __init__(self, model: torch.nn.Module, vocab: int, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, vocab: int, seed: int = 0, compile: bool = False):
         self.model = model
+        self.compile = compile
         self.vocab = vocab
         self.generator = torch.Generator().manual_seed(seed)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -110,7 +119,9 @@ class Driver:
     @torch.no_grad()
     def forward(self, lane: Lane, ids: torch.Tensor) -> float:
         """One forward of ``ids`` [b, q] through ``lane``; returns seconds (the forward and the argmax)."""
-        with dynts.attach(self.model, lane.cache, lane.predictor):
+        with dynts.attach(self.model, lane.cache, lane.predictor), ExitStack() as stack:
+            if self.compile:
+                stack.enter_context(compiled_decode(self.model))
             sync(self.device)
             start = time.perf_counter()
             out = self.model(input_ids=ids, logits_to_keep=1, use_cache=True, **{self.cache_kw: lane.cache})
@@ -182,10 +193,12 @@ def method_options(name: str, vocab: int) -> dict:
     return {"separator_token_ids": tuple(range(3, vocab, 16))} if name == "sepllm" else {}
 
 
-def make_lane(model, name: str, budget: dynts.Budget | None, batch: int) -> Lane:
+def make_lane(model, name: str, budget: dynts.Budget | None, batch: int, max_length: int | None = None) -> Lane:
+    """A lane; ``max_length`` (a static full cache's capacity) turns on the static layout."""
     method = "full" if name.startswith("full") else name
     evictor = dynts.make_evictor(method, **method_options(method, model.config.get_text_config().vocab_size))
-    cache = dynts.build_cache(model, evictor, budget)
+    static = {} if max_length is None else {"static": True, "max_length": max_length}
+    cache = dynts.build_cache(model, evictor, budget, **static)
     predictor = None
     if "scores" in cache.requires:
         torch.manual_seed(0)  # speed does not depend on the weights: an untrained predictor scores the same way
@@ -196,30 +209,35 @@ def make_lane(model, name: str, budget: dynts.Budget | None, batch: int) -> Lane
 def bench_positions(model, model_name: str, batch: int, methods: list[str], positions: list[int], args) -> dict:
     """Time every lane at every position (see the module docstring); returns the JSON record."""
     config = model.config.get_text_config()
-    driver = Driver(model, config.vocab_size, seed=args.seed)
+    driver = Driver(model, config.vocab_size, seed=args.seed, compile=args.compile)
     bounds = dynts.Budget(args.budget, args.local_window, args.retention)
     m, n = args.prompt_tokens, args.steps
+    full_length = max(positions) + 3 * n + 1 if args.compile else None  # static full cache capacity
+    bound_length = args.budget if args.compile else None
     n_keep, volume = bounds.n_keep(m), bounds.eviction_volume(m)
     if n >= volume:
         raise ValueError(f"--steps {n} must be below the eviction volume K={volume}")
     prompt = driver.random_ids(batch, m)
-    lanes = [make_lane(model, "full", None, batch)] + [make_lane(model, name, bounds, batch) for name in methods]
+    lanes = [make_lane(model, "full", None, batch, full_length)]
+    lanes += [make_lane(model, name, bounds, batch, bound_length) for name in methods]
     for lane in lanes:
         driver.forward(lane, prompt)
     started = time.perf_counter()
+    warm = 1 if args.compile else 0  # the last untimed token is a single-token forward: compiles the lane's graph
     for position in positions:
         for lane in lanes:  # reach L - N untimed
             cache = lane.cache
             if lane.bounded:
-                chunks = plan_chunks(cache.seen, cache.length, position - n, args.budget - n, args.budget, n_keep)
+                chunks = plan_chunks(cache.seen, cache.length, position - n - warm, args.budget - n - warm,
+                                     args.budget, n_keep)
             else:
-                chunks = full_chunks(position - n - cache.seen, args.full_chunk)
-            driver.advance(lane, chunks)
+                chunks = full_chunks(position - n - warm - cache.seen, args.full_chunk)
+            driver.advance(lane, chunks + [1] * warm)
             if lane.bounded and (cache.seen, cache.length) != (position - n, args.budget - n):
                 raise AssertionError(f"{lane.name}: at {cache.seen} tokens with {cache.length} cached, planned otherwise")
-        reference = make_lane(model, "full@B", None, batch)  # the bound, timed alongside
+        reference = make_lane(model, "full@B", None, batch, bound_length)  # the bound, timed alongside
         driver.forward(reference, prompt)
-        driver.advance(reference, full_chunks(args.budget - n - m, args.full_chunk))
+        driver.advance(reference, full_chunks(args.budget - n - m - warm, args.full_chunk) + [1] * warm)
         for phase, count, members in (
             ("top", n, lanes + [reference]),
             ("event", 1, lanes),
@@ -300,83 +318,6 @@ def sawtooth(model, model_name: str, methods: list[str], length: int, args) -> d
                             events=lane.cache.stats.event_steps) for lane in lanes}
 
 
-# ---------------------------------------------------------------------------------------------- output
-def print_run(run: dict) -> None:
-    ms = 1e3
-    print(f"\n== {run['model']}  batch {run['batch']}  B={run['budget']} W_l={run['local_window']} "
-          f"retention={run['retention']} prompt={run['prompt_tokens']}: n_keep={run['n_keep']} K={run['eviction_volume']}")
-    print(f"{'L':>6} {'lane':<13} {'ms/token':>9} {'top':>7} {'bottom':>7} {'event':>7} {'speedup':>7} "
-          f"{'top/tB':>7} {'t/tB':>6} {'peakKV MiB':>10} {'KV ratio':>8} {'GFLOP/tok':>9}")
-    for row in run["rows"]:
-        print(f"{row['position']:>6} {'full':<13} {ms * row['t_full_L']:>9.2f} {'':>7} {'':>7} {'':>7} {'1.00':>7} "
-              f"{row['t_full_L'] / row['t_full_B']:>7.3f} {'':>6} {row['full_peak_kv_bytes'] / 2**20:>10.1f} {'1.000':>8} "
-              f"{row['full_flops'] / 1e9:>9.3f}")
-        print(f"{'':>6} {'full@B':<13} {ms * row['t_full_B']:>9.2f}")
-        for name, r in row["methods"].items():
-            print(f"{'':>6} {name:<13} {ms * r['t_amortised']:>9.2f} {ms * r['t_top']:>7.2f} {ms * r['t_bottom']:>7.2f} "
-                  f"{ms * r['t_event']:>7.2f} {r['speedup']:>7.2f} {r['top_over_full_B']:>7.3f} {r['amortised_over_full_B']:>6.3f} "
-                  f"{r['peak_kv_bytes'] / 2**20:>10.1f} {r['kv_ratio']:>8.3f} {r['flops'] / 1e9:>9.3f}")
-        if "dynts_vs_window" in row:
-            v = row["dynts_vs_window"]
-            print(f"{'':>6} dynts/window: top {v['top']:.3f}, amortised {v['amortised']:.3f}, "
-                  f"event extra {v['event_extra_ms']:+.2f} ms")
-
-
-def plot(results: dict, path: Path) -> None:
-    """One panel per (model, batch): per-token latency vs position; plus the continuous sawtooth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = results["runs"]
-    panels = len(runs) + (1 if results.get("sawtooth") else 0)
-    cols = min(panels, 3)
-    rows = math.ceil(panels / cols)
-    fig, grid = plt.subplots(rows, cols, figsize=(5.4 * cols, 4.2 * rows), squeeze=False)
-    axes = list(grid.flat)
-    for ax in axes[panels:]:
-        ax.axis("off")
-    for ax, run in zip(axes, runs):
-        xs = [row["position"] for row in run["rows"]]
-        ax.plot(xs, [1e3 * row["t_full_L"] for row in run["rows"]], "o-", color="black", label="full t(L)")
-        ax.plot(xs, [1e3 * row["t_full_B"] for row in run["rows"]], "x--", color="gray", label="full@B (the bound)")
-        for name in run["rows"][0]["methods"]:
-            ax.plot(xs, [1e3 * row["methods"][name]["t_amortised"] for row in run["rows"]], ".-", lw=1, label=name)
-        ax.set_xlabel("position L (tokens seen)")
-        ax.set_ylabel("ms / token (amortised over a sawtooth cycle)")
-        ax.set_title(f"{run['model']} batch {run['batch']} (B={run['budget']}, K={run['eviction_volume']})", fontsize=9)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
-    if results.get("sawtooth"):
-        ax = axes[panels - 1]
-        lengths_ax = ax.twinx()
-        saw = results["sawtooth"]
-        for color, (name, trace) in zip(("black", "tab:blue", "tab:orange"), saw["lanes"].items()):
-            ys = trace["seconds"]
-            window = 24  # running median: the sawtooth without the scheduler's noise
-            smooth = [1e3 * statistics.median(ys[max(0, i - window) : i + 1]) for i in range(len(ys))]
-            xs = range(saw["prompt_tokens"] + 1, saw["prompt_tokens"] + 1 + len(ys))
-            ax.plot(xs, smooth, lw=1, color=color, label=f"{name} ms/step")
-            lengths_ax.plot(xs, trace["lengths"], lw=0.8, ls=":", color=color)
-        ax.set_xlabel("position (tokens seen)")
-        ax.set_ylabel("ms / decode step (running median of 25)")
-        lengths_ax.set_ylabel("cached entries (dotted)")
-        ax.set_title(f"sawtooth: {saw['model']} batch 1, every step timed", fontsize=9)
-        ax.set_ylim(bottom=0)
-        lengths_ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def write_json(results: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(results, f, indent=1)
-    os.replace(f.name, path)
-
-
 def default_methods() -> list[str]:
     """Every registered decode-time method (``fixed`` needs a position set; it is an oracle tool)."""
     names = []
@@ -410,6 +351,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sawtooth-length", type=int, default=None, help="continuous trace length (small model)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="per-phase statistic of step times (min resists a shared machine's noise)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], choices=[1, 8],
+                        help="batch sizes to run (batch 8 uses the --batch8-* settings on large models)")
+    parser.add_argument("--compile", action="store_true",
+                        help="static-layout caches and torch.compile'd decode steps (see the module docstring)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_decode")
@@ -448,7 +393,7 @@ def main(argv=None) -> int:
     for name in args.models:
         model, label = load_model(name)
         small = name == "small"
-        for batch in (1, 8):
+        for batch in args.batches:
             batch_methods = methods if small else (args.large_methods if batch == 1 else args.batch8_methods)
             positions = args.positions if batch == 1 or small else args.batch8_positions
             print(f"{label}: batch {batch}, methods {batch_methods}, positions {positions}", flush=True)

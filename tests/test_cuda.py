@@ -1,0 +1,110 @@
+"""CUDA-only checks (``pytest -m cuda``; skipped without a GPU, run by ``scripts/gpu_check.py``).
+
+* the Triton kernels (keep-top selection, in-place compaction) against the torch reference on the
+  hardware, not the interpreter;
+* exactness in bf16 with sdpa: a bounded cache that never evicts is token-identical to plain
+  ``generate``; the compiled decode step (CUDA graphs) is token-identical to the eager bounded cache;
+* a model split across two GPUs decodes with eviction (only with more than one GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynts
+from conftest import padded_batch, tiny_model
+from dynts.kernels import compact_torch_, keep_top_torch, triton_available
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+def _priorities(g: torch.Generator, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    p = torch.randint(-3, 3, (b, n), generator=g).float()
+    for value in (float("inf"), float("-inf"), float("nan"), -0.0):
+        p[torch.rand(b, n, generator=g) < 0.1] = value
+    return p, torch.rand(b, n, generator=g) > 0.2
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [17, 1000, 5000])
+def test_triton_keep_top_matches_torch_on_gpu(n):
+    from dynts.kernels.triton_kernels import keep_top_triton
+
+    g = torch.Generator().manual_seed(n)
+    p, valid = _priorities(g, 6, n)
+    for n_keep in (1, n // 3, n):
+        expected = keep_top_torch(p, valid, n_keep)
+        got = keep_top_triton(p.cuda(), valid.cuda(), n_keep)
+        assert torch.equal(got.cpu(), expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_compact_matches_torch_on_gpu(dtype):
+    from dynts.kernels.triton_kernels import compact_triton_
+
+    g = torch.Generator().manual_seed(0)
+    b, h, cap, d, length, k = 3, 4, 700, 128, 650, 260
+    buffers = [torch.randn(b, h, cap, d, generator=g).to(dtype) for _ in range(4)]
+    kept = torch.stack([torch.randperm(length, generator=g)[:k].sort().values for _ in range(b)])
+    expected = [t.clone() for t in buffers]
+    compact_torch_(expected, kept, length)
+    on_gpu = [t.cuda() for t in buffers]
+    compact_triton_(on_gpu, kept.cuda(), length)
+    for got, ref in zip(on_gpu, expected):
+        assert torch.equal(got[:, :, :k].cpu(), ref[:, :, :k])
+
+
+def _bf16_model(seed: int = 0) -> torch.nn.Module:
+    return tiny_model("qwen2", seed=seed).to("cuda", torch.bfloat16)
+
+
+def test_bf16_sdpa_bounded_cache_without_eviction_is_exact():
+    model = _bf16_model()
+    ids, mask = padded_batch([20, 13, 17], seed=1)
+    ids, mask = ids.cuda(), mask.cuda()
+    new = 40
+    with torch.no_grad():
+        reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
+    for method in ("full", "window", "dynts"):
+        out = dynts.generate(model, input_ids=ids, attention_mask=mask, method=method, budget=256, local_window=8,
+                             max_new_tokens=new, predictor=dynts.ImportancePredictor(64), pad_token_id=0,
+                             eos_token_id=None)
+        assert out.stats["evictions"] == 0
+        assert torch.equal(out.sequences, reference), method
+
+
+@pytest.mark.parametrize("method", ["window", "h2o", "dynts"])
+def test_compiled_decode_with_cuda_graphs_matches_eager(method):
+    model = tiny_model("qwen2", seed=1).cuda()  # fp32: compiled kernels reorder sums; keep greedy margins wide
+    ids, mask = padded_batch([19, 12], seed=2)
+    kw = dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), method=method, budget=40, local_window=8,
+              max_new_tokens=48, predictor=dynts.ImportancePredictor(64), pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(0)
+    eager = dynts.generate(model, **kw)
+    compiled = dynts.generate(model, compile="reduce-overhead", **kw)
+    assert eager.stats["evictions"] >= 2 and compiled.stats["evictions"] == eager.stats["evictions"]
+    assert torch.equal(compiled.sequences, eager.sequences)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_model_split_across_two_gpus_decodes_with_eviction():
+    from accelerate import dispatch_model
+
+    model = tiny_model("qwen2", seed=4)
+    ids, mask = padded_batch([18, 11], seed=3)
+    kw = dict(input_ids=ids, attention_mask=mask, method="window", budget=32, local_window=8, max_new_tokens=40,
+              pad_token_id=0, eos_token_id=None)
+    single = dynts.generate(model.to("cuda:0"), **kw)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+                  "model.norm": 1, "lm_head": 1}
+    split = dispatch_model(tiny_model("qwen2", seed=4), device_map=device_map)
+    out = dynts.generate(split, **kw)
+    assert out.stats["evictions"] >= 2
+    assert torch.equal(out.sequences.cpu(), single.sequences.cpu())
