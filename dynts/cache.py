@@ -237,24 +237,30 @@ class BoundedCache(Cache):
 
     def write_scores(self, scores: torch.Tensor) -> None:
         """Store predictor scores ``[b, q]`` for the tokens of the forward in flight."""
-        self.scores[:, self.length : self.length + self.pending] = scores.float()
+        self.scores[:, self.length : self.length + self.pending] = scores.to(self.scores.device, torch.float32)
 
     # ------------------------------------------------------------------ statistics
-    def record_attention(self, probs: torch.Tensor) -> None:
-        """Add one layer's attention ``[b, heads, q, stored + q]`` of the in-flight queries."""
+    def record_attention(self, probs: torch.Tensor, first_row: int = 0) -> None:
+        """Add one layer's attention ``[b, heads, c, stored + q]`` of the in-flight query rows
+        ``first_row .. first_row + c`` (of the forward's ``q``; all of them by default).
+
+        The rows are reduced on the layer's device and only the ``[b, n]`` / ``[b, rows, n]`` sums
+        move to the table's device (layers of a sharded model live on several devices)."""
         n = self.length + self.pending
+        device = self.positions.device
         if self.attention is not None:
-            self.attention[:, :n] += probs.sum(dim=(1, 2)).float()
+            self.attention[:, :n] += probs.sum(dim=(1, 2)).to(device, torch.float32)
         if self.window_attention is not None:
-            rows = probs.sum(dim=1).float()  # [b, q, n]
-            w, q = self.window_attention.shape[1], rows.shape[1]
+            w, q = self.window_attention.shape[1], self.pending
             if self._window_fresh:
                 keep = max(0, w - q)
                 self.window_attention[:, :keep] = self.window_attention[:, w - keep :].clone()
                 self.window_attention[:, keep:] = 0.0
                 self._window_fresh = False
-            take = min(w, q)
-            self.window_attention[:, w - take :, :n] += rows[:, q - take :]
+            lo, hi = max(first_row, q - w), first_row + probs.shape[2]  # forward rows inside the window
+            if lo < hi:
+                rows = probs[:, :, lo - first_row : hi - first_row].sum(dim=1).to(device, torch.float32)
+                self.window_attention[:, w - (q - lo) : w - (q - hi), :n] += rows
 
     # ------------------------------------------------------------------ eviction
     def token_info(self) -> TokenInfo:
@@ -274,7 +280,7 @@ class BoundedCache(Cache):
         if self.window_attention is not None:
             info.window_attention = self.window_attention[:, :, :n]
         if "keys" in self.requires:
-            info.keys = self.layers[self.keys_layer].keys[:, :, :n]
+            info.keys = self.layers[self.keys_layer].keys[:, :, :n].to(self.positions.device)
         return info
 
     def evict(self) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .attention import recording_attention
+from .attention import RECORD_CHUNK_ROWS, recording_attention
 from .budget import Budget
 from .cache import BoundedCache
 from .evictors import Evictor, make_evictor
@@ -59,8 +59,9 @@ def load_predictor(predictor: ImportancePredictor | str | Path, model: torch.nn.
             f"predictor hidden size {predictor.hidden_size} != model hidden size {hidden}; "
             "train/load a predictor for this backbone"
         )
-    param = next(model.parameters())
-    return predictor.to(param.device).eval()
+    # the predictor reads the final norm's output: put it where that module lives (sharded models)
+    param = next(final_norm(model).parameters(), None)
+    return predictor.to(param.device if param is not None else next(model.parameters()).device).eval()
 
 
 def build_cache(
@@ -105,11 +106,12 @@ def attach(
 
     def score(module, args, output):
         if cache.pending:
-            with torch.no_grad():
-                cache.write_scores(predictor(output))
+            with torch.no_grad():  # hidden -> the predictor's device; scores -> the table's (write_scores)
+                cache.write_scores(predictor(output.to(predictor_device)))
 
     if "scores" in cache.requires and predictor is None:
         raise ValueError(f"method={cache.evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
+    predictor_device = next(predictor.parameters()).device if predictor is not None else None
     with ExitStack() as stack:
         handles = [
             model.register_forward_pre_hook(before, with_kwargs=True),
@@ -119,7 +121,12 @@ def attach(
             handles.append(final_norm(model).register_forward_hook(score))
         stack.callback(lambda: [h.remove() for h in handles])
         if cache.requires & {"attention", "window_attention"}:
-            stack.enter_context(recording_attention(model, lambda module, probs: cache.record_attention(probs)))
+            # H2O sums every query row; the window statistics only need the last rows of a forward
+            rows = None if "attention" in cache.requires else cache.observation_window
+            stack.enter_context(recording_attention(
+                model, lambda module, probs, first_row: cache.record_attention(probs, first_row),
+                last_rows=rows, chunk_rows=RECORD_CHUNK_ROWS,
+            ))
         yield cache
 
 
