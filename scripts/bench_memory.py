@@ -164,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         i = raw.index("--job")
         raw = raw[:i] + raw[i + 3 :]
     args.forward = raw
-    if args.quick and "--budgets" not in raw:
-        args.budgets, args.prompt, args.batch, args.local_window = [64, 128], 64, 2, 8
+    if args.quick:  # tiny defaults for every size not given on the command line
+        for name, value in (("budgets", [64, 128]), ("prompt", 64), ("batch", 2), ("local_window", 8)):
+            if f"--{name.replace('_', '-')}" not in raw:
+                setattr(args, name, value)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -220,3 +220,22 @@ def test_cache_statistics_and_kept_sets_unchanged(method, monkeypatch, request):
     for name in got_stats:
         torch.testing.assert_close(got_stats[name], want_stats[name], rtol=1e-5, atol=1e-6, msg=name)
     assert got_trace == want_trace
+
+
+def test_bench_memory_script_runs(tmp_path):
+    """``scripts/bench_memory.py --quick`` (tiny shapes) so the script cannot rot."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_memory.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick", "--budgets", "64", "--methods", "plain", "window", "rkv",
+         "--threads", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench_memory.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["plain", "window", "rkv"]
+    assert all(r["peak_bytes"] > 0 for r in rows) and rows[2]["evictions"] == 1
