@@ -167,7 +167,7 @@ def test_generate_with_a_model_split_over_two_gpus(method):
     )
     predictor = dynts.ImportancePredictor(reference.config.hidden_size) if method == "dynts" else None
     ids, mask = padded_batch([30, 22])
-    kw = dict(input_ids=ids, attention_mask=mask, method=method, budget=24, local_window=4, max_new_tokens=40,
+    kw = dict(input_ids=ids, attention_mask=mask, method=method, budget=40, local_window=4, max_new_tokens=48,
               predictor=predictor, think_end=None)
     want = dynts.generate(reference, **kw)
     got = dynts.generate(split, **kw)
