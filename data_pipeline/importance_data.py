@@ -93,6 +93,9 @@ def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dic
     cfg = config if isinstance(config, ImportanceConfig) else ImportanceConfig.from_dict(config)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if ShardStore(cfg.output_dir, importance_features(), KEY).is_complete():
+        # a finished stage never loads the model (DDP children re-run the whole pipeline)
+        return ShardStore(cfg.output_dir, importance_features(), KEY).stats()
     traces = load_trace_dataset(cfg.traces_dir)
     if model is None:
         from data_pipeline.loading import load_model
@@ -100,8 +103,6 @@ def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dic
         model, _ = load_model(cfg.model, cfg.dtype, _device(cfg.device))
     hidden_size = model.config.get_text_config().hidden_size
     store = ShardStore(cfg.output_dir, importance_features(hidden_size if cfg.save_hidden else None), KEY)
-    if store.is_complete():
-        return store.stats()
     store.clean_partial()
     done = store.done()
     todo = [i for i, key in enumerate(zip(traces["question_id"], traces["sample_id"])) if tuple(key) not in done]

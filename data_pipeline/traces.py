@@ -71,6 +71,10 @@ class TraceConfig:
         system / suffix: instruction added to every question.
         seed: sampling seed (per batch: ``seed + batch index``).
         backend: ``hf`` (Lightning) or ``vllm``.
+        tensor_parallel_size / max_model_len / gpu_memory_utilization: ``vllm.LLM`` settings
+            (``backend: vllm`` only): GPUs per model, the longest sequence vLLM plans KV memory for
+            (default: the longest prompt + ``max_new_tokens``, not the model's full context), and the
+            fraction of GPU memory vLLM may take.
         accelerator / devices / precision: passed to the Lightning ``Trainer``.
         dtype: model weights dtype (``float32``, ``bfloat16``, ``float16``).
         progress: show a progress bar.
@@ -98,6 +102,9 @@ class TraceConfig:
     suffix: str = ""
     seed: int = 0
     backend: str = "hf"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
     accelerator: str = "auto"
     devices: int | str = 1
     dtype: str = "float32"
@@ -119,6 +126,15 @@ class TraceConfig:
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an int >= 1 (GPUs per model)")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= self.max_new_tokens):
+            raise ValueError(
+                f"max_model_len={self.max_model_len!r} must be an int > max_new_tokens={self.max_new_tokens} "
+                "(prompt + generation), or null for the longest prompt + max_new_tokens"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must lie in (0, 1] (vLLM default 0.9)")
         make_grader(self.grader)  # fail early on a bad name
         if self.grade_on not in GRADE_ON:
             raise ValueError(f"grade_on={self.grade_on!r} must be one of {GRADE_ON}")
@@ -263,7 +279,7 @@ def generate_traces(config: TraceConfig | dict[str, Any], model=None, tokenizer=
     if data.items and cfg.backend == "vllm":
         from data_pipeline.vllm_backend import run_vllm
 
-        run_vllm(cfg, data, writer, tokenizer)
+        run_vllm(cfg, data, writer, tokenizer, make_record)
     elif data.items:
         module = TraceSampler(model.eval(), tokenizer, cfg, data)
         trainer = L.Trainer(

@@ -211,6 +211,7 @@ class BoundedCache(Cache):
         self.static_step = False  # the forward in flight is a static-shape decode step
         self.defer_scores = bool(defer_scores)
         self.predictor: torch.nn.Module | None = None  # set by dynts.attach
+        self.predictor_device: torch.device | None = None
         self._hidden: torch.Tensor | None = None  # [b, slots, d] hidden states awaiting scores
         self._deferred = 0  # how many, for slots _deferred_base ... _deferred_base + _deferred - 1
         self._deferred_base = 0
@@ -303,10 +304,11 @@ class BoundedCache(Cache):
 
     def write_scores(self, scores: torch.Tensor) -> None:
         """Store predictor scores ``[b, q]`` for the tokens of the forward in flight."""
+        scores = scores.to(self.scores.device, torch.float32)
         if self.static_step:
-            self.scores.index_copy_(1, self.write_index, scores.float().reshape(-1, 1))
+            self.scores.index_copy_(1, self.write_index, scores.reshape(-1, 1))
             return
-        self.scores[:, self.length : self.length + self.pending] = scores.float()
+        self.scores[:, self.length : self.length + self.pending] = scores
 
     def score_hidden(self, hidden: torch.Tensor) -> None:
         """Predictor scores for the forward in flight from its final hidden states ``[b, q, d]``:
@@ -314,6 +316,7 @@ class BoundedCache(Cache):
         steps with ``defer_scores``)."""
         if not self.pending:
             return
+        hidden = hidden.to(self.predictor_device)  # the final norm may sit on another device (sharded models)
         b, q, d = hidden.shape
         if self.static_step or not self.defer_scores or q != 1:
             self.flush_scores()
@@ -337,39 +340,46 @@ class BoundedCache(Cache):
         n, start = self._deferred, self._deferred_base
         self._deferred = 0
         with torch.no_grad():
-            self.scores[:, start : start + n] = self.predictor(self._hidden[:, :n]).float()
+            self.scores[:, start : start + n] = self.predictor(self._hidden[:, :n]).to(self.scores.device, torch.float32)
 
     # ------------------------------------------------------------------ statistics
-    def record_attention(self, probs: torch.Tensor) -> None:
-        """Add one layer's attention ``[b, heads, q, stored + q]`` of the in-flight queries
-        (``[b, heads, 1, capacity]`` in a static decode step: masked slots carry probability 0)."""
+    def record_attention(self, probs: torch.Tensor, first_row: int = 0) -> None:
+        """Add one layer's attention ``[b, heads, c, stored + q]`` of the in-flight query rows
+        ``first_row .. first_row + c`` (of the forward's ``q``; all of them by default;
+        ``[b, heads, 1, capacity]`` in a static decode step: masked slots carry probability 0).
+
+        The rows are reduced on the layer's device and only the ``[b, n]`` / ``[b, rows, n]`` sums
+        move to the table's device (layers of a sharded model live on several devices)."""
         if self.static_step:
             self._record_static_step(probs)
             return
         n = self.length + self.pending
+        device = self.positions.device
         if self.attention is not None:
-            self.attention[:, :n] += probs.sum(dim=(1, 2)).float()
+            self.attention[:, :n] += probs.sum(dim=(1, 2)).to(device, torch.float32)
         if self.window_attention is not None:
-            rows = probs.sum(dim=1).float()  # [b, q, n]
-            w, q = self.window_attention.shape[1], rows.shape[1]
+            w, q = self.window_attention.shape[1], self.pending
             if self._window_fresh:
                 keep = max(0, w - q)
                 self.window_attention[:, :keep] = self.window_attention[:, w - keep :].clone()
                 self.window_attention[:, keep:] = 0.0
                 self._window_fresh = False
-            take = min(w, q)
-            self.window_attention[:, w - take :, :n] += rows[:, q - take :]
+            lo, hi = max(first_row, q - w), first_row + probs.shape[2]  # forward rows inside the window
+            if lo < hi:
+                rows = probs[:, :, lo - first_row : hi - first_row].sum(dim=1).to(device, torch.float32)
+                self.window_attention[:, w - (q - lo) : w - (q - hi), :n] += rows
 
     def _record_static_step(self, probs: torch.Tensor) -> None:
         """:meth:`record_attention` of a decode step over the whole buffer (no host integer read)."""
+        device = self.positions.device
         if self.attention is not None:
-            self.attention += probs.sum(dim=(1, 2)).float()
+            self.attention += probs.sum(dim=(1, 2)).to(device, torch.float32)
         if self.window_attention is not None:
             if self._window_fresh:  # the first layer of the step shifts the window by one row
                 self.window_attention[:, :-1] = self.window_attention[:, 1:].clone()
                 self.window_attention[:, -1:] = 0.0
                 self._window_fresh = False
-            self.window_attention[:, -1:] += probs.sum(dim=1).float()
+            self.window_attention[:, -1:] += probs.sum(dim=1).to(device, torch.float32)
 
     # ------------------------------------------------------------------ eviction
     def token_info(self) -> TokenInfo:
@@ -390,7 +400,7 @@ class BoundedCache(Cache):
         if self.window_attention is not None:
             info.window_attention = self.window_attention[:, :, :n]
         if "keys" in self.requires:
-            info.keys = self.layers[self.keys_layer].keys[:, :, :n]
+            info.keys = self.layers[self.keys_layer].keys[:, :, :n].to(self.positions.device)
         return info
 
     def evict(self) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .attention import recording_attention
+from .attention import RECORD_CHUNK_ROWS, recording_attention
 from .budget import Budget
 from .cache import BoundedCache
 from .compiled import compiled_decode, scoring_slot
@@ -61,8 +61,9 @@ def load_predictor(predictor: ImportancePredictor | str | Path, model: torch.nn.
             f"predictor hidden size {predictor.hidden_size} != model hidden size {hidden}; "
             "train/load a predictor for this backbone"
         )
-    param = next(model.parameters())
-    return predictor.to(param.device).eval()
+    # the predictor reads the final norm's output: put it where that module lives (sharded models)
+    param = next(final_norm(model).parameters(), None)
+    return predictor.to(param.device if param is not None else next(model.parameters()).device).eval()
 
 
 def build_cache(
@@ -115,13 +116,19 @@ def attach(
         ]
         if predictor is not None:
             cache.predictor = predictor
+            cache.predictor_device = next(predictor.parameters()).device
             slot = scoring_slot(model)
             outer, slot[0] = slot[0], cache
             stack.callback(slot.__setitem__, 0, outer)
             stack.callback(cache.flush_scores)
         stack.callback(lambda: [h.remove() for h in handles])
         if cache.requires & {"attention", "window_attention"}:
-            stack.enter_context(recording_attention(model, lambda module, probs: cache.record_attention(probs)))
+            # H2O sums every query row; the window statistics only need the last rows of a forward
+            rows = None if "attention" in cache.requires else cache.observation_window
+            stack.enter_context(recording_attention(
+                model, lambda module, probs, first_row: cache.record_attention(probs, first_row),
+                last_rows=rows, chunk_rows=RECORD_CHUNK_ROWS,
+            ))
         yield cache
 
 

@@ -133,8 +133,8 @@ class PredictorModule(L.LightningModule):
         else:
             self.predictor.config.backbone = data.backbone_name
             self.predictor.config.label_transform = data.label_transform
-        if data.hidden_mode == "recompute":
-            self._frozen = [data.load_backbone().eval()]
+        if data.hidden_mode == "recompute":  # each DDP rank loads it once, onto its own device
+            self._frozen = [data.load_backbone(self.trainer.strategy.root_device).eval()]
         if stage == "fit":
             micro, world = data.micro_batch_size, max(self.trainer.world_size, 1)
             accumulate = max(1, round(self.hparams.global_batch_size / (micro * world)))

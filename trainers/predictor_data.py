@@ -155,12 +155,17 @@ class PredictorDataModule(L.LightningDataModule):
             )
         return data
 
-    def load_backbone(self) -> torch.nn.Module:
-        """The frozen backbone, loaded once through :func:`dynts.load`."""
+    def load_backbone(self, device: str | torch.device | None = None) -> torch.nn.Module:
+        """The frozen backbone, loaded once per process through :func:`dynts.load`, straight onto
+        ``device`` (a DDP rank's own ``cuda:{local_rank}``, never every rank onto one GPU) unless the
+        config names a ``device`` or ``device_map`` of its own."""
         if self.backbone is None:
             import dynts
 
-            self.backbone, _ = dynts.load(self.backbone_name, dtype=self.dtype, **self.load_options)
+            options = dict(self.load_options)
+            if device is not None and options["device"] is None and options["device_map"] is None:
+                options["device"] = device
+            self.backbone, _ = dynts.load(self.backbone_name, dtype=self.dtype, **options)
             self.backbone.requires_grad_(False)
             self.pad_token_id = self.backbone.config.get_text_config().pad_token_id or 0
         return self.backbone
@@ -170,15 +175,12 @@ class PredictorDataModule(L.LightningDataModule):
         data = self._data()
         if self.hidden_mode != "cache" or "hidden" in data.column_names:
             return
-        model = self.load_backbone()
+        keys = {"question_id": Value("string"), "sample_id": Value("int64")}
+        if ShardStore(self.cache_dir, Features(keys), tuple(keys)).is_complete():
+            return  # built before: never load the backbone for nothing
+        model = self.load_backbone("cuda" if torch.cuda.is_available() else "cpu")
         d = model.config.get_text_config().hidden_size
-        store = ShardStore(
-            self.cache_dir,
-            Features({"question_id": Value("string"), "sample_id": Value("int64"), "hidden": Array2D((None, d), "float16")}),
-            ("question_id", "sample_id"),
-        )
-        if store.is_complete():
-            return
+        store = ShardStore(self.cache_dir, Features({**keys, "hidden": Array2D((None, d), "float16")}), tuple(keys))
         store.clean_partial()
         done = store.done()
         todo = [i for i, k in enumerate(zip(data["question_id"], data["sample_id"])) if tuple(k) not in done]
@@ -187,12 +189,14 @@ class PredictorDataModule(L.LightningDataModule):
             records = []
             for row in rows:
                 ids, mask = _left_pad([row["input_ids"]], self.pad_token_id)
-                hidden = final_hidden_states(model, ids, mask)[0]
+                device = next(model.parameters()).device
+                hidden = final_hidden_states(model, ids.to(device), mask.to(device))[0]
                 records.append({"question_id": row["question_id"], "sample_id": row["sample_id"],
                                 "hidden": hidden.to(torch.float16).cpu().numpy()})
             store.write(records, [((r["question_id"], r["sample_id"]), "kept") for r in records])
         order = {k: i for i, k in enumerate(zip(data["question_id"], data["sample_id"]))}
         store.merge(sort_key=lambda k: order[(k["question_id"], k["sample_id"])])
+        self.backbone = None  # training reads the cache: free the backbone's memory
 
     def setup(self, stage: str | None = None) -> None:
         data = self._data()
@@ -210,7 +214,8 @@ class PredictorDataModule(L.LightningDataModule):
             self.hidden_size = int(hidden.features["hidden"].shape[1])
             hidden = hidden.with_format("numpy", columns=["hidden"])
         else:
-            model = self.load_backbone()
+            trainer = getattr(self, "trainer", None)
+            model = self.load_backbone(trainer.strategy.root_device if trainer is not None else None)
             self.hidden_size = model.config.get_text_config().hidden_size
         qids = sorted(set(data["question_id"]))
         random.Random(self.seed).shuffle(qids)

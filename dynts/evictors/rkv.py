@@ -41,6 +41,7 @@ from .options import check_flag, check_pooling, check_window
 from .snapkv import pooled_outside_window
 
 NORMALIZATIONS = ("all", "non_window")
+REDUNDANCY_CHUNK_ROWS = 128  # similarity rows per step of key_redundancy
 
 
 def window_importance(window_attention: torch.Tensor, exclude_recent: int = 0) -> torch.Tensor:
@@ -60,25 +61,39 @@ def window_importance(window_attention: torch.Tensor, exclude_recent: int = 0) -
     return (rows / mass.clamp(min=1e-30) * filled).sum(1) / filled.sum(1).clamp(min=1.0)
 
 
-def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
-    """R-KV's redundancy ``[b, n]`` of keys ``[b, h, n, d]`` (mean over heads; 0 on invalid slots)."""
+def key_redundancy(
+    keys: torch.Tensor, valid: torch.Tensor, threshold: float, chunk_rows: int = REDUNDANCY_CHUNK_ROWS
+) -> torch.Tensor:
+    """R-KV's redundancy ``[b, n]`` of keys ``[b, h, n, d]`` (mean over heads; 0 on invalid slots).
+
+    The similarity ``S^h_ij`` is built ``chunk_rows`` rows ``i`` at a time for all heads at once: every
+    step of the formula (the spared most recent similar copy, the column mean) is per row ``i`` or a
+    sum over rows, so the peak is ``O(b * h * chunk_rows * n)``, never the ``[b, h, n, n]`` matrix.
+    """
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows!r} must be a positive int")
     b, h, n, _ = keys.shape
-    pair = valid.unsqueeze(2) & valid.unsqueeze(1)  # [b, n, n] both real
-    pair &= ~torch.eye(n, dtype=torch.bool, device=keys.device)
+    unit = keys.float()
+    unit = unit / (unit.norm(dim=-1, keepdim=True) + 1e-8)  # [b, h, n, d]
     col = torch.arange(n, device=keys.device)
-    count = valid.sum(-1, keepdim=True).clamp(min=1).float()
-    total = torch.zeros(b, n, device=keys.device)
-    for head in range(h):  # one [b, n, n] similarity at a time
-        k = keys[:, head].float()
-        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-        sim = (k @ k.transpose(-1, -2)).masked_fill(~pair, 0.0)
+    col32 = col.to(torch.int32)
+    count = valid.sum(-1).clamp(min=1).float()[:, None, None]  # [b, 1, 1]
+    column_sum = torch.zeros(b, h, n, device=keys.device)
+    for start in range(0, n, chunk_rows):
+        stop = min(n, start + chunk_rows)
+        row = col[start:stop]
+        # both slots real and i != j: [b, 1, c, n]
+        pair = (valid[:, start:stop, None] & valid[:, None, :] & (row[:, None] != col[None, :]))[:, None]
+        sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)  # [b, h, c, n]
+        sim.masked_fill_(~pair, 0.0)
         similar = (sim > threshold) & pair
-        last = torch.where(similar, col, -1).amax(-1)  # [b, n] most recent similar slot, -1 if none
-        spare = similar & (col == last.unsqueeze(-1))
-        sim = sim.masked_fill(spare, 0.0)
-        mean = sim.sum(1) / count  # mean over rows i -> score of column j
-        total += torch.softmax(mean.masked_fill(~valid, float("-inf")), dim=-1).nan_to_num(0.0)
-    return total / h
+        last = torch.where(similar, col32, -1).amax(-1, keepdim=True)  # most recent similar slot, -1 if none
+        sim.masked_fill_(similar & (col32 == last), 0.0)
+        column_sum += sim.sum(2)
+        del sim, similar, last, pair
+    mean = column_sum / count  # mean over rows i -> score of column j, per head
+    redundancy = torch.softmax(mean.masked_fill_(~valid[:, None], float("-inf")), dim=-1).nan_to_num_(0.0)
+    return redundancy.sum(1) / h
 
 
 @register("rkv")

@@ -26,15 +26,22 @@ def compact_(buffers: list[torch.Tensor], kept: torch.Tensor, length: int) -> No
     """Gather the kept slots of every buffer to its front, in place.
 
     Args:
-        buffers: K/V tensors ``[b, h, capacity, d]`` (all layers).
+        buffers: K/V tensors ``[b, h, capacity, d]`` (all layers; of a sharded model, on several
+            devices).
         kept: ``[b, k]`` ascending slot indices, shared by all layers and heads.
         length: live slots before the event (``k <= length <= capacity``).
-    """
-    if not buffers:
-        return
-    if backend_for(kept) == "triton":
-        from .triton_kernels import compact_triton_
 
-        compact_triton_(buffers, kept, length)
-    else:
-        compact_torch_(buffers, kept, length)
+    Buffers are grouped by device and ``kept`` is copied once to each device that holds buffers
+    (one copy per device per event, not one per layer); each group runs on its own device.
+    """
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in buffers:
+        groups.setdefault(t.device, []).append(t)
+    for device, group in groups.items():
+        index = kept if kept.device == device else kept.to(device)
+        if backend_for(index) == "triton":
+            from .triton_kernels import compact_triton_
+
+            compact_triton_(group, index, length)
+        else:
+            compact_torch_(group, index, length)
