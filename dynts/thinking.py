@@ -80,7 +80,8 @@ class DelimiterMatcher:
     The state of a row is the length of the longest delimiter prefix that ends its stream so far
     (``0 .. m-1``); :meth:`scan` advances it over a forward's new tokens. The transition table
     ``[m, k + 1]`` has one column per distinct delimiter id (column 0: any other token), built once
-    on the host; scanning is a gather per new token on the states' device.
+    on the host; scanning is a gather per new token on the states' device. :meth:`step` is the same
+    transition for one token on the host (serving keeps one integer state per request).
     """
 
     def __init__(self, ids: Sequence[int]):
@@ -104,6 +105,8 @@ class DelimiterMatcher:
                 while s and ids[s] != token:
                     s = fail[s - 1]
                 table[state][c] = s + 1 if ids[s] == token else 0
+        self._column = column
+        self._host_table = table
         self._tokens = torch.tensor(distinct, dtype=torch.long)
         self._table = torch.tensor(table, dtype=torch.long)
         self._ids = torch.tensor(ids, dtype=torch.long)
@@ -129,6 +132,15 @@ class DelimiterMatcher:
             closes[:, j] = valid[:, j] & done
             state = torch.where(valid[:, j], nxt.masked_fill(done, 0), state)
         return closes, state
+
+    def step(self, state: int, token: int) -> tuple[bool, int]:
+        """Advance one row's ``state`` over one real ``token`` on the host, by :meth:`scan`'s table.
+
+        Returns ``(closes, state)``: whether ``token`` completes the delimiter, and the new state
+        (``0`` after a completion, as in :meth:`scan`).
+        """
+        nxt = self._host_table[state][self._column.get(token, 0)]
+        return (True, 0) if nxt == self.length else (False, nxt)
 
     def piece_ids(self, index: torch.Tensor) -> torch.Tensor:
         """The delimiter's ids at ``index`` (any shape, clamped to ``0 .. m-1``)."""

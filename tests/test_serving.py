@@ -4,6 +4,7 @@ blocks returned to the pool, admission without preemption, clear errors."""
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, Qwen2Config
 
 import dynts
 from conftest import TINY, tiny_model
+from dynts.evictors.base import Segment
 from dynts.evictors.fixed import FixedPositions, fixed_budget
 from dynts.serving import EvictionSettings, init_evicting_batching, missing_internals, serving_methods
 from dynts.serving.batch import encode_prompt
@@ -296,3 +298,67 @@ def test_soft_reset_after_eviction_fails_the_request_clearly():
     assert out.request_id == rid and out.error is not None
     assert "was preempted after 1 eviction events" in out.error
     assert rid not in processor.scheduler.waiting_requests and rid not in processor.slots
+
+
+
+def test_split_delimiter_segments_and_kept_slots_equal_generate_alone(monkeypatch):
+    """A 3-token thinking delimiter the tiny model emits on its own (greedy) in two of four requests, after
+    eviction events. Under ``dynts`` (answer protection: the kept set depends on the segments) every
+    eviction event of a request sees the same positions and segments and keeps the same slots as
+    ``dynts.generate`` on that request alone with the same delimiter; tokens and final slots agree too."""
+    from dynts.serving.processor import EvictingBatchProcessor
+
+    events = defaultdict(list)  # question length (unique per prompt) -> [(positions, segments, kept)]
+    evictor_cls = type(dynts.make_evictor("dynts"))
+    call = evictor_cls.__call__
+
+    def recording(self, info):
+        kept = call(self, info)
+        for r in range(kept.shape[0]):
+            events[info.question_length].append(
+                (info.positions[r].tolist(), info.segments[r].tolist(), kept[r].tolist()))
+        return kept
+
+    finals = {}
+    release = EvictingBatchProcessor._release
+
+    def snapshot(self, rid):
+        entry, table = self.slots[rid], self.table
+        finals[rid] = (entry.shift, entry.in_answer, table.positions[entry.row].clone(),
+                       table.segments[entry.row].clone(), table.token_ids[entry.row].clone())
+        release(self, rid)
+
+    monkeypatch.setattr(evictor_cls, "__call__", recording)
+    monkeypatch.setattr(EvictingBatchProcessor, "_release", snapshot)
+    model = tiny_model("qwen2")
+    predictor = dynts.ImportancePredictor(model.config.hidden_size)
+    prompts = prompts_of([8, 13, 5, 11], seed=1)
+    delimiter = (11, 46, 52)  # greedy emits it at generated tokens 18-20 of request 1 and 36-38 of request 3
+    budget, local_window, new = 24, 4, 50
+    kw = dict(method="dynts", budget=budget, local_window=local_window, predictor=predictor, max_new_tokens=new,
+              think_end=delimiter)
+    results = dynts.generate_batch(model, None, prompts, **kw, continuous_batching_config=cb_config(), eos_token_id=None)
+    served, events = dict(events), defaultdict(list)
+    answered = 0
+    for prompt, result in zip(prompts, results):
+        ref = dynts.generate(model, input_ids=torch.tensor([prompt]), **kw, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        assert result.sequence == ref.sequences[0].tolist()
+        assert served[len(prompt)] == events[len(prompt)] and len(events[len(prompt)]) >= 3
+        cache = ref.cache
+        shift, in_answer, positions, segments, token_ids = finals[result.request_id]
+        n = len(prompt) + new - 1 - shift
+        assert n == cache.length
+        assert positions[:n].tolist() == cache.positions[0, :n].tolist()
+        assert segments[:n].tolist() == cache.segments[0, :n].tolist()
+        assert token_ids[:n].tolist() == cache.token_ids[0, :n].tolist()
+        assert in_answer == bool(cache.in_answer[0])
+        if in_answer:  # at every later event, the delimiter's stored tokens and everything after them are answer
+            answered += 1
+            start = next(i for i in range(new) if tuple(result.sequence[i : i + 3]) == delimiter) + len(prompt)
+            later = [(p, s) for p, s, _ in served[len(prompt)] if p[-1] >= start + 2]
+            assert later and any(start in p for p, _ in later)  # a delimiter piece was stored at an event
+            for p, s in later:
+                assert all(seg == (Segment.ANSWER if pos >= start else Segment.THINKING)
+                           for pos, seg in zip(p, s) if pos >= len(prompt))
+    assert answered == 2

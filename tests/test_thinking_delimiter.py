@@ -187,3 +187,21 @@ def test_generate_detects_a_split_delimiter_end_to_end():
 def test_matcher_rejects_empty():
     with pytest.raises(ValueError, match="delimiter"):
         DelimiterMatcher([])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    delimiter=st.lists(st.integers(5, 7), min_size=1, max_size=4),
+    stream=st.lists(st.integers(4, 8), min_size=1, max_size=30),
+)
+def test_host_step_follows_scan(delimiter, stream):
+    """``step`` (one request's host state, used by serving) closes on the same tokens and keeps the same
+    state as ``scan`` over the stream."""
+    matcher = DelimiterMatcher(delimiter)
+    ids = torch.tensor([stream])
+    closes, final = matcher.scan(torch.zeros(1, dtype=torch.long), ids, torch.ones_like(ids, dtype=torch.bool))
+    state, host = 0, []
+    for tok in stream:
+        done, state = matcher.step(state, tok)
+        host.append(done)
+    assert host == closes[0].tolist() and state == int(final[0])

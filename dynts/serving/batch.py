@@ -71,7 +71,7 @@ def generate_batch(
     retention: float = 0.4,
     predictor: ImportancePredictor | str | Path | None = None,
     max_new_tokens: int,
-    think_end: str | int | None = "</think>",
+    think_end: str | int | Sequence[int] | None = "</think>",
     method_options: dict[str, Any] | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
     timeout: float = 600.0,

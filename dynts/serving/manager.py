@@ -18,10 +18,11 @@ from transformers.generation.continuous_batching.cache import group_layers_by_at
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 from ..generate import final_norm, load_predictor
+from ..thinking import think_end_ids
 from .processor import EvictingBatchProcessor
 from .settings import EvictionSettings
 
-__all__ = ["EvictingBatchingManager", "check_model", "init_evicting_batching", "think_end_token_id"]
+__all__ = ["EvictingBatchingManager", "check_model", "init_evicting_batching"]
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -35,16 +36,6 @@ def check_model(model: torch.nn.Module) -> None:
         )
 
 
-def think_end_token_id(tokenizer, think_end: str | int | None) -> int | None:
-    """The id of the token closing the thinking segment (``None`` when it is not a single token)."""
-    if think_end is None or isinstance(think_end, int):
-        return think_end
-    if tokenizer is None:
-        return None
-    ids = tokenizer.encode(think_end, add_special_tokens=False)
-    return ids[0] if len(ids) == 1 else None
-
-
 class EvictingBatchingManager(ContinuousBatchingManager):
     """``ContinuousBatchingManager`` whose requests each hold at most ``budget`` KV entries.
 
@@ -54,7 +45,7 @@ class EvictingBatchingManager(ContinuousBatchingManager):
     """
 
     eviction: EvictionSettings
-    think_end_id: int | None
+    think_end_ids: tuple[int, ...] | None
     predictor: torch.nn.Module | None
 
     def _create_batch_processor(self):
@@ -64,7 +55,7 @@ class EvictingBatchingManager(ContinuousBatchingManager):
         processor = super()._create_batch_processor()
         if not isinstance(processor, EvictingBatchProcessor):
             processor.__class__ = EvictingBatchProcessor
-            processor.attach_eviction(self.eviction, self.think_end_id, self.finished_stats)
+            processor.attach_eviction(self.eviction, self.think_end_ids, self.finished_stats)
         self.last_processor = processor
         return processor
 
@@ -142,7 +133,7 @@ def init_evicting_batching(
         gen_config.eos_token_id = -1
     manager = EvictingBatchingManager(model=model, generation_config=gen_config, continuous_batching_config=cb_config)
     manager.eviction = settings
-    manager.think_end_id = think_end_token_id(tokenizer, settings.think_end)
+    manager.think_end_ids = think_end_ids(tokenizer, settings.think_end)
     manager.predictor = None
     manager._score_hook = None
     manager.finished_stats = {}

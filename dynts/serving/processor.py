@@ -25,13 +25,14 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
 from ..evictors.base import Segment
+from ..thinking import DelimiterMatcher
 from .settings import EvictionSettings
 from .slots import RequestSlots, SlotTable
 
@@ -55,9 +56,11 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
     finished_stats: dict[str, dict[str, int]]
 
     # ------------------------------------------------------------------ setup
-    def attach_eviction(self, settings: EvictionSettings, think_end_token_id: int | None,
+    def attach_eviction(self, settings: EvictionSettings, think_end: Sequence[int] | None,
                         finished_stats: dict[str, dict[str, int]] | None = None) -> None:
-        """Switch eviction on; ``finished_stats`` (owned by the caller) receives each request's statistics."""
+        """Switch eviction on; ``think_end`` are the delimiter's token ids (:func:`dynts.thinking.think_end_ids`,
+        ``None``: every generated token is thinking); ``finished_stats`` (owned by the caller) receives each
+        request's statistics."""
         if len(self.cache.cache_allocators) != 1 or "full_attention" not in self.cache.cache_allocators:
             raise ValueError(
                 f"dynts serving supports models whose layers all use full attention; this model has "
@@ -69,7 +72,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         if self.cache.use_prefix_sharing and settings.bounded:
             raise ValueError("eviction needs prefix block sharing off: ContinuousBatchingConfig(allow_block_sharing=False)")
         self.settings = settings
-        self.think_end_token_id = think_end_token_id
+        self.delimiter = DelimiterMatcher(think_end) if think_end is not None else None
         self.allocator = self.cache.cache_allocators["full_attention"]
         self.page = self.allocator.tokens_per_page
         self.table = SlotTable(torch.device(self.model_device), width=max(256, settings.budget or 0))
@@ -210,14 +213,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
                 new = prompt[start : start + q]
             if len(new) != q:
                 raise RuntimeError(f"request {state.request_id}: cannot find the {q} tokens of this forward")
-            seg = []
-            for i, tok in enumerate(new):
-                if start + i < entry.question_length:
-                    seg.append(int(Segment.QUESTION))
-                    continue
-                if self.think_end_token_id is not None and tok == self.think_end_token_id:
-                    entry.in_answer = True
-                seg.append(int(Segment.ANSWER if entry.in_answer else Segment.THINKING))
+            seg = self._segments(entry, new, start, stored)
             rows += [entry.row] * q
             slots += range(stored, stored + q)
             positions += range(start, start + q)
@@ -237,6 +233,29 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         if shifted:
             ids = self.inputs_and_outputs.position_ids
             ids[:total] += torch.tensor(shifts, dtype=ids.dtype, device=ids.device)
+
+    def _segments(self, entry: RequestSlots, new: list[int], start: int, stored: int) -> list[int]:
+        """Segments of a forward's ``new`` tokens (absolute index ``start`` on), by the rule of
+        :class:`dynts.BoundedCache`: thinking until the request has emitted the whole delimiter; the
+        delimiter (all its tokens, also those stored by earlier forwards, relabelled in the table) and
+        everything after it are answer. The matcher state is one host integer per request."""
+        seg, generated = [], 0
+        for i, tok in enumerate(new):
+            if start + i < entry.question_length:
+                seg.append(int(Segment.QUESTION))
+                continue
+            generated += 1
+            if self.delimiter is not None and not entry.in_answer:
+                closes, entry.think_match = self.delimiter.step(entry.think_match, tok)
+                if closes:
+                    entry.in_answer = True
+                    m = self.delimiter.length
+                    here = min(m, generated)  # the delimiter's last tokens, in this forward
+                    seg[len(seg) - (here - 1):] = [int(Segment.ANSWER)] * (here - 1)
+                    if here < m:  # its first tokens were stored by earlier forwards
+                        self.table.relabel_answer(entry.row, stored, self.delimiter.ids[: m - here])
+            seg.append(int(Segment.ANSWER if entry.in_answer else Segment.THINKING))
+        return seg
 
     def write_scores(self, hidden_states: torch.Tensor, predictor: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Score the new tokens of the forward in flight from the final-norm output ``[1, T, h]``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ..budget import Budget
 from ..evictors import Evictor, make_evictor
@@ -34,7 +34,8 @@ class EvictionSettings:
         local_window: ``W_l``, recent tokens always kept.
         retention: fraction of the selection window kept at an event.
         predictor: :class:`~dynts.ImportancePredictor` or its directory (``dynts`` needs it).
-        think_end: token closing the thinking segment (tokens after it are answer tokens).
+        think_end: the delimiter closing the thinking segment: text, one token id or a sequence of ids
+            (see :func:`dynts.thinking.think_end_ids`); the delimiter and the tokens after it are answer.
         method_options: fields of the method's dataclass (e.g. ``{"sink_size": 4}``).
     """
 
@@ -43,7 +44,7 @@ class EvictionSettings:
     local_window: int | None = None
     retention: float = 0.4
     predictor: ImportancePredictor | str | Path | None = None
-    think_end: str | int | None = "</think>"
+    think_end: str | int | Sequence[int] | None = "</think>"
     method_options: dict[str, Any] | None = None
     evictor: Evictor = field(init=False, repr=False)
     bounds: Budget | None = field(init=False, repr=False)

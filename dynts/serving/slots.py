@@ -9,6 +9,7 @@ request's pages, so the table and the cache always agree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -27,7 +28,8 @@ class RequestSlots:
         n_keep: slots kept at an eviction event (``None`` without a budget).
         reserved_blocks: blocks the request may hold at most (admission reserves them).
         shift: tokens evicted so far; absolute position = stored index + ``shift`` for new tokens.
-        in_answer: the request has emitted ``</think>``.
+        in_answer: the request has emitted the whole thinking delimiter (``</think>``, maybe several tokens).
+        think_match: the request's :class:`~dynts.thinking.DelimiterMatcher` state (delimiter tokens matched).
         peak_slots / evictions / evicted_tokens / freed_blocks / peak_blocks: statistics.
     """
 
@@ -37,6 +39,7 @@ class RequestSlots:
     reserved_blocks: int
     shift: int = 0
     in_answer: bool = False
+    think_match: int = 0
     peak_slots: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
@@ -107,6 +110,18 @@ class SlotTable:
         self.segments[rows, slots] = segments
         self.token_ids[rows, slots] = token_ids
         self.scores[rows, slots] = float("nan")
+
+    def relabel_answer(self, row: int, end: int, pieces: Sequence[int]) -> None:
+        """Mark as answer the thinking slots among the last ``len(pieces)`` before column ``end`` of
+        ``row`` that hold ``pieces`` in order (the delimiter's first ids, stored by earlier forwards);
+        a piece lost to an eviction is simply not found, as in :class:`dynts.BoundedCache`."""
+        lo = max(0, end - len(pieces))
+        if lo >= end:
+            return
+        want = torch.tensor(pieces[len(pieces) - (end - lo):], dtype=torch.long, device=self.device)
+        segments = self.segments[row, lo:end]
+        hit = (segments == Segment.THINKING) & (self.token_ids[row, lo:end] == want)
+        segments.masked_fill_(hit, int(Segment.ANSWER))
 
     def token_info(self, rows: torch.Tensor, length: int, n_keep: int, local_window: int,
                    question_length: int) -> TokenInfo:
