@@ -115,9 +115,15 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def _check_run_dir(config: EvalConfig) -> None:
+# load options that change the numbers (where the model runs does not): part of a run's settings
+NUMERIC_LOAD_OPTIONS = ("dtype", "attn_implementation", "adapter", "merge_adapter")
+
+
+def _check_run_dir(config: EvalConfig, load_options: dict[str, Any] | None = None) -> None:
     run_json = config.run_dir / "run.json"
-    settings = json.loads(json.dumps(config.shared_settings()))  # as stored (tuples become lists)
+    load = {k: str(v) for k, v in (load_options or {}).items() if k in NUMERIC_LOAD_OPTIONS and v is not None}
+    settings = {**config.shared_settings(), **({"load": load} if load else {})}
+    settings = json.loads(json.dumps(settings))  # as stored (tuples become lists)
     if run_json.is_file():
         old = json.loads(run_json.read_text())
         diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
@@ -318,7 +324,7 @@ def run(
 
     cells = plan_cells(config)
     benches = {spec: load_benchmark(spec, config.fields).head(config.limit) for spec in dict.fromkeys(config.benchmarks)}
-    _check_run_dir(config)
+    _check_run_dir(config, load_options)
     results: dict[str, dict] = {}
     for cell in cells:
         path = config.run_dir / "cells" / f"{cell.key}.json"
