@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import dynts
+from dynts.cli_options import parse_option_value
 from dynts.evictors.base import EVICTORS, Evictor
 
 __all__ = ["ABLATIONS", "MethodSpec", "parse_method", "parse_methods"]
@@ -30,20 +31,6 @@ ABLATIONS: dict[str, str] = {
 
 # Methods registered by a module outside the library (imported on first use).
 PLUGINS: dict[str, str] = {"testbed-oracle": "data_pipeline.testbed.oracle"}
-
-
-def _value(text: str) -> Any:
-    low = text.lower()
-    if low in {"true", "false"}:
-        return low == "true"
-    if low in {"none", "null"}:
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 @dataclass(frozen=True)
@@ -92,7 +79,7 @@ def parse_method(spec: str) -> MethodSpec:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"method {spec!r}: option {item!r} must look like key=value (e.g. dynts:selection=random)")
-        options.append((key.strip(), _value(value.strip())))
+        options.append((key.strip(), parse_option_value(value.strip())))
     if name not in EVICTORS and name not in PLUGINS:
         raise ValueError(
             f"method {name!r} is unknown; choose one of {dynts.available_methods()}, "
