@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .predictor import final_norm
+
 __all__ = ["COMPILE_MODES", "compiled_decode", "default_compile_mode", "scoring_slot"]
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -64,8 +66,6 @@ def scoring_slot(model: torch.nn.Module) -> list:
     a module's hooks, so a hook added or removed per call would be silently kept or dropped by a
     compiled decode step traced earlier; a permanent hook that reads this slot is traced once and
     guarded on what the slot holds (``None``: the hook does nothing)."""
-    from .generate import final_norm  # lazy: generate imports this module
-
     norm = final_norm(model)
     slot = getattr(norm, _SLOT, None)
     if slot is None:

@@ -16,10 +16,10 @@ from .budget import Budget
 from .cache import BoundedCache
 from .compiled import compiled_decode, scoring_slot
 from .evictors import Evictor, make_evictor
-from .predictor import ImportancePredictor
+from .predictor import ImportancePredictor, final_norm  # final_norm re-exported (public API)
 from .thinking import think_end_ids
 
-__all__ = ["GenerationResult", "attach", "build_cache", "generate", "load_predictor"]
+__all__ = ["GenerationResult", "attach", "build_cache", "encode_prompts", "final_norm", "generate", "load_predictor"]
 
 
 @dataclass
@@ -38,15 +38,6 @@ class GenerationResult:
     texts: list[str] | None
     stats: dict[str, Any]
     cache: BoundedCache | None = field(default=None, repr=False)
-
-
-def final_norm(model: torch.nn.Module) -> torch.nn.Module:
-    """The module producing the final hidden state (the input of the LM head)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    for name in ("norm", "final_layernorm", "ln_f"):
-        if isinstance(getattr(decoder, name, None), torch.nn.Module):
-            return getattr(decoder, name)
-    raise ValueError(f"cannot find the final norm of {type(model).__name__}; DynTS needs it to score tokens")
 
 
 def load_predictor(predictor: ImportancePredictor | str | Path, model: torch.nn.Module) -> ImportancePredictor:
@@ -132,7 +123,7 @@ def attach(
         yield cache
 
 
-def _encode(tokenizer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(tokenizer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids for raw strings (tokenizer's special tokens added) or chats (template applied)."""
     if tokenizer is None:
         raise ValueError("prompts=... needs tokenizer=...; or pass input_ids=... instead")
@@ -209,7 +200,7 @@ def generate(
     if input_ids is None:
         if prompts is None:
             raise ValueError("pass prompts=... (with tokenizer=...) or input_ids=...")
-        input_ids, attention_mask = _encode(tokenizer, prompts)
+        input_ids, attention_mask = encode_prompts(tokenizer, prompts)
     elif input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     if attention_mask is None:

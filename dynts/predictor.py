@@ -11,11 +11,20 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-__all__ = ["ImportancePredictor", "PredictorConfig"]
+__all__ = ["ImportancePredictor", "PredictorConfig", "final_norm"]
 
 CONFIG_NAME = "predictor_config.json"
 WEIGHTS_NAME = "predictor.safetensors"
 ACTIVATIONS = {"softplus": nn.Softplus, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh}
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The module producing ``model``'s final hidden state (the LM head's input), which the predictor reads."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    for name in ("norm", "final_layernorm", "ln_f"):
+        if isinstance(getattr(decoder, name, None), torch.nn.Module):
+            return getattr(decoder, name)
+    raise ValueError(f"cannot find the final norm of {type(model).__name__}; DynTS needs it to score tokens")
 
 
 @dataclass

@@ -19,12 +19,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["plot_importance_strips", "plot_pareto", "plot_pos_deciles"]
+__all__ = ["plot_importance_strips", "plot_pareto", "plot_pos_deciles", "write_csv"]
 
 COLORS = {"top": "tab:red", "bottom": "tab:blue", "random": "tab:green"}
 
 
-def _write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Write ``rows`` (dicts with the keys of the first) to ``path`` as CSV with a header."""
     if not rows:
         raise ValueError(f"nothing to write to {path}")
     with open(path, "w", newline="") as f:
@@ -46,7 +47,7 @@ def plot_pareto(summary: Sequence[dict[str, Any]], out: str | Path, *, stem: str
     """
     png, table = _paths(out, stem)
     rows = list(summary)
-    _write_csv(table, rows)
+    write_csv(table, rows)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for strategy in ("top", "bottom", "random"):
         pts = sorted((r["percent"], r["accuracy"]) for r in rows if r["strategy"] == strategy)
@@ -72,7 +73,7 @@ def plot_pos_deciles(rows: Sequence[dict[str, Any]], out: str | Path, *, stem: s
     """Stacked bars of content / function word ratio per importance part (:meth:`PosDeciles.rows`)."""
     png, table = _paths(out, stem)
     rows = list(rows)
-    _write_csv(table, rows)
+    write_csv(table, rows)
     parts = [r["part"] for r in rows]
     content = np.nan_to_num(np.array([r["content_ratio"] for r in rows], dtype=float))
     function = np.nan_to_num(np.array([r["function_ratio"] for r in rows], dtype=float))
@@ -110,7 +111,7 @@ def plot_importance_strips(
     labels = list(labels) if labels is not None else [str(i) for i in range(matrix.shape[0])]
     if len(labels) != matrix.shape[0]:
         raise ValueError(f"{len(labels)} labels for {matrix.shape[0]} strips")
-    _write_csv(table, [{"trace": lab, **{f"bin_{j}": float(v) for j, v in enumerate(row)}} for lab, row in zip(labels, matrix)])
+    write_csv(table, [{"trace": lab, **{f"bin_{j}": float(v) for j, v in enumerate(row)}} for lab, row in zip(labels, matrix)])
     fig, ax = plt.subplots(figsize=(7, 0.35 * matrix.shape[0] + 1.2))
     im = ax.imshow(matrix, aspect="auto", cmap="magma", interpolation="nearest", vmin=0.0)
     ax.set_yticks(range(len(labels)))

@@ -49,6 +49,7 @@ __all__ = [
     "load_traces",
     "save_traces",
     "testbed_traces",
+    "token_char_spans",
 ]
 
 TRACE_COLUMNS = ("question_id", "sample_id", "input_ids", "question_len", "answer_start", "text", "gold", "correct")
@@ -260,10 +261,34 @@ class ChatTraceConfig:
             raise ValueError("answer_cue must contain text (it marks where the answer starts)")
 
 
+def token_char_spans(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
+    """``(text, spans)``: ``text`` is ``ids`` decoded, ``spans[i]`` the ``[start, end)`` characters of token ``i``.
+
+    Uses the tokenizer's offset mapping when re-encoding ``text`` gives back exactly ``ids``; else
+    (byte-level merges across token boundaries, special tokens) decodes prefix by prefix.
+    """
+    ids = [int(i) for i in ids]
+    text = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(enc["input_ids"]) == ids:
+            spans = [(int(s), int(e)) for s, e in enc["offset_mapping"]]
+            # fast tokenizers report a leading space outside the span; extend back to cover the gap
+            fixed, prev = [], 0
+            for s, e in spans:
+                fixed.append((min(prev, s), max(e, prev)))
+                prev = max(e, prev)
+            return text, fixed
+    spans, prev = [], 0
+    for i in range(len(ids)):
+        end = len(tokenizer.decode(ids[: i + 1], clean_up_tokenization_spaces=False))
+        spans.append((prev, max(prev, end)))
+        prev = max(prev, end)
+    return text, spans
+
+
 def _sentence_cut(tokenizer: Any, ids: list[int]) -> int:
     """Length of the prefix of ``ids`` that ends with the last complete sentence (``.!?`` or newline)."""
-    from .pos import token_char_spans
-
     text, spans = token_char_spans(tokenizer, ids)
     for i in range(len(ids) - 1, -1, -1):
         s, e = spans[i]

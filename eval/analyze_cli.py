@@ -144,9 +144,9 @@ def cmd_pos(args: argparse.Namespace) -> int:
     png, table = plot_pos_deciles(rows, args.out, title=f"Content words by importance ({len(traces)} traces)")
     tags = sorted({t for part in result.tags for t in part})
     tag_rows = [{"part": i + 1, **{t: part.get(t, 0) for t in tags}} for i, part in enumerate(result.tags)]
-    from .analysis_plots import _write_csv
+    from .analysis_plots import write_csv
 
-    _write_csv(Path(args.out) / "pos_tags.csv", tag_rows)
+    write_csv(Path(args.out) / "pos_tags.csv", tag_rows)
     print(_table(rows, ["part", "tokens", "content", "function", "content_ratio"]))
     print(f"\n{result.traces} traces, {result.skipped_tokens} whitespace tokens left out; wrote {png} and {table}")
     return 0
@@ -155,7 +155,7 @@ def cmd_pos(args: argparse.Namespace) -> int:
 def cmd_sparsity(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .analysis_plots import _write_csv, plot_importance_strips
+    from .analysis_plots import write_csv, plot_importance_strips
     from .sparsity import importance_over_steps, sparsity_summary, sparsity_table
 
     traces = _traces(args.traces, args.limit)
@@ -163,7 +163,7 @@ def cmd_sparsity(args: argparse.Namespace) -> int:
     summary = sparsity_summary(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_csv(out / "sparsity.csv", table)
+    write_csv(out / "sparsity.csv", table)
     (out / "sparsity_summary.json").write_text(json.dumps(summary.as_dict(), indent=1))
     shown = [traces[i] for i in range(min(args.strips, len(traces)))]
     strips = np.stack([importance_over_steps(t, bins=args.bins) for t in shown])

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -33,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import dynts
+from dynts.io import write_atomic  # re-exported: eval.harness.write_atomic
 from data_pipeline.grading import answer_after_delimiter, grade_text, resolve_grade_on
 
 from .benchmarks import Benchmark, load_benchmark
@@ -98,21 +98,6 @@ def plan_cells(config: EvalConfig) -> list[Cell]:
 
 
 # ------------------------------------------------------------------ files
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file + rename (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # load options that change the numbers (where the model runs does not): part of a run's settings

@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .analysis_traces import IMPORTANCE, check_traces, token_char_spans  # token_char_spans re-exported
+
 __all__ = [
     "CONTENT_POS",
     "DEFAULT_PIPELINE",
@@ -55,32 +57,6 @@ def load_pipeline(name: str = DEFAULT_PIPELINE) -> Any:
         if name != DEFAULT_PIPELINE:
             hint += f" and pass pipeline={DEFAULT_PIPELINE!r}, or install the package that provides {name!r}"
         raise ValueError(f"spaCy pipeline {name!r} is not installed: {hint}") from None
-
-
-def token_char_spans(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
-    """``(text, spans)``: ``text`` is ``ids`` decoded, ``spans[i]`` the ``[start, end)`` characters of token ``i``.
-
-    Uses the tokenizer's offset mapping when re-encoding ``text`` gives back exactly ``ids``; else
-    (byte-level merges across token boundaries, special tokens) decodes prefix by prefix.
-    """
-    ids = [int(i) for i in ids]
-    text = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-    if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        if list(enc["input_ids"]) == ids:
-            spans = [(int(s), int(e)) for s, e in enc["offset_mapping"]]
-            # fast tokenizers report a leading space outside the span; extend back to cover the gap
-            fixed, prev = [], 0
-            for s, e in spans:
-                fixed.append((min(prev, s), max(e, prev)))
-                prev = max(e, prev)
-            return text, fixed
-    spans, prev = [], 0
-    for i in range(len(ids)):
-        end = len(tokenizer.decode(ids[: i + 1], clean_up_tokenization_spaces=False))
-        spans.append((prev, max(prev, end)))
-        prev = max(prev, end)
-    return text, spans
 
 
 def align_tokens(text: str, spans: Sequence[tuple[int, int]], word_spans: Sequence[tuple[int, int]]) -> list[int | None]:
@@ -157,8 +133,6 @@ def labels_by_importance(traces: Any, labeler: Callable[[dict], Sequence[str | N
 
     Returns ``(counters, traces_used, tokens_left_out)``.
     """
-    from .analysis_traces import IMPORTANCE, check_traces
-
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
         raise ValueError(f"parts={parts!r} must be a positive int (10 = deciles)")
     check_traces(traces, importance=True)
@@ -197,8 +171,6 @@ def pos_by_importance(
         nlp: a loaded spaCy pipeline; default ``load_pipeline(pipeline)``.
         parts: number of equal parts (10 = deciles).
     """
-    from .analysis_traces import check_traces
-
     check_traces(traces, importance=True)
     nlp = nlp if nlp is not None else load_pipeline(pipeline)
 

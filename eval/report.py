@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from dynts.io import write_atomic
+
 __all__ = ["COLUMNS", "markdown_table", "plot_sweep", "write_reports"]
 
 # (column, header, format) for CSV and markdown.
@@ -146,8 +148,6 @@ def _bars(ax: Any, rows: Sequence[dict[str, Any]], x: str) -> None:
 def write_reports(run_dir: str | Path, results: Sequence[dict[str, Any]], plots: bool = True) -> dict[str, Path]:
     """Write ``results.json``, ``results.csv``, ``results.md`` and (``plots``) the PNG plots;
     returns their paths."""
-    from .harness import write_atomic
-
     run_dir = Path(run_dir)
     paths = {"json": run_dir / "results.json", "csv": run_dir / "results.csv", "markdown": run_dir / "results.md"}
     if not results:

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from dynts.cli_options import add_load_arguments, load_kwargs
-from eval.rescue_eval import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, _prm, helper_options, load_model, _write_atomic
+from dynts.io import write_atomic
+from eval.rescue_eval import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, load_eval_prm, helper_options, load_model
 
 __all__ = ["main"]
 
@@ -92,7 +93,7 @@ def _generate(args: argparse.Namespace) -> int:
     options = load_kwargs(args, given_only=True)
     base, tokenizer = load_model(args.base, **options)
     helper = load_model(args.helper, **helper_options(options))[0] if args.n_helper else None
-    prm = _prm(args.prm, args.delimiter, args.trust_remote_code, options)
+    prm = load_eval_prm(args.prm, args.delimiter, args.trust_remote_code, options)
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else list(args.prompts)
     out = rescue_generate(
         base, helper, prm, tokenizer, prompts, base_method=args.method, budget=args.budget,
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         result = calibrate(config, args.method, verify=args.verify)
         if args.out:
-            _write_atomic(Path(args.out), json.dumps(result, indent=1))
+            write_atomic(Path(args.out), json.dumps(result, indent=1))
         return 0
     config = RescueEvalConfig(
         benchmark=args.benchmark, out=args.out, base=args.base, helper=args.helper, prm=args.prm,

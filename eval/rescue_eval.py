@@ -35,7 +35,9 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["RescueEvalConfig", "SETTINGS", "calibrate", "evaluate", "summary_table", "testbed_step_verifier"]
+from dynts.io import write_atomic
+
+__all__ = ["RescueEvalConfig", "SETTINGS", "calibrate", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
 
 SETTINGS = ("full", "helper", "evict", "bon", "kvr", "kvr-noexit")
 STEPWISE = ("bon", "kvr", "kvr-noexit")
@@ -144,7 +146,10 @@ def testbed_step_verifier(question: str, steps: Sequence[str]) -> float:
     return float(right)
 
 
-def _prm(name: str, delimiter: str, trust_remote_code: bool = False, load_options: dict[str, Any] | None = None):
+def load_eval_prm(name: str, delimiter: str, trust_remote_code: bool = False, load_options: dict[str, Any] | None = None):
+    """The step scorer named ``name``: ``"testbed-verifier"`` (exact step check), ``"likelihood:<model>"``
+    (a causal LM as verifier) or anything :func:`dynts.rescue.load_prm` takes; placed with the
+    ``dtype``/``device`` of ``load_options``."""
     from dynts.rescue import CallablePRM, load_prm
 
     placement = {k: v for k, v in (load_options or {}).items() if k in ("dtype", "device") and v is not None}
@@ -165,12 +170,6 @@ def load_model(name: str, **load_options: Any):
     import dynts
 
     return dynts.load(name, **load_options)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    from eval.harness import write_atomic
-
-    write_atomic(path, text)
 
 
 def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, bounded: bool, max_tokens: int) -> tuple[list[str], list[int], float]:
@@ -265,7 +264,7 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
     if {"helper", "kvr", "kvr-noexit"} & set(config.settings):
         models["helper"] = load_model(config.helper, **helper_options(config.load_options))
     if set(STEPWISE) & set(config.settings):
-        models["prm"] = _prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
+        models["prm"] = load_eval_prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
     tokenizer = models["base"][1]
     models["messages"] = [user_message(e, bench) for e in bench.examples]
     prompts = encode_prompts(tokenizer, models["messages"])
@@ -280,14 +279,14 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
             cell = json.loads(path.read_text())
         else:
             cell = _cell(config, setting, method, models, bench, prompts)
-            _write_atomic(path, json.dumps(cell, indent=1))
+            write_atomic(path, json.dumps(cell, indent=1))
         m = cell["metrics"]
         log(f"{key:22s} acc {m['accuracy']:.3f}  base tok {m['base_tokens']:8.1f}  helper share {m['helper_share']:.3f}  ({cell['seconds']:.0f} s)")
         results.append(cell)
     summary = {"config": asdict(config), "cells": [{k: c[k] for k in ("setting", "method", "seconds", "metrics")} for c in results]}
     summary["comparison"] = compare(summary["cells"], config.methods)
-    _write_atomic(out / "results.json", json.dumps(summary, indent=2, default=str))
-    _write_atomic(out / "results.md", summary_table(summary))
+    write_atomic(out / "results.json", json.dumps(summary, indent=2, default=str))
+    write_atomic(out / "results.md", summary_table(summary))
     return summary
 
 
@@ -361,7 +360,7 @@ def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = F
 
     bench = load_benchmark(config.benchmark).head(config.limit)
     (base, tokenizer) = load_model(config.base, **config.load_options)
-    prm = _prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
+    prm = load_eval_prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
     options = {**config.detector, "entropy_threshold": 1e9, "compress_threshold": 1e-9}
     rows: list[tuple[bool, float, float]] = []
     judged: list[tuple[float, int]] = []  # (PRM score, exact verifier label) of complete candidates (testbed)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..budget import Budget
-from ..generate import _encode, load_predictor
+from ..generate import encode_prompts, load_predictor
 from ..predictor import ImportancePredictor
 from ..thinking import think_end_ids
 from .detector import DegenerationDetector
@@ -209,7 +209,7 @@ def rescue_generate(
         prompts = [prompts]
     problems = []
     for i, prompt in enumerate(prompts):
-        ids, mask = _encode(tokenizer, [prompt])
+        ids, mask = encode_prompts(tokenizer, [prompt])
         prompt_ids = ids[0][mask[0].bool()].tolist()
         if bounds is not None:
             bounds.check_question(len(prompt_ids))

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .prm import StepRequest, StepScorer, padded_batches, shares_vocab
+from .scorer import StepRequest, StepScorer, padded_batches, shares_vocab
 
 __all__ = ["LikelihoodPRM"]
 
