@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 
 from datasets import Dataset, Features, concatenate_datasets, load_from_disk
 
+from dynts.io import replace_directory
+
 __all__ = ["ShardStore", "settings_from_dict", "stage_main"]
 
 DONE_NAME = "done.json"
@@ -93,8 +95,7 @@ class ShardStore:
         _save(self._dataset(records), tmp)
         (tmp / DONE_NAME).write_text(json.dumps([{"key": list(k), "status": s} for k, s in decided]))
         _fsync_dir(tmp)
-        os.rename(tmp, self.shard_dir / name)
-        return self.shard_dir / name
+        return replace_directory(tmp, self.shard_dir / name)
 
     def merge(self, sort_key: Callable[[dict], Any] | None = None, extra_stats: dict | None = None) -> Dataset:
         """Concatenate all shards into ``root/dataset`` (atomically), one record per key.
@@ -119,9 +120,7 @@ class ShardStore:
         tmp = self.root / f".tmp-dataset-{uuid.uuid4().hex[:8]}"
         _save(merged, tmp)
         (tmp / STATS_NAME).write_text(json.dumps(stats, indent=2))
-        if self.dataset_dir.exists():
-            shutil.rmtree(self.dataset_dir)
-        os.rename(tmp, self.dataset_dir)
+        replace_directory(tmp, self.dataset_dir)
         return load_from_disk(str(self.dataset_dir))
 
     def stats(self) -> dict:

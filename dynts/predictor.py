@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
+
+from .io import write_atomic
 
 __all__ = ["ImportancePredictor", "PredictorConfig", "final_norm"]
 
@@ -84,12 +86,8 @@ class ImportancePredictor(nn.Module):
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        tmp = out / (WEIGHTS_NAME + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out / WEIGHTS_NAME)
-        tmp_cfg = out / (CONFIG_NAME + ".tmp")
-        tmp_cfg.write_text(json.dumps(asdict(self.config), indent=2))
-        tmp_cfg.replace(out / CONFIG_NAME)
+        write_atomic(out / WEIGHTS_NAME, save(tensors, metadata={"format": "pt"}))
+        write_atomic(out / CONFIG_NAME, json.dumps(asdict(self.config), indent=2))
         return out
 
     @classmethod

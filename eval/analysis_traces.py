@@ -29,13 +29,14 @@ responses cut by the token cap).
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+
+from dynts.io import replace_directory
 
 __all__ = [
     "IMPORTANCE",
@@ -129,10 +130,7 @@ def save_traces(traces: Any, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
     traces.save_to_disk(str(tmp))
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)
-    return path
+    return replace_directory(tmp, path)
 
 
 def add_importance(traces: Any, model: torch.nn.Module, *, max_batch_tokens: int = 16384) -> Any:

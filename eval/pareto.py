@@ -28,6 +28,7 @@ import torch
 
 from dynts.evictors.fixed import FixedPositions, fixed_budget
 from dynts.generate import attach, build_cache, generate
+from dynts.io import write_atomic
 
 from .analysis_traces import IMPORTANCE, check_traces
 
@@ -336,9 +337,7 @@ def _load_records(path: Path, config: ParetoConfig, per_trace: int) -> list[dict
         counts[(r["question_id"], r["sample_id"])] = counts.get((r["question_id"], r["sample_id"]), 0) + 1
     complete = [r for r in records if counts[(r["question_id"], r["sample_id"])] == per_trace]
     if len(complete) != len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in complete))
-        tmp.replace(path)
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in complete))
     return complete
 
 

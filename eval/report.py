@@ -7,8 +7,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -111,15 +109,12 @@ def plot_sweep(results: Sequence[dict[str, Any]], x: str, path: Path) -> Path | 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
+        fig.savefig(png, format="png", dpi=120)
     finally:
-        Path(tmp).unlink(missing_ok=True)
         plt.close(fig)
+    write_atomic(path, png.getvalue())
     return path
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 from pathlib import Path
+
+from dynts.io import write_atomic
 
 
 def print_run(run: dict) -> None:
@@ -80,9 +80,6 @@ def plot(results: dict, path: Path) -> None:
 
 
 def write_json(results: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(results, f, indent=1)
-    os.replace(f.name, path)
+    write_atomic(path, json.dumps(results, indent=1))
 
 

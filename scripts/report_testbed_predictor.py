@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from data_pipeline.loading import load_tokenizer  # noqa: E402
 from data_pipeline.testbed import task  # noqa: E402
 from dynts import ImportancePredictor  # noqa: E402
+from dynts.io import write_atomic  # noqa: E402
 from trainers.predictor_data import PredictorDataModule  # noqa: E402
 from trainers.predictor_metrics import MeanKendallTau, TopPercentOverlap  # noqa: E402
 
@@ -143,11 +144,7 @@ def main() -> None:
             report[f"generate_{method}_peak_cache_tokens"] = out.stats["peak_cache_tokens"]
     print(json.dumps(report, indent=2))
     if args.out:  # atomic: a killed run leaves no half-written report
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        tmp.replace(out)
+        write_atomic(Path(args.out), json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

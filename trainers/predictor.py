@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanSquaredError
 
+from dynts.io import replace_directory, write_atomic
 from dynts.predictor import CONFIG_NAME, WEIGHTS_NAME, ImportancePredictor, PredictorConfig
 from trainers.predictor_data import PredictorDataModule, final_hidden_states
 from trainers.predictor_metrics import LOSSES, MeanKendallTau, TopPercentOverlap, importance_loss
@@ -228,9 +228,7 @@ class ExportBest(Callback):
         tmp = self.directory.parent / f".tmp-best-{uuid.uuid4().hex[:8]}"
         pl_module.predictor.save_pretrained(tmp)
         (tmp / METRICS_NAME).write_text(json.dumps(metrics, indent=2))
-        if self.directory.exists():
-            shutil.rmtree(self.directory)
-        tmp.rename(self.directory)
+        replace_directory(tmp, self.directory)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}
@@ -252,8 +250,6 @@ def export_predictor(best_dir: str | Path, export_dir: str | Path) -> dict[str, 
     export_dir.mkdir(parents=True, exist_ok=True)
     for name in (WEIGHTS_NAME, CONFIG_NAME, METRICS_NAME):
         if (best_dir / name).is_file():
-            tmp = export_dir / f".{name}.tmp"
-            shutil.copyfile(best_dir / name, tmp)
-            tmp.replace(export_dir / name)
+            write_atomic(export_dir / name, (best_dir / name).read_bytes())
     metrics = best_dir / METRICS_NAME
     return json.loads(metrics.read_text()) if metrics.is_file() else {}
