@@ -362,3 +362,28 @@ def test_split_delimiter_segments_and_kept_slots_equal_generate_alone(monkeypatc
                 assert all(seg == (Segment.ANSWER if pos >= start else Segment.THINKING)
                            for pos, seg in zip(p, s) if pos >= len(prompt))
     assert answered == 2
+
+
+def test_generate_batch_follows_the_generation_config_unless_overridden(monkeypatch):
+    """Like dynts.generate: the model's generation_config decides sampling; keyword arguments override it."""
+    import dynts.serving.batch as batch
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(model, settings, *, generation_config, **kwargs):
+        seen.append(generation_config)
+        raise Stop
+
+    monkeypatch.setattr(batch, "init_evicting_batching", capture)
+    model = tiny_model("qwen2")
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.7
+    for overrides in ({}, {"do_sample": False}):
+        with pytest.raises(Stop):
+            dynts.generate_batch(model, None, [[5, 6]], method="window", budget=32, local_window=4, max_new_tokens=4,
+                                 **overrides)
+    assert seen[0].do_sample is True and seen[0].temperature == 0.7 and seen[0].max_new_tokens == 4
+    assert seen[1].do_sample is False
+    assert model.generation_config.max_new_tokens != 4  # the model's own config is left as it was

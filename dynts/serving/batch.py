@@ -81,7 +81,8 @@ def generate_batch(
 
     The arguments mean what they mean in :func:`dynts.generate`; each request evicts on its own,
     exactly as ``dynts.generate`` would on that prompt alone. ``**sampling`` are
-    ``GenerationConfig`` fields (``do_sample``, ``temperature``, ``top_p``, ...; greedy by default).
+    ``GenerationConfig`` fields (``do_sample``, ``temperature``, ``top_p``, ...) overriding the
+    model's ``generation_config``, which is followed otherwise (as :func:`dynts.generate` does).
     ``continuous_batching_config`` sizes the paged cache (``num_blocks``, ``page_size``,
     ``max_batch_tokens``). Returns one :class:`ServedResult` per prompt, in order.
     """
@@ -99,7 +100,7 @@ def generate_batch(
         except ValueError as err:
             raise ValueError(f"prompts[{i}]: {err}") from None
     gen_config = copy.deepcopy(model.generation_config)
-    gen_config.update(**{"do_sample": False, **sampling, "max_new_tokens": max_new_tokens})
+    gen_config.update(**{**sampling, "max_new_tokens": max_new_tokens})
     if tokenizer is not None and gen_config.pad_token_id is None:
         gen_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     manager = init_evicting_batching(
