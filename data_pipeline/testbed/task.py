@@ -32,10 +32,10 @@ STEP_TOKENS = 9  # x xv op y yv gives rK= v ;
 # Systematic arithmetic slips (training data of a helper whose errors are of capability, not of
 # context): ``rule(op, xv, yv, value) -> written value``. ``"times-high"``: a product whose first
 # operand is 6 or more is written one too high (13% of steps: 1/3 of the ops x 4/10 of the values);
-# ``"times-mid"``: the same from 4 up (20% of steps).
+# ``"times-mid"``: the same from 5 up (17% of steps).
 SLIPS: dict[str, object] = {
     "times-high": lambda op, xv, yv, v: (v + 1) % 10 if op == "times" and xv >= 6 else v,
-    "times-mid": lambda op, xv, yv, v: (v + 1) % 10 if op == "times" and xv >= 4 else v,
+    "times-mid": lambda op, xv, yv, v: (v + 1) % 10 if op == "times" and xv >= 5 else v,
 }
 QUESTION_TOKENS = 14  # <bos> + 10 operand tokens + find rK + <think>
 
