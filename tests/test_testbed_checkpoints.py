@@ -118,19 +118,19 @@ def test_shipped_predictor_ranks_the_critical_token_high(lrm):
 
 
 def test_helper_slips_by_its_rule_and_reads_its_context():
-    """The shipped helper (configs/testbed/helper.yaml) writes products with a first operand >= 5
-    one too high (task.SLIPS["times-mid"]) and every other step right, and answers with the value it
+    """The shipped helper (configs/testbed/helper.yaml) writes products with a first operand >= 6
+    one too high (task.SLIPS["times-high"]) and every other step right, and answers with the value it
     wrote: its errors are of capability, not of context."""
     from trainers.testbed_eval import load_testbed
 
     model, tok = load_testbed("testbed-helper")
     problems = [task.make_problem(s, min_think=200, max_think=300) for s in CI_SEEDS]
     texts = _sample(model, tok, problems)
-    slip = task.SLIPS["times-mid"]
+    slip = task.SLIPS["times-high"]
     hit = [v == slip(op, xv, yv, task.OPS[op](xv, yv)) for _p, t in zip(problems, texts)
-           for (_x, xv, op, _y, yv, _k, v) in task.parse_steps(t) if op == "times" and xv >= 5]
+           for (_x, xv, op, _y, yv, _k, v) in task.parse_steps(t) if op == "times" and xv >= 6]
     rest = [v == task.OPS[op](xv, yv) for _p, t in zip(problems, texts)
-            for (_x, xv, op, _y, yv, _k, v) in task.parse_steps(t) if not (op == "times" and xv >= 5)]
+            for (_x, xv, op, _y, yv, _k, v) in task.parse_steps(t) if not (op == "times" and xv >= 6)]
     assert len(hit) >= 3 and sum(hit) >= 0.8 * len(hit), hit
     assert sum(rest) >= 0.95 * len(rest)
     for p, t in zip(problems, texts):  # the answer copies the value the trace wrote for the asked key
