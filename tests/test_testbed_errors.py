@@ -1,4 +1,4 @@
-"""The testbed error breakdown (``python -m eval.testbed_errors``): each wrong answer gets one class."""
+"""The testbed error breakdown (``python -m eval.harness.testbed_errors``): each wrong answer gets one class."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import re
 
 from data_pipeline.testbed import task
-from eval.testbed_errors import classify_error, error_table
+from eval.harness.testbed_errors import classify_error, error_table
 
 
 def variants() -> tuple[task.Problem, dict[str, str]]:

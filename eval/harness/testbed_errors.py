@@ -11,7 +11,7 @@ Each wrong sample falls in exactly one class, checked in this order:
 - ``retrieval wrong``: the trace wrote the asked step, yet the answer carries a value the trace
   never wrote for it (the lookup failed).
 
-Run: ``python -m eval.testbed_errors RUN_DIR`` (prints a markdown table, one row per cell).
+Run: ``python -m eval.harness.testbed_errors RUN_DIR`` (prints a markdown table, one row per cell).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def error_table(run_dir: str | Path, cells: Sequence[dict[str, Any]] | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.testbed_errors", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m eval.harness.testbed_errors", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a dynts eval run directory on the testbed benchmark")
     args = parser.parse_args(argv)

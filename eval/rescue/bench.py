@@ -92,7 +92,7 @@ class RescueEvalConfig:
 
     def cell_settings(self, setting: str, method: str | None) -> dict[str, Any]:
         """What a cell's result depends on (its file is reused only when these match)."""
-        from eval.config import fingerprint
+        from eval.harness.config import fingerprint
 
         keep = {k: v for k, v in asdict(self).items() if k not in ("out", "settings", "methods", "max_rows", "method_options")}
         if not keep["load_options"]:
@@ -176,7 +176,7 @@ def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, bou
     """Plain sampling (``dynts.generate``) of every prompt; texts, generated lengths and seconds."""
     import dynts
 
-    from eval.prompts import left_pad
+    from eval.harness.prompts import left_pad
 
     texts, lengths, seconds = [], [], 0.0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -255,8 +255,8 @@ def metrics(records: Sequence[dict[str, Any]], degen_steps: int) -> dict[str, An
 def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
     """Run (or resume) every cell; write ``cells/*.json``, ``results.json`` and ``results.md`` under
     ``config.out``; return the results."""
-    from eval.benchmarks import load_benchmark
-    from eval.prompts import encode_prompts, user_message
+    from eval.harness.benchmarks import load_benchmark
+    from eval.harness.prompts import encode_prompts, user_message
 
     out = Path(config.out)
     bench = load_benchmark(config.benchmark).head(config.limit)
@@ -353,8 +353,8 @@ def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = F
     thresholds, to pick ``tau_ent`` / ``tau_cmp`` on a dev set. With ``verify`` (testbed only) it
     also reports the PRM's AUROC at telling the candidates the exact step checker accepts from the
     ones it rejects."""
-    from eval.benchmarks import load_benchmark
-    from eval.prompts import user_message
+    from eval.harness.benchmarks import load_benchmark
+    from eval.harness.prompts import user_message
 
     from dynts.rescue import DegenerationDetector, rescue_generate
 

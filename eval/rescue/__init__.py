@@ -1,0 +1,9 @@
+"""The KV-Rescue bench: an evicted base model, a full-context helper and a PRM vs. best-of-N.
+
+The settings, step verifier, detector calibration and summary (:mod:`.bench`) and the
+``dynts rescue {bench,generate,calibrate}`` command (:mod:`.cli`). The method itself lives in
+:mod:`dynts.rescue`.
+
+May import ``dynts``, ``data_pipeline``, ``trainers`` (the testbed PRM) and :mod:`eval.harness`
+(benchmarks, prompts, run fingerprints); never :mod:`eval.analyses`.
+"""
