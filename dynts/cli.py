@@ -8,17 +8,17 @@ import sys
 
 # subcommand -> ("module:function", one-line help). Each function takes argv (list[str]) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("eval.demo:main", "every eviction method at one tight budget on 100 testbed problems"),
+    "demo": ("eval.harness.demo:main", "every eviction method at one tight budget on 100 testbed problems"),
     "demo-smollm2": ("dynts.demo:main", "compare eviction methods on SmolLM2-135M (mechanics, untrained predictor)"),
     "generate": ("dynts.demo:generate_main", "generate with a bounded cache from the command line"),
     "testbed": ("trainers.testbed_cli:main", "train / sample / report the embedded testbed models"),
-    "analyze": ("eval.analyze_cli:main", "Pareto retention, sparsity and POS-by-importance analyses (paper 3.1-3.2, B.2)"),
+    "analyze": ("eval.analyses.cli:main", "Pareto retention, sparsity and POS-by-importance analyses (paper 3.1-3.2, B.2)"),
     "cost": ("dynts.cost_cli:main", "decode FLOPs / KV bytes / break-even eviction volume for a model config (paper 5, KV-Rescue D)"),
     "train-predictor": ("trainers.predictor_cli:main", "train the DynTS importance predictor (LightningCLI: fit / validate)"),
     "pipeline": ("trainers.pipeline:main", "traces -> importance -> predictor training -> export, resumable"),
-    "eval": ("eval.cli:main", "pass@1 / tokens/s / peak KV of methods x budgets x benchmarks, ablations, resumable"),
+    "eval": ("eval.harness.cli:main", "pass@1 / tokens/s / peak KV of methods x budgets x benchmarks, ablations, resumable"),
     "serve": ("dynts.serving.server:main", "OpenAI-compatible server: continuous batching, a bounded KV cache per request"),
-    "rescue": ("eval.rescue_cli:main", "KV-Rescue: evicted base + full-context helper + PRM; generate, or bench vs best-of-N"),
+    "rescue": ("eval.rescue.cli:main", "KV-Rescue: evicted base + full-context helper + PRM; generate, or bench vs best-of-N"),
 }
 
 

@@ -1,5 +1,13 @@
-"""Evaluation of eviction methods: benchmarks, grading, the ``dynts eval`` harness and the demo.
+"""Evaluation of eviction methods, in three rooms, one per job:
 
-Builds on ``dynts`` (generation), ``data_pipeline`` (the testbed task) and ``trainers``; nothing in
-``dynts`` imports it (``dynts/cli.py`` dispatches into :mod:`eval.cli` lazily).
+* :mod:`eval.harness`  - the accuracy harness: benchmarks, prompts, method specs, ``dynts eval``,
+  its reports and the demo (``dynts demo``).
+* :mod:`eval.analyses` - the analyses of the paper's section 3 (Pareto retention, sparsity, POS by
+  importance) over trace datasets, ``dynts analyze`` and the notebooks.
+* :mod:`eval.rescue`   - the KV-Rescue bench (``dynts rescue``).
+
+Imports go one way: ``eval.analyses`` and ``eval.rescue`` may use ``eval.harness`` (benchmarks,
+prompts), never each other, and ``eval.harness`` uses neither. All three build on ``dynts`` and
+``data_pipeline``; nothing in ``dynts`` imports ``eval`` (``dynts/cli.py`` dispatches lazily).
+``tests/test_import_graph.py`` checks these rules.
 """

@@ -14,10 +14,10 @@ from dynts.evictors import Segment, TokenInfo
 from dynts.evictors.fixed import FixedPositions, fixed_budget
 from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
-from eval import pareto, pos, sparsity
-from eval.analysis_plots import plot_importance_strips, plot_pareto, plot_pos_deciles
-from eval.analysis_traces import add_importance, check_traces, save_traces
-from eval.analysis_traces import testbed_traces as build_testbed_traces
+from eval.analyses import pareto, pos, sparsity
+from eval.analyses.plots import plot_importance_strips, plot_pareto, plot_pos_deciles
+from eval.analyses.traces import add_importance, check_traces, save_traces
+from eval.analyses.traces import testbed_traces as build_testbed_traces
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

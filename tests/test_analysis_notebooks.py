@@ -1,4 +1,4 @@
-"""The analysis notebooks (eval/notebooks/) execute end to end on tiny inputs, so they never rot."""
+"""The analysis notebooks (eval/analyses/notebooks/) execute end to end on tiny inputs, so they never rot."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ROOT / "eval" / "notebooks"
+NOTEBOOKS = ROOT / "eval" / "analyses" / "notebooks"
 
 
 @pytest.fixture(scope="module")

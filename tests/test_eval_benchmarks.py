@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from eval.benchmarks import BUILTIN, JsonlFields, load_benchmark, load_jsonl
-from eval.cli import main as eval_main
-from eval.cli import parse_float_list, parse_int_list
-from eval.config import EvalConfig
+from eval.harness.benchmarks import BUILTIN, JsonlFields, load_benchmark, load_jsonl
+from eval.harness.cli import main as eval_main
+from eval.harness.cli import parse_float_list, parse_int_list
+from eval.harness.config import EvalConfig
 from data_pipeline.grading import ChoiceGrader, MathGrader
-from eval.methods import ABLATIONS, parse_method, parse_methods, split_specs
-from eval.prompts import INSTRUCTION, user_message
+from eval.harness.methods import ABLATIONS, parse_method, parse_methods, split_specs
+from eval.harness.prompts import INSTRUCTION, user_message
 
 SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30, "amc23": 40, "gaokao2023en": 383, "olympiadbench": 675}
 

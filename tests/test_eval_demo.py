@@ -1,4 +1,4 @@
-"""The demo (``python -m eval.demo``) runs every method on the bundled testbed checkpoints; here on
+"""The demo (``python -m eval.harness.demo``) runs every method on the bundled testbed checkpoints; here on
 a tiny random stand-in placed where the bundled checkpoints live (``$DYNTS_CHECKPOINTS``)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from eval import demo
+from eval.harness import demo
 from pipeline_utils import tiny_eval_testbed
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from eval.benchmarks import load_benchmark
+from eval.harness.benchmarks import load_benchmark
 from data_pipeline.grading import ChoiceGrader, MathGrader, TestbedGrader, accuracy, extract_choice, last_boxed
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import dynts
-import eval.harness as harness
-from eval.config import EvalConfig
-from eval.harness import plan_cells, run
+import eval.harness.runner as harness
+from eval.harness.config import EvalConfig
+from eval.harness.runner import plan_cells, run
 from pipeline_utils import tiny_eval_testbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -171,7 +171,7 @@ def test_single_budget_plot_is_bars_per_method():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eval.report import _bars
+    from eval.harness.report import _bars
 
     def cell(label, acc, budget=96):
         return {"benchmark": "testbed:n=2", "method": {"label": label}, "pass@1": acc, "budget": budget,

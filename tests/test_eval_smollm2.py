@@ -10,8 +10,8 @@ import json
 import pytest
 
 from dynts.cli import main as dynts_main
-from eval.benchmarks import load_benchmark
-from eval.prompts import encode_prompts, user_message
+from eval.harness.benchmarks import load_benchmark
+from eval.harness.prompts import encode_prompts, user_message
 
 
 @pytest.mark.slow

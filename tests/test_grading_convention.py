@@ -24,7 +24,7 @@ from data_pipeline.grading import (
 from data_pipeline.questions import Question, load_questions
 from data_pipeline.testbed.tokenizer import build_tokenizer
 from data_pipeline.traces import TraceConfig, make_record
-from eval.benchmarks import load_benchmark, split_benchmark_specs
+from eval.harness.benchmarks import load_benchmark, split_benchmark_specs
 
 BOX_IN_THINKING = "<think> try 6*7: \\boxed{42}? let me check again </think> I could not decide."
 NEVER_CLOSED = "<think> so the result is \\boxed{42} and then I keep thinking and thinking"
@@ -132,7 +132,7 @@ def test_split_benchmark_specs():
 
 def test_eval_cli_testbed_options_with_commas(tmp_path, capsys):
     """``dynts eval --benchmark testbed:n=50,set=dev`` runs end to end (tiny random testbed model)."""
-    from eval.cli import main
+    from eval.harness.cli import main
     from pipeline_utils import tiny_eval_testbed
 
     tiny_eval_testbed(tmp_path / "model")

@@ -7,7 +7,9 @@ skipped) and fails on
 * a ``_private`` name (one leading underscore, not a dunder) imported from another module of
   these packages, and
 * an import circle between two or more modules (lazy imports count: a circle hidden in a
-  function is still a circle).
+  function is still a circle), and
+* an import that goes the wrong way between rooms (``ROOM_MAY_IMPORT``, the layering drawn in
+  ``docs/architecture.md``), or an ``eval`` module outside the three rooms.
 """
 from __future__ import annotations
 
@@ -18,6 +20,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dynts", "trainers", "eval", "data_pipeline")
+# room -> the rooms its modules may import (besides itself). dynts is the floor; eval is split by job.
+ROOM_MAY_IMPORT = {
+    "dynts": set(),
+    "data_pipeline": {"dynts"},
+    "trainers": {"dynts", "data_pipeline"},
+    "eval": set(),  # eval/__init__.py: a docstring only
+    "eval.harness": {"dynts", "data_pipeline"},
+    "eval.analyses": {"dynts", "data_pipeline", "trainers", "eval.harness"},
+    "eval.rescue": {"dynts", "data_pipeline", "trainers", "eval.harness"},
+}
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -176,6 +188,25 @@ def _cycle_path(component: list[str], edges: dict[str, set[str]]) -> list[str]:
     return component
 
 
+def room(module: str) -> str:
+    """``eval.harness.runner`` -> ``eval.harness``; ``dynts.rescue.engine`` -> ``dynts``."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "eval" and len(parts) > 1 else parts[0]
+
+
+def wrong_way_imports(edges: dict[str, set[str]]) -> list[str]:
+    """Every edge ``a -> b`` whose rooms are different and not allowed by ROOM_MAY_IMPORT."""
+    bad = []
+    for module, targets in sorted(edges.items()):
+        allowed = ROOM_MAY_IMPORT.get(room(module))
+        if allowed is None:
+            bad.append(f"{module}: not in any room of ROOM_MAY_IMPORT")
+            continue
+        bad += [f"{module} -> {target}" for target in sorted(targets)
+                if room(target) != room(module) and room(target) not in allowed]
+    return bad
+
+
 @pytest.fixture(scope="module")
 def graph():
     return import_graph(discover_modules())
@@ -185,7 +216,7 @@ def test_discovers_every_package(graph):
     edges, _ = graph
     for package in PACKAGES:
         assert package in edges, f"{package}/__init__.py not found"
-    assert "dynts.generate" in edges and "eval.harness" in edges
+    assert "dynts.generate" in edges and "eval.harness.runner" in edges
 
 
 def test_no_private_imports_across_modules(graph):
@@ -197,6 +228,20 @@ def test_no_import_circles(graph):
     edges, _ = graph
     cycles = find_cycles(edges)
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_imports_go_one_way_between_rooms(graph):
+    edges, _ = graph
+    bad = wrong_way_imports(edges)
+    assert not bad, "imports against the layering of ROOM_MAY_IMPORT:\n" + "\n".join(bad)
+
+
+def test_layering_checker_catches_a_wrong_way_import_and_a_module_outside_the_rooms():
+    edges = {"dynts.generate": {"eval.harness.runner"}, "eval.harness.runner": {"dynts.generate"},
+             "eval.rescue.bench": {"eval.analyses.pareto", "eval.harness.prompts"}, "eval.loose": set()}
+    assert wrong_way_imports(edges) == [
+        "dynts.generate -> eval.harness.runner", "eval.loose: not in any room of ROOM_MAY_IMPORT",
+        "eval.rescue.bench -> eval.analyses.pareto"]
 
 
 def test_checker_catches_a_circle_and_a_private_import(tmp_path):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from eval.rescue_oracle import oracle_choice, oracle_choice_table, plot_oracle_choice
+from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
 
 
 def _records(flags: str) -> list[dict]:

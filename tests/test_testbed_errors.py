@@ -1,4 +1,4 @@
-"""The testbed error breakdown (``python -m eval.testbed_errors``): each wrong answer gets one class."""
+"""The testbed error breakdown (``python -m eval.harness.testbed_errors``): each wrong answer gets one class."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import re
 
 from data_pipeline.testbed import task
-from eval.testbed_errors import classify_error, error_table
+from eval.harness.testbed_errors import classify_error, error_table
 
 
 def variants() -> tuple[task.Problem, dict[str, str]]:
@@ -48,7 +48,7 @@ def test_error_table_from_a_run_dir(tmp_path):
 
 
 def test_degeneration_classes():
-    from eval.testbed_errors import degeneration_class
+    from eval.harness.testbed_errors import degeneration_class
 
     problem, texts = variants()
     expect = {"correct": None, "unparsed": "incoherent", "wrong key": "incoherent", "asked step never written": "stops early",

@@ -30,7 +30,7 @@ from dynts.evictors.fixed import FixedPositions, fixed_budget
 from dynts.generate import attach, build_cache, generate
 from dynts.io import write_atomic
 
-from .analysis_traces import IMPORTANCE, check_traces
+from .traces import IMPORTANCE, check_traces
 
 __all__ = [
     "PAPER_SAMPLING",
@@ -354,7 +354,7 @@ def pareto_curve(
     """Accuracy when the model answers from the question + a share of its thinking.
 
     Args:
-        traces: trace dataset with ``importance`` (:mod:`eval.analysis_traces`).
+        traces: trace dataset with ``importance`` (:mod:`eval.analyses.traces`).
         grader: ``grade(trace, completion) -> bool`` (:func:`testbed_grader`, :func:`math_grader`);
             ``completion`` is the decoded cue + answer.
         records_path: JSONL written trace by trace; a rerun skips the traces already there (resume).
@@ -363,7 +363,7 @@ def pareto_curve(
     config = config or ParetoConfig()
     check_traces(traces, importance=True)
     if grader is None:
-        raise ValueError("grader is required: eval.pareto.testbed_grader(tokenizer) or eval.pareto.math_grader()")
+        raise ValueError("grader is required: eval.analyses.pareto.testbed_grader(tokenizer) or eval.analyses.pareto.math_grader()")
     rows = [r for r in traces if r["correct"] or not config.only_correct]
     if not rows:
         raise ValueError("no trace left (only_correct=True and no trace is correct)")

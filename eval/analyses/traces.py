@@ -80,7 +80,7 @@ def check_traces(traces: Any, *, importance: bool = True) -> None:
     """
     rows = _rows(traces)
     if len(rows) == 0:
-        raise ValueError("traces is empty; build some with eval.analysis_traces or `dynts analyze traces`")
+        raise ValueError("traces is empty; build some with eval.analyses.traces or `dynts analyze traces`")
     cols = _columns(traces)
     missing = [c for c in TRACE_COLUMNS if c not in cols]
     if missing:
@@ -88,7 +88,7 @@ def check_traces(traces: Any, *, importance: bool = True) -> None:
     if importance and IMPORTANCE not in cols:
         raise ValueError(
             "traces have no 'importance' column (answer-to-thinking attention scores); compute them with "
-            "eval.analysis_traces.add_importance(traces, model) or `dynts analyze traces ...`"
+            "eval.analyses.traces.add_importance(traces, model) or `dynts analyze traces ...`"
         )
     for i in range(len(rows)):
         row = rows[i]

@@ -41,7 +41,7 @@ def _paths(out: str | Path, stem: str) -> tuple[Path, Path]:
 
 
 def plot_pareto(summary: Sequence[dict[str, Any]], out: str | Path, *, stem: str = "pareto", title: str = "") -> tuple[Path, Path]:
-    """Accuracy vs. ``percent`` per strategy from :meth:`eval.pareto.ParetoResult.summary` rows.
+    """Accuracy vs. ``percent`` per strategy from :meth:`eval.analyses.pareto.ParetoResult.summary` rows.
 
     Returns ``(png, csv)`` paths under the directory ``out``.
     """
@@ -103,7 +103,7 @@ def plot_importance_strips(
     title: str = "",
 ) -> tuple[Path, Path]:
     """One row per trace: importance over decoding steps (``[traces, bins]``, e.g. from
-    :func:`eval.sparsity.importance_over_steps` with ``bins``), normalised per row."""
+    :func:`eval.analyses.sparsity.importance_over_steps` with ``bins``), normalised per row."""
     png, table = _paths(out, stem)
     matrix = np.asarray(strips, dtype=float)
     if matrix.ndim != 2 or matrix.size == 0:

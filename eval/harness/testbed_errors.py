@@ -20,7 +20,7 @@ A coarser view, :func:`degeneration_class`, says what an evicted model *does* wh
   a slip in the step itself);
 - ``incoherent``: no readable answer, or an answer to another key.
 
-Run: ``python -m eval.testbed_errors RUN_DIR [--degeneration]`` (a markdown table, one row per cell).
+Run: ``python -m eval.harness.testbed_errors RUN_DIR [--degeneration]`` (a markdown table, one row per cell).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def error_table(run_dir: str | Path, cells: Sequence[dict[str, Any]] | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.testbed_errors", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m eval.harness.testbed_errors", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a dynts eval run directory on the testbed benchmark")
     parser.add_argument("--degeneration", action="store_true",

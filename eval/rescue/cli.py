@@ -1,4 +1,4 @@
-"""``dynts rescue {bench,generate,calibrate}``: the command line of :mod:`eval.rescue_eval`."""
+"""``dynts rescue {bench,generate,calibrate}``: the command line of :mod:`eval.rescue.bench`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
-from eval.rescue_eval import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, load_eval_prm, helper_options, load_model
+from eval.rescue.bench import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, load_eval_prm, helper_options, load_model
 
 __all__ = ["main"]
 

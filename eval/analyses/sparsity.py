@@ -3,7 +3,7 @@
 The paper's headline number: only 21.1% of thinking tokens score above the mean importance of the
 thinking tokens, while question tokens score densely. :func:`sparsity_table` computes that per
 trace, :func:`importance_over_steps` gives the thinking importance as a function of the decoding
-step (the curves of Fig. 10/11, and the rows of the heat strips in :mod:`eval.analysis_plots`).
+step (the curves of Fig. 10/11, and the rows of the heat strips in :mod:`eval.analyses.plots`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .analysis_traces import IMPORTANCE, check_traces
+from .traces import IMPORTANCE, check_traces
 
 __all__ = ["SparsitySummary", "importance_over_steps", "sparsity_summary", "sparsity_table", "trace_sparsity"]
 
@@ -95,7 +95,7 @@ def importance_over_steps(
     Returns ``[steps]`` or ``[bins]`` float64.
     """
     if IMPORTANCE not in trace:
-        raise ValueError("trace has no 'importance'; compute it with eval.analysis_traces.add_importance")
+        raise ValueError("trace has no 'importance'; compute it with eval.analyses.traces.add_importance")
     q, a = int(trace["question_len"]), int(trace["answer_start"])
     values = np.asarray(trace[IMPORTANCE][q:a], dtype=np.float64)
     if values.size == 0:

@@ -2,7 +2,7 @@
 toy reasoning model (``checkpoints/testbed-lrm``) and its trained importance predictor
 (``checkpoints/testbed-predictor``). Prints accuracy, tokens/s and peak KV per method, and the plot.
 
-Run: ``python -m eval.demo`` (a few minutes on 2 CPU cores). It is a ``dynts eval`` run underneath
+Run: ``python -m eval.harness.demo`` (a few minutes on 2 CPU cores). It is a ``dynts eval`` run underneath
 (``runs/demo``, resumable); ``dynts eval --model testbed --benchmark testbed ...`` gives every knob.
 """
 
@@ -63,7 +63,7 @@ def demo_methods(have_predictor: bool) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m eval.harness.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100, help="testbed problems")
     parser.add_argument("--budget", type=int, default=96, help="cache budget B (~ a quarter of the ~350-token mean trace)")
     parser.add_argument("--local-window", type=int, default=32)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from dynts.models import checkpoints_dir
 
     from .config import EvalConfig
-    from .harness import run
+    from .runner import run
 
     lrm = checkpoints_dir() / "testbed-lrm"
     if not (lrm / "config.json").is_file():

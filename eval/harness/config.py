@@ -28,8 +28,8 @@ class EvalConfig:
 
     Args:
         model: ``dynts.load`` name or a local HF directory.
-        benchmarks: benchmark specs (:func:`eval.benchmarks.load_benchmark`).
-        methods: method specs (:mod:`eval.methods`), e.g. ``["full", "window", "dynts"]``.
+        benchmarks: benchmark specs (:func:`eval.harness.benchmarks.load_benchmark`).
+        methods: method specs (:mod:`eval.harness.methods`), e.g. ``["full", "window", "dynts"]``.
         budgets: cache budgets ``B`` (bounded methods run once per value).
         local_windows: ``W_l`` values; ``None`` = half of each budget.
         retentions: selection-window retention ratios.

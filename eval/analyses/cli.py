@@ -6,7 +6,7 @@
     dynts analyze pos      --traces runs/analysis/gsm8k-traces --tokenizer smollm2-135m --out runs/analysis/pos
 
 ``traces`` builds a small trace dataset with importance (testbed problems or GSM8K answers of a chat
-model); the others read any dataset of the pipeline's schema (:mod:`eval.analysis_traces`).
+model); the others read any dataset of the pipeline's schema (:mod:`eval.analyses.traces`).
 Each writes PNG + CSV under ``--out`` and prints a Markdown table.
 """
 
@@ -46,7 +46,7 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 
 def _traces(path: str, limit: int | None) -> Any:
-    from .analysis_traces import load_traces
+    from .traces import load_traces
 
     traces = load_traces(path)
     if limit is not None:
@@ -62,7 +62,7 @@ def _traces(path: str, limit: int | None) -> Any:
 def cmd_traces(args: argparse.Namespace) -> int:
     import torch
 
-    from .analysis_traces import ChatTraceConfig, add_importance, chat_traces, load_model, save_traces, testbed_traces
+    from .traces import ChatTraceConfig, add_importance, chat_traces, load_model, save_traces, testbed_traces
 
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, **load_kwargs(args))
@@ -73,7 +73,7 @@ def cmd_traces(args: argparse.Namespace) -> int:
         problems = task.problem_set(args.set, args.n, min_think=args.min_think, max_think=args.max_think)
         traces = testbed_traces(problems, tokenizer, None if args.reference else model, samples=args.samples, seed=args.seed)
     else:
-        from .benchmarks import load_benchmark
+        from eval.harness.benchmarks import load_benchmark
 
         bench = load_benchmark(args.source).head(args.n)
         config = ChatTraceConfig(max_reasoning_tokens=args.max_reasoning_tokens, batch_size=args.batch_size)
@@ -99,8 +99,8 @@ def _grader(kind: str, model_name: str, tokenizer: Any):
 def cmd_pareto(args: argparse.Namespace) -> int:
     import torch
 
-    from .analysis_plots import plot_pareto
-    from .analysis_traces import load_model
+    from .plots import plot_pareto
+    from .traces import load_model
     from .pareto import PAPER_SAMPLING, ParetoConfig, pareto_curve
 
     config = ParetoConfig(
@@ -132,8 +132,8 @@ def cmd_pareto(args: argparse.Namespace) -> int:
 
 
 def cmd_pos(args: argparse.Namespace) -> int:
-    from .analysis_plots import plot_pos_deciles
-    from .analysis_traces import load_tokenizer
+    from .plots import plot_pos_deciles
+    from .traces import load_tokenizer
     from .pos import load_pipeline, pos_by_importance
 
     nlp = load_pipeline(args.pipeline)
@@ -144,7 +144,7 @@ def cmd_pos(args: argparse.Namespace) -> int:
     png, table = plot_pos_deciles(rows, args.out, title=f"Content words by importance ({len(traces)} traces)")
     tags = sorted({t for part in result.tags for t in part})
     tag_rows = [{"part": i + 1, **{t: part.get(t, 0) for t in tags}} for i, part in enumerate(result.tags)]
-    from .analysis_plots import write_csv
+    from .plots import write_csv
 
     write_csv(Path(args.out) / "pos_tags.csv", tag_rows)
     print(_table(rows, ["part", "tokens", "content", "function", "content_ratio"]))
@@ -155,7 +155,7 @@ def cmd_pos(args: argparse.Namespace) -> int:
 def cmd_sparsity(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .analysis_plots import write_csv, plot_importance_strips
+    from .plots import write_csv, plot_importance_strips
     from .sparsity import importance_over_steps, sparsity_summary, sparsity_table
 
     traces = _traces(args.traces, args.limit)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .analysis_traces import IMPORTANCE, check_traces, token_char_spans  # token_char_spans re-exported
+from .traces import IMPORTANCE, check_traces, token_char_spans  # token_char_spans re-exported
 
 __all__ = [
     "CONTENT_POS",
@@ -166,7 +166,7 @@ def pos_by_importance(
     """Content-word ratio per importance part over the thinking tokens of ``traces``.
 
     Args:
-        traces: trace dataset with ``importance`` (see :mod:`eval.analysis_traces`).
+        traces: trace dataset with ``importance`` (see :mod:`eval.analyses.traces`).
         tokenizer: the tokenizer of the model that wrote the traces.
         nlp: a loaded spaCy pipeline; default ``load_pipeline(pipeline)``.
         parts: number of equal parts (10 = deciles).

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         _list()
         return 0
-    from .harness import run
+    from .runner import run
     from .report import markdown_table
 
     if args.threads is not None:

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from dynts.io import write_atomic
-from eval.rescue_oracle import oracle_choice, oracle_choice_table, plot_oracle_choice
+from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
 
 __all__ = ["RescueEvalConfig", "SETTINGS", "calibrate", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
 
@@ -93,7 +93,7 @@ class RescueEvalConfig:
 
     def cell_settings(self, setting: str, method: str | None) -> dict[str, Any]:
         """What a cell's result depends on (its file is reused only when these match)."""
-        from eval.config import fingerprint
+        from eval.harness.config import fingerprint
 
         keep = {k: v for k, v in asdict(self).items() if k not in ("out", "settings", "methods", "max_rows", "method_options")}
         if not keep["load_options"]:
@@ -177,7 +177,7 @@ def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, bou
     """Plain sampling (``dynts.generate``) of every prompt; texts, generated lengths and seconds."""
     import dynts
 
-    from eval.prompts import left_pad
+    from eval.harness.prompts import left_pad
 
     texts, lengths, seconds = [], [], 0.0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -256,8 +256,8 @@ def metrics(records: Sequence[dict[str, Any]], degen_steps: int) -> dict[str, An
 def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
     """Run (or resume) every cell; write ``cells/*.json``, ``results.json`` and ``results.md`` under
     ``config.out``; return the results."""
-    from eval.benchmarks import load_benchmark
-    from eval.prompts import encode_prompts, user_message
+    from eval.harness.benchmarks import load_benchmark
+    from eval.harness.prompts import encode_prompts, user_message
 
     out = Path(config.out)
     bench = load_benchmark(config.benchmark).head(config.limit)
@@ -302,8 +302,8 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
 
 def degeneration(cells: Sequence[dict[str, Any]], bench: Any) -> list[dict[str, Any]]:
     """Testbed only: what each cell's wrong answers did (stops early / wrong value / loops /
-    incoherent, :func:`eval.testbed_errors.degeneration_class`)."""
-    from eval.testbed_errors import DEGENERATION_CLASSES, degeneration_class
+    incoherent, :func:`eval.harness.testbed_errors.degeneration_class`)."""
+    from eval.harness.testbed_errors import DEGENERATION_CLASSES, degeneration_class
 
     problems = {ex.id: ex.answer for ex in bench.examples}
     rows = []
@@ -367,7 +367,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         lines += ["", "Oracle choice between the evicted base (one sample) and the helper (one sample), KV-Rescue Fig. 1a:", "",
                   oracle_choice_table(summary["oracle_choice"]).rstrip("\n")]
     if summary.get("degeneration"):
-        from eval.testbed_errors import DEGENERATION_CLASSES
+        from eval.harness.testbed_errors import DEGENERATION_CLASSES
 
         lines += ["", "What the wrong answers did (testbed):", "",
                   "| setting | base method | problems | wrong | " + " | ".join(DEGENERATION_CLASSES) + " |",
@@ -389,8 +389,8 @@ def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = F
     thresholds, to pick ``tau_ent`` / ``tau_cmp`` on a dev set. With ``verify`` (testbed only) it
     also reports the PRM's AUROC at telling the candidates the exact step checker accepts from the
     ones it rejects."""
-    from eval.benchmarks import load_benchmark
-    from eval.prompts import user_message
+    from eval.harness.benchmarks import load_benchmark
+    from eval.harness.prompts import user_message
 
     from dynts.rescue import DegenerationDetector, rescue_generate
 

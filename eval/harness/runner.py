@@ -11,7 +11,7 @@ Layout of a run directory::
     cells/<key>.json           one finished cell: settings + metrics (written last, atomically)
     cells/<key>.partial.jsonl  finished batches of an unfinished cell (one JSON line per batch)
     samples/<key>.jsonl        every sample of a finished cell: text, extracted answer, correct
-    results.{json,csv,md}      rendered after every cell (:mod:`eval.report`)
+    results.{json,csv,md}      rendered after every cell (:mod:`eval.harness.report`)
     accuracy_vs_*.png          plots, rendered when the run ends
 
 Interrupt it at any point and run the same command again: finished cells are read back, an
@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import dynts
-from dynts.io import write_atomic  # re-exported: eval.harness.write_atomic
+from dynts.io import write_atomic  # re-exported: eval.harness.runner.write_atomic
 from data_pipeline.grading import answer_after_delimiter, grade_text, resolve_grade_on
 
 from .benchmarks import Benchmark, load_benchmark

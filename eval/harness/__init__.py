@@ -1,0 +1,10 @@
+"""The accuracy harness: pass@1, tokens/s and peak KV of methods x budgets x benchmarks.
+
+Benchmarks (:mod:`.benchmarks`), prompts (:mod:`.prompts`), method specs (:mod:`.methods`), the
+validated run config (:mod:`.config`), the resumable runner (:mod:`.runner`), its reports
+(:mod:`.report`), the ``dynts eval`` command (:mod:`.cli`), the demo (:mod:`.demo`, ``dynts demo``)
+and the testbed error breakdown (:mod:`.testbed_errors`).
+
+May import ``dynts`` and ``data_pipeline``; never ``trainers``, :mod:`eval.analyses` or
+:mod:`eval.rescue` (they build on this room, not the other way).
+"""
