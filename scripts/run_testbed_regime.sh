@@ -2,7 +2,7 @@
 # Issue 16's measurements on the retrained testbed (eviction-robust LRM, helper in KV-Rescue's
 # regime), one command per number, each under the machine's CPU lock (other jobs may run between).
 # Run after configs/testbed/{lrm,lrm-robust,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
-# Steps: predictor report eval rescue64 pareto rescue-budgets rescue-n8 (default: all, in this order).
+# Steps: predictor report eval rescue64 pareto rescue-budgets rescue-n8 rescue-likelihood (default: all, in this order).
 set -ex
 cd "$(dirname "$0")/.."
 export MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -13,7 +13,7 @@ RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --metho
   --max-steps 96 --max-step-tokens 64 --degen-steps 24 --entropy-threshold 3.3 --compress-threshold 0.5
   --compress-window 100 --guard 12 --entropy-window 6 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 0
   --settings full,helper,evict,bon,kvr"
-steps=${*:-predictor report eval rescue64 pareto rescue-budgets rescue-n8}
+steps=${*:-predictor report eval rescue64 pareto rescue-budgets rescue-n8 rescue-likelihood}
 for step in $steps; do
   date
   case $step in
@@ -42,6 +42,9 @@ for step in $steps; do
       $LOCK $RESCUE --budget 128 --n 4 --out reports/rescue/regime-B128-N4 ;;
     rescue-n8)
       $LOCK $RESCUE --budget 64 --n 8 --out reports/rescue/regime-B64-N8 ;;
+    rescue-likelihood)  # the DynTS base with a PRM that knows step order: the full-context LRM's likelihoods
+      $LOCK ${RESCUE/--method window,rkv,dynts/--method dynts} --prm likelihood:testbed --budget 64 --n 4 \
+        --out reports/rescue/regime-B64-N4-likelihood ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

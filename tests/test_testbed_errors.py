@@ -43,8 +43,8 @@ def test_error_table_from_a_run_dir(tmp_path):
     (tmp_path / "samples" / "c1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "results.json").write_text(json.dumps([cell]))
     table = error_table(tmp_path).splitlines()
-    assert table[0].startswith("| method | wrong | wrong key | unparsed")
-    assert table[2] == "| window | 5 | 1 | 1 | 1 | 1 | 1 |"
+    assert table[0].startswith("| method | budget | samples | wrong | wrong key | unparsed")
+    assert table[2] == "| window | – | – | 5 | 1 | 1 | 1 | 1 | 1 |"
 
 
 def test_degeneration_classes():

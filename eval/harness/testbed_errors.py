@@ -83,18 +83,18 @@ def cell_errors(run_dir: Path, cell: dict[str, Any], degeneration: bool = False)
 
 
 def error_table(run_dir: str | Path, cells: Sequence[dict[str, Any]] | None = None, degeneration: bool = False) -> str:
-    """Markdown table of the wrong samples of every testbed cell in ``run_dir``'s ``results.json``
-    (``degeneration``: the coarse classes, with the budget of each cell)."""
+    """Markdown table of the wrong samples of every testbed cell in ``run_dir``'s ``results.json``,
+    one row per cell with its budget (``degeneration``: the coarse classes)."""
     run_dir = Path(run_dir)
     cells = cells if cells is not None else json.loads((run_dir / "results.json").read_text())
     classes = DEGENERATION_CLASSES if degeneration else ERROR_CLASSES
-    header = ["method", *(["budget", "samples"] if degeneration else []), "wrong", *classes]
+    header = ["method", "budget", "samples", "wrong", *classes]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in cells:
         if not cell["benchmark"].startswith("testbed"):
             continue
         counts = cell_errors(run_dir, cell, degeneration)
-        first = [cell["method"]["label"]] + ([str(cell.get("budget") or "–"), str(cell["samples"])] if degeneration else [])
+        first = [cell["method"]["label"], str(cell.get("budget") or "–"), str(cell.get("samples", "–"))]
         lines.append("| " + " | ".join(first + [str(counts[h]) for h in header[len(first):]]) + " |")
     return "\n".join(lines)
 

@@ -79,7 +79,8 @@ def plot_oracle_choice(rows: dict[str, dict[str, Any]], path: str | Path, kvr: d
     for g, (method, r) in enumerate(rows.items()):
         bars = [(label, r[k], r["se"][k]) for k, label in keys]
         if kvr is not None and method in kvr:
-            bars.insert(3, ("KV-Rescue", kvr[method], 0.0))
+            p = kvr[method]
+            bars.insert(3, ("KV-Rescue", p, math.sqrt(p * (1 - p) / r["problems"])))
         for j, (label, value, se) in enumerate(bars):
             ax.bar(g + (j - (len(bars) - 1) / 2) * width, 100 * value, width, yerr=100 * se, capsize=2,
                    color=f"C{j}", label=label if g == 0 else None)
