@@ -126,6 +126,9 @@ def test_outputs_and_metrics(tiny_testbed, tmp_path):
         for rec in records:
             per_question.setdefault(rec["question"], []).append(rec["correct"])
         assert r["pass@1"] == pytest.approx(sum(sum(v) / 2 for v in per_question.values()) / 3)
+        scores = [sum(v) / 2 for v in per_question.values()]
+        mean = sum(scores) / 3
+        assert r["pass@1_se"] == pytest.approx((sum((x - mean) ** 2 for x in scores) / 3) ** 0.5 / 3 ** 0.5)
         assert r["mean_generated_tokens"] == pytest.approx(sum(rec["tokens"] for rec in records) / 6)
         assert r["peak_kv_mib_per_sequence"] > 0
     full, bounded = results[0], results[1:]

@@ -59,3 +59,23 @@ def test_testbed_step_verifier():
     assert step_verifier(question, right) == 1.0
     assert step_verifier(question, [right[0], "ok c 3 times d 4 gives r2= 3 ;"]) == 0.0  # wrong arithmetic
     assert step_verifier(question, [right[0], "ok c 9 times d 4 gives r2= 6 ;"]) == 0.0  # wrong operand
+
+
+def test_bench_reports_the_oracle_choice_and_what_wrong_answers_did(tmp_path):
+    out = tmp_path / "run"
+    assert main([*ARGS, "--settings", "full,helper,evict", "--out", str(out)]) == 0
+    summary = json.loads((out / "results.json").read_text())
+    cells = {(c["setting"], c["method"]): c["metrics"]["accuracy"] for c in summary["cells"]}
+    oc = summary["oracle_choice"]["window"]
+    # The oracle is at least as good as either of the two it picks from, and at most their sum.
+    assert max(cells[("evict", "window")], cells[("helper", None)]) <= oc["A_oracle"]
+    assert oc["A_oracle"] <= cells[("evict", "window")] + cells[("helper", None)]
+    assert oc["only_helper"] + oc["only_base"] + oc["both"] + oc["neither"] == oc["problems"]
+    assert (out / "oracle_choice.png").is_file()
+    degen = {(r["setting"], r["method"]): r for r in summary["degeneration"]}
+    for (setting, method), acc in cells.items():
+        row = degen[(setting, method)]
+        assert row["wrong"] == round(row["problems"] * (1 - acc))
+        assert row["wrong"] == sum(row[k] for k in ("stops early", "wrong value", "loops", "incoherent"))
+    table = (out / "results.md").read_text()
+    assert "Oracle choice" in table and "| evict | window |" in table

@@ -115,3 +115,41 @@ def test_shipped_predictor_ranks_the_critical_token_high(lrm):
         rank = min(int((thinking > scores[c]).sum()) for c in p.critical_positions)
         top20.append(rank < 0.2 * len(thinking))
     assert sum(top20) >= 8, top20
+
+
+def test_helper_slips_by_its_rule_and_reads_its_context():
+    """The shipped helper (configs/testbed/helper.yaml) writes products with a first operand >= 6
+    one too high (task.SLIPS["times-high"]) and every other step right, and answers with the value it
+    wrote: its errors are of capability, not of context."""
+    from trainers.testbed_eval import load_testbed
+
+    model, tok = load_testbed("testbed-helper")
+    problems = [task.make_problem(s, min_think=200, max_think=300) for s in CI_SEEDS]
+    texts = _sample(model, tok, problems)
+    slip = task.SLIPS["times-high"]
+    hit = [v == slip(op, xv, yv, task.OPS[op](xv, yv)) for _p, t in zip(problems, texts)
+           for (_x, xv, op, _y, yv, _k, v) in task.parse_steps(t) if op == "times" and xv >= 6]
+    rest = [v == task.OPS[op](xv, yv) for _p, t in zip(problems, texts)
+            for (_x, xv, op, _y, yv, _k, v) in task.parse_steps(t) if not (op == "times" and xv >= 6)]
+    assert len(hit) >= 3 and sum(hit) >= 0.8 * len(hit), hit
+    assert sum(rest) >= 0.95 * len(rest)
+    for p, t in zip(problems, texts):  # the answer copies the value the trace wrote for the asked key
+        written = [v for *_r, k, v in task.parse_steps(t) if k == p.asked]
+        assert task.parse_answer(t) is not None and (not written or task.parse_answer(t)[1] in written)
+
+
+def test_lrm_keeps_solving_with_only_the_question_asked_step_and_recent_tokens(lrm):
+    """The shipped LRM was fine-tuned under eviction-shaped masks (configs/testbed/lrm-robust.yaml):
+    with the oracle evictor (question + the asked step + 40 recent tokens, budget 64) it still
+    answers the fixed problems."""
+    import data_pipeline.testbed.oracle  # noqa: F401  (registers "testbed-oracle")
+    from dynts import generate
+
+    model, tok = lrm
+    problems = [task.make_problem(s, min_think=150, max_think=250) for s in CI_SEEDS]
+    torch.manual_seed(0)
+    out = generate(model, tok, [[{"role": "user", "content": p.question}] for p in problems], method="testbed-oracle",
+                   method_options={"keep_step": True}, budget=64, local_window=40, max_new_tokens=800,
+                   do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
+    assert out.stats["peak_cache_tokens"] <= 64 and out.stats["evictions"] > 0
+    assert sum(task.check_answer(p, t) for p, t in zip(problems, out.texts)) >= 5, out.texts

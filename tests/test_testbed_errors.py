@@ -45,3 +45,30 @@ def test_error_table_from_a_run_dir(tmp_path):
     table = error_table(tmp_path).splitlines()
     assert table[0].startswith("| method | wrong | wrong key | unparsed")
     assert table[2] == "| window | 5 | 1 | 1 | 1 | 1 | 1 |"
+
+
+def test_degeneration_classes():
+    from eval.harness.testbed_errors import degeneration_class
+
+    problem, texts = variants()
+    expect = {"correct": None, "unparsed": "incoherent", "wrong key": "incoherent", "asked step never written": "stops early",
+              "step's own value wrong": "wrong value", "retrieval wrong": "wrong value"}
+    for kind, text in texts.items():
+        assert degeneration_class(problem, text) == expect[kind], kind
+    # A trace that writes a step key a second time loops, whatever its answer.
+    text = texts["retrieval wrong"]
+    first = re.search(r"\S+ \d \S+ \S+ \d gives r1= \d ;", text).group(0)
+    looping = text.replace("</think>", f"{first} </think>")
+    assert degeneration_class(problem, looping) == "loops"
+    assert degeneration_class(problem, texts["correct"].replace("</think>", f"{first} </think>")) is None  # right is right
+
+
+def test_degeneration_table_has_budget_and_samples(tmp_path):
+    problem, texts = variants()
+    cell = {"key": "c1", "benchmark": "testbed:n=1,set=errors", "method": {"label": "window"}, "budget": 64, "samples": 6}
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "samples" / "c1.jsonl").write_text("".join(json.dumps({"id": problem.name, "text": t}) + "\n" for t in texts.values()))
+    (tmp_path / "results.json").write_text(json.dumps([cell]))
+    table = error_table(tmp_path, degeneration=True).splitlines()
+    assert table[0] == "| method | budget | samples | wrong | stops early | wrong value | loops | incoherent |"
+    assert table[2] == "| window | 64 | 6 | 5 | 1 | 2 | 0 | 2 |"

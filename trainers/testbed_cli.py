@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default="reports/testbed.json")
     report.add_argument("--seed", type=int, default=0)
     report.add_argument("--prm-only", action="store_true", help="recompute only the PRM numbers of an existing report")
+    report.add_argument("--helper-only", action="store_true", help="recompute only the helper numbers of an existing report")
     report.add_argument("--eviction-only", action="store_true", help="recompute only the eviction numbers of an existing report")
     report.add_argument("--min-think", type=int, default=300, help="second eviction run: ban </think> for this many tokens")
     return parser
@@ -67,10 +68,12 @@ def main(argv: list[str]) -> int:
         return 0
     if args.command == "sample":
         return _sample(args)
-    from trainers.testbed_report import report, table, update_eviction, update_prm
+    from trainers.testbed_report import report, table, update_eviction, update_helper, update_prm
 
     if args.prm_only:
         result = update_prm(args.out, n=args.n)
+    elif args.helper_only:
+        result = update_helper(args.out, seed=args.seed)
     elif args.eviction_only:
         result = update_eviction(args.out, min_think=args.min_think)
     else:

@@ -5,6 +5,17 @@ loss (answer value 10, step values 3, operand values 2, answer key 2, structure 
 10% pure retrieval drills, short traces first, then long ones; piecewise-cosine learning rate over
 stages. Batches are a pure function of ``(seed, global_step)``, so a resumed run continues the
 same stream.
+
+Two fine-tuning options start from a trained model (``init_from``):
+
+* ``evict_frac``: that share of the rows is trained under an *eviction-shaped* attention mask
+  (:func:`eviction_visibility`): each token sees the question, a random subset of whole earlier
+  steps (always the asked one) and its last ``W`` tokens, which is exactly what an evicting cache
+  that decides when a token leaves its local window would show it at decode time (RoPE positions
+  stay absolute in dynts). The model learns to keep counting steps and to stop on time with most of
+  its context gone, so an evictor that keeps the right tokens loses little (issue 16).
+* ``slip``: traces write some step values wrong by a fixed rule (``task.SLIPS``): a helper whose
+  errors are of capability (arithmetic), not of context.
 """
 
 from __future__ import annotations
@@ -41,6 +52,19 @@ class DataConfig:
     short_steps: int = 200
     val_size: int = 64
     early_prob: float = 0.8  # how often the asked key is r1-r3 (training data only)
+    slip: str | None = None  # a task.SLIPS rule applied to every training trace
+    evict_frac: float = 0.0  # share of trace rows trained under an eviction-shaped mask
+    evict_window: tuple[int, int] = (48, 128)  # local window W, drawn per row
+    evict_keep: float = 0.5  # each earlier step stays visible with probability U(0, evict_keep)
+
+    def __post_init__(self) -> None:
+        if self.slip is not None and self.slip not in task.SLIPS:
+            raise ValueError(f"data.slip={self.slip!r}: use one of {sorted(task.SLIPS)} or leave it out")
+        if not 0.0 <= self.evict_frac <= 1.0 or not 0.0 <= self.evict_keep <= 1.0:
+            raise ValueError("data.evict_frac and data.evict_keep are probabilities in [0, 1]")
+        self.evict_window = tuple(self.evict_window)  # type: ignore[assignment]
+        if len(self.evict_window) != 2 or not 1 <= self.evict_window[0] <= self.evict_window[1]:
+            raise ValueError(f"data.evict_window={self.evict_window!r}: give [min, max] with 1 <= min <= max")
 
 
 @dataclass
@@ -51,6 +75,7 @@ class Stage:
     long_frac: float
     early_prob: float | None = None  # overrides data.early_prob during this stage
     drill_frac: float | None = None  # overrides data.drill_frac during this stage
+    evict_frac: float | None = None  # overrides data.evict_frac during this stage
 
 
 @dataclass
@@ -59,6 +84,7 @@ class LMConfig:
     seed: int = 0
     run_dir: str = "runs/testbed-lrm"
     export_dir: str = "checkpoints/testbed-lrm"
+    init_from: str | None = None  # start from these weights (a bundled name or HF directory)
     model: dict[str, Any] = field(default_factory=dict)
     data: DataConfig = field(default_factory=DataConfig)
     stages: list[Stage] = field(default_factory=list)
@@ -106,8 +132,50 @@ def build_model(model_cfg: dict[str, Any]) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
-def collate(rows: list[tuple[list[str], list[int]]], weights: dict[int, float]) -> dict[str, torch.Tensor]:
-    """Right-padded ``input_ids`` plus per-target loss weights (``weight[t]`` weighs token t+1)."""
+def eviction_visibility(tokens: list[str], rng: random.Random, window: tuple[int, int], keep_max: float) -> tuple[torch.Tensor, int]:
+    """What an evicting cache keeps of one trace: ``(kept, W)``.
+
+    ``kept`` (bool, ``[len(tokens)]``) marks the keys visible to every later query: the question
+    and whole steps ``x xv op y yv gives rK= v ;`` each kept with one probability drawn from
+    ``U(0, keep_max)``, the asked step always. Every other key is visible only to the ``W``
+    queries after it (the local window).
+    """
+    kept = torch.zeros(len(tokens), dtype=torch.bool)
+    kept[: task.QUESTION_TOKENS] = True
+    asked = f"r{tokens[task.QUESTION_TOKENS - 2][1:]}="
+    end = tokens.index(task.END_THINK) if task.END_THINK in tokens else len(tokens)
+    p_keep = rng.uniform(0.0, keep_max)
+    for i in range(task.QUESTION_TOKENS, end):
+        if tokens[i] in task.RESULT_KEYS and (tokens[i] == asked or rng.random() < p_keep):
+            kept[max(task.QUESTION_TOKENS, i - 6) : i + 3] = True
+    return kept, rng.randint(*window)
+
+
+def attention_mask(lengths: list[int], T: int, visibility: list[tuple[torch.Tensor, int] | None]) -> torch.Tensor:
+    """Boolean ``[B, 1, T, T]`` mask (True = attend): causal, narrowed to what an evicting cache
+    shows for rows with a ``visibility`` (see :func:`eviction_visibility`)."""
+    q = torch.arange(T)[:, None]
+    k = torch.arange(T)[None, :]
+    causal = k <= q
+    masks = []
+    for n, vis in zip(lengths, visibility):
+        if vis is None:
+            masks.append(causal)
+            continue
+        kept, window = vis
+        visible = torch.zeros(T, dtype=torch.bool)
+        visible[:n] = kept
+        masks.append(causal & (visible[None, :] | (q - k < window)))
+    return torch.stack(masks)[:, None]
+
+
+def collate(
+    rows: list[tuple[list[str], list[int]]],
+    weights: dict[int, float],
+    visibility: list[tuple[torch.Tensor, int] | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids`` plus per-target loss weights (``weight[t]`` weighs token t+1);
+    with ``visibility`` (one entry per row, None = full causal) also a 4-D ``attention_mask``."""
     T = max(len(t) for t, _ in rows)
     ids = torch.full((len(rows), T), TOKEN_ID[task.PAD], dtype=torch.long)
     w = torch.zeros(len(rows), T)
@@ -118,7 +186,10 @@ def collate(rows: list[tuple[list[str], list[int]]], weights: dict[int, float]) 
         w[b, : len(toks) - 1] = torch.tensor([weights.get(r, 0.0) for r in roles[1:]])
         target_roles[b, : len(toks) - 1] = torch.tensor(roles[1:])
         probe[b] = len(roles) - 3  # the answer key; its target is the answer value
-    return {"input_ids": ids, "weights": w, "probe_pos": probe, "target_roles": target_roles}
+    batch = {"input_ids": ids, "weights": w, "probe_pos": probe, "target_roles": target_roles}
+    if visibility is not None and any(v is not None for v in visibility):
+        batch["attention_mask"] = attention_mask([len(t) for t, _ in rows], T, visibility)
+    return batch
 
 
 def role_weights(named: dict[str, float]) -> dict[int, float]:
@@ -157,15 +228,20 @@ class TraceStream(IterableDataset):
         stage = self.stage(step)
         early = d.early_prob if stage.early_prob is None else stage.early_prob
         drill = d.drill_frac if stage.drill_frac is None else stage.drill_frac
-        rows = []
+        evict = d.evict_frac if stage.evict_frac is None else stage.evict_frac
+        rows: list[tuple[list[str], list[int]]] = []
+        visibility: list[tuple[torch.Tensor, int] | None] = []
         for r in range(size):
             s = f"train:{seed}:{step}:{r}"
             if rng.random() < drill:
                 rows.append(task.make_drill(s, **drill_kw))
+                visibility.append(None)
             else:
-                p = task.make_problem(s, min_think=lo, max_think=hi, early_prob=early)
+                p = task.make_problem(s, min_think=lo, max_think=hi, early_prob=early, slip=d.slip)
                 rows.append((list(p.tokens), list(p.roles)))
-        return collate(rows, self.weights)
+                evicted = evict > 0 and rng.random() < evict
+                visibility.append(eviction_visibility(rows[-1][0], rng, d.evict_window, d.evict_keep) if evicted else None)
+        return collate(rows, self.weights, visibility)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         step = self.start_step
@@ -200,11 +276,16 @@ class LMModule(L.LightningModule):
         self.save_hyperparameters({"cfg": cfg})
         self.cfg = LMConfig.from_dict(cfg)
         self.model = build_model(self.cfg.model)
+        if self.cfg.init_from:
+            from dynts.models import resolve_path  # weights only: a bundled name or a directory
+
+            trained = Qwen2ForCausalLM.from_pretrained(resolve_path(self.cfg.init_from), local_files_only=True)
+            self.model.load_state_dict(trained.state_dict())  # strict: the model config must match
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Weighted loss, the answer-value probe and the operand-copy accuracy (teacher forced)."""
         ids, w = batch["input_ids"], batch["weights"]
-        logits = self.model(input_ids=ids).logits[:, :-1].float()
+        logits = self.model(input_ids=ids, attention_mask=batch.get("attention_mask")).logits[:, :-1].float()
         ce = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (ce * w[:, :-1]).sum() / w[:, :-1].sum()
         pos = batch["probe_pos"]

@@ -183,6 +183,19 @@ def update_prm(out: str | Path = "reports/testbed.json", n: int = 200) -> dict[s
     return result
 
 
+def update_helper(out: str | Path = "reports/testbed.json", seed: int = 0) -> dict[str, Any]:
+    """Recompute only the helper's numbers (full-cache accuracy, load time, size) of an existing
+    report, on the same problems."""
+    path = Path(out)
+    result = json.loads(path.read_text())
+    result["checkpoints"]["testbed-helper"] = checkpoint_facts("testbed-helper")
+    helper, tok = load_testbed("testbed-helper")
+    problems = task.problem_set(result["problem_set"], result["n_problems"])
+    result["accuracy"]["helper_full"] = run_policy(helper, tok, problems, "full", seed=seed)[1]
+    path.write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
 def table(result: dict[str, Any]) -> str:
     """A plain-text rendering of :func:`report`'s result."""
     lines = [f"testbed report: {result['n_problems']} problems, sampling {result['sampling']}"]

@@ -28,6 +28,15 @@ QUERY_KEYS: tuple[str, ...] = tuple(f"r{k}" for k in range(1, MAX_KEY + 1))
 RESULT_KEYS: tuple[str, ...] = tuple(f"r{k}=" for k in range(1, MAX_KEY + 1))
 FILLER: tuple[str, ...] = ("wait", "hmm", "let", "me", "check", "so", "ok", "right", "now", "then", "yes", "verify")
 STEP_TOKENS = 9  # x xv op y yv gives rK= v ;
+
+# Systematic arithmetic slips (training data of a helper whose errors are of capability, not of
+# context): ``rule(op, xv, yv, value) -> written value``. ``"times-high"``: a product whose first
+# operand is 6 or more is written one too high (13% of steps: 1/3 of the ops x 4/10 of the values);
+# ``"times-mid"``: the same from 5 up (17% of steps).
+SLIPS: dict[str, object] = {
+    "times-high": lambda op, xv, yv, v: (v + 1) % 10 if op == "times" and xv >= 6 else v,
+    "times-mid": lambda op, xv, yv, v: (v + 1) % 10 if op == "times" and xv >= 5 else v,
+}
 QUESTION_TOKENS = 14  # <bos> + 10 operand tokens + find rK + <think>
 
 VOCAB: tuple[str, ...] = (
@@ -123,13 +132,19 @@ def make_problem(
     max_gap: int = 40,
     early_prob: float = 0.8,
     name: str | None = None,
+    slip: str | None = None,
 ) -> Problem:
     """Generate one problem, deterministic in ``seed``.
 
     The thinking length is drawn uniformly from ``[min_think, max_think]``; it has
     ``round(L / 37)`` steps (1..24). Filler gaps are capped at ``max_gap`` words, raised only
-    when a long target length cannot be met otherwise.
+    when a long target length cannot be met otherwise. ``slip`` (a key of :data:`SLIPS`, training
+    data only) makes the trace write some step values wrong, the way a weaker model would; the
+    answer copies the value as written and ``Step.value`` holds it too (the random stream, hence
+    the problem, is the same as without the slip).
     """
+    if slip is not None and slip not in SLIPS:
+        raise ValueError(f"slip={slip!r} is not a known rule; use one of {sorted(SLIPS)} or None")
     rng = random.Random(seed)
     length = rng.randint(min_think, max_think)
     n_steps = min(MAX_KEY, max(1, round(length / 37)))
@@ -142,7 +157,10 @@ def make_problem(
     for k in range(1, n_steps + 1):
         x, y = rng.choice(VARIABLES), rng.choice(VARIABLES)
         op = rng.choice(tuple(OPS))
-        value = OPS[op](operands[VARIABLES.index(x)], operands[VARIABLES.index(y)])  # type: ignore[operator]
+        xv, yv = operands[VARIABLES.index(x)], operands[VARIABLES.index(y)]
+        value = OPS[op](xv, yv)  # type: ignore[operator]
+        if slip is not None:
+            value = SLIPS[slip](op, xv, yv, value)  # type: ignore[operator]
         steps.append(Step(k, x, op, y, value))
     gaps = _gaps(rng, max(0, length - STEP_TOKENS * n_steps), n_steps + 1, max_gap)
 

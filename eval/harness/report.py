@@ -22,6 +22,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("local_window", "local window", "{}"),
     ("retention", "retention", "{}"),
     ("pass@1", "pass@1 %", "{:.1f}"),
+    ("pass@1_se", "± 1 SE", "{:.1f}"),
     ("pass@1_std", "± (k runs)", "{:.1f}"),
     ("parse_rate", "parsed %", "{:.1f}"),
     ("mean_generated_tokens", "mean gen tokens", "{:.0f}"),
@@ -32,7 +33,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("questions", "questions", "{}"),
     ("k", "k", "{}"),
 ]
-PERCENT = {"pass@1", "pass@1_std", "parse_rate", "truncated_rate"}
+PERCENT = {"pass@1", "pass@1_se", "pass@1_std", "parse_rate", "truncated_rate"}
 
 
 def row_values(result: dict[str, Any]) -> dict[str, Any]:

@@ -200,6 +200,8 @@ def summarize(batches: Sequence[dict], n_questions: int, k: int) -> dict[str, An
 
     ``pass@1`` = mean over questions of the fraction of its ``k`` samples graded correct;
     ``pass@1_std`` = standard deviation of the accuracy of the ``k`` sample runs (0 when k = 1);
+    ``pass@1_se`` = one standard error of ``pass@1`` over questions (``pstdev / sqrt(n)`` of the
+    per-question scores: the binomial ``sqrt(p (1 - p) / n)`` when k = 1);
     ``tokens_per_second`` = generated tokens / generation seconds; ``peak_kv_mib_per_sequence`` =
     the largest batch's peak K/V bytes divided by its rows.
     """
@@ -210,14 +212,16 @@ def summarize(batches: Sequence[dict], n_questions: int, k: int) -> dict[str, An
         per_question.setdefault(r["question"], []).append(r["correct"])
         per_sample.setdefault(r["sample"], []).append(r["correct"])
     runs = [sum(v) / len(v) for v in per_sample.values()]
+    scores = [sum(v) / len(v) for v in per_question.values()]
     seconds = sum(b["seconds"] for b in batches)
     new_tokens = sum(b["new_tokens"] for b in batches)
     return {
         "questions": n_questions,
         "samples": len(records),
         "k": k,
-        "pass@1": statistics.mean(sum(v) / len(v) for v in per_question.values()),
+        "pass@1": statistics.mean(scores),
         "pass@1_std": statistics.pstdev(runs) if len(runs) > 1 else 0.0,
+        "pass@1_se": statistics.pstdev(scores) / math.sqrt(len(scores)),
         "parse_rate": sum(r["extracted"] is not None for r in records) / len(records),
         "truncated_rate": sum(r["truncated"] for r in records) / len(records),
         "mean_generated_tokens": statistics.mean(r["tokens"] for r in records),

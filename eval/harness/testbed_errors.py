@@ -11,7 +11,16 @@ Each wrong sample falls in exactly one class, checked in this order:
 - ``retrieval wrong``: the trace wrote the asked step, yet the answer carries a value the trace
   never wrote for it (the lookup failed).
 
-Run: ``python -m eval.harness.testbed_errors RUN_DIR`` (prints a markdown table, one row per cell).
+A coarser view, :func:`degeneration_class`, says what an evicted model *does* when it fails
+(KV-Rescue's degeneration question), checked in this order:
+
+- ``loops``: the thinking writes a step key it already wrote (it restarted or repeats itself);
+- ``stops early``: it answers the asked key, but its thinking closed before writing that step;
+- ``wrong value``: it wrote the asked step, and the answer carries a wrong value (a failed lookup or
+  a slip in the step itself);
+- ``incoherent``: no readable answer, or an answer to another key.
+
+Run: ``python -m eval.harness.testbed_errors RUN_DIR [--degeneration]`` (a markdown table, one row per cell).
 """
 
 from __future__ import annotations
@@ -23,9 +32,12 @@ from typing import Any, Sequence
 
 from data_pipeline.testbed import task
 
-__all__ = ["ERROR_CLASSES", "classify_error", "error_table", "main"]
+__all__ = ["DEGENERATION_CLASSES", "ERROR_CLASSES", "classify_error", "degeneration_class", "error_table", "main"]
 
 ERROR_CLASSES = ("wrong key", "unparsed", "asked step never written", "step's own value wrong", "retrieval wrong")
+DEGENERATION_CLASSES = ("stops early", "wrong value", "loops", "incoherent")
+_COARSE = {"wrong key": "incoherent", "unparsed": "incoherent", "asked step never written": "stops early",
+           "step's own value wrong": "wrong value", "retrieval wrong": "wrong value"}
 
 
 def classify_error(problem: task.Problem, text: str) -> str | None:
@@ -45,32 +57,45 @@ def classify_error(problem: task.Problem, text: str) -> str | None:
     return "step's own value wrong" if value in written else "retrieval wrong"
 
 
-def cell_errors(run_dir: Path, cell: dict[str, Any]) -> dict[str, int]:
+def degeneration_class(problem: task.Problem, text: str) -> str | None:
+    """What the model did when ``text`` is wrong (see the module docstring); ``None`` when right."""
+    kind = classify_error(problem, text)
+    if kind is None:
+        return None
+    keys = [k for *_, k, _v in task.parse_steps(text)]
+    return "loops" if len(set(keys)) < len(keys) else _COARSE[kind]
+
+
+def cell_errors(run_dir: Path, cell: dict[str, Any], degeneration: bool = False) -> dict[str, int]:
     """Counts per class (and ``wrong``) over the samples of one finished cell of ``run_dir``."""
     from .benchmarks import load_benchmark
 
     problems = {ex.id: ex.answer for ex in load_benchmark(cell["benchmark"]).examples}
-    counts = {"wrong": 0, **{c: 0 for c in ERROR_CLASSES}}
+    classify, classes = (degeneration_class, DEGENERATION_CLASSES) if degeneration else (classify_error, ERROR_CLASSES)
+    counts = {"wrong": 0, **{c: 0 for c in classes}}
     for line in (run_dir / "samples" / f"{cell['key']}.jsonl").read_text().splitlines():
         record = json.loads(line)
-        kind = classify_error(problems[record["id"]], record["text"])
+        kind = classify(problems[record["id"]], record["text"])
         if kind is not None:
             counts["wrong"] += 1
             counts[kind] += 1
     return counts
 
 
-def error_table(run_dir: str | Path, cells: Sequence[dict[str, Any]] | None = None) -> str:
-    """Markdown table of the wrong samples of every testbed cell in ``run_dir``'s ``results.json``."""
+def error_table(run_dir: str | Path, cells: Sequence[dict[str, Any]] | None = None, degeneration: bool = False) -> str:
+    """Markdown table of the wrong samples of every testbed cell in ``run_dir``'s ``results.json``
+    (``degeneration``: the coarse classes, with the budget of each cell)."""
     run_dir = Path(run_dir)
     cells = cells if cells is not None else json.loads((run_dir / "results.json").read_text())
-    header = ["method", "wrong", *ERROR_CLASSES]
+    classes = DEGENERATION_CLASSES if degeneration else ERROR_CLASSES
+    header = ["method", *(["budget", "samples"] if degeneration else []), "wrong", *classes]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in cells:
         if not cell["benchmark"].startswith("testbed"):
             continue
-        counts = cell_errors(run_dir, cell)
-        lines.append("| " + " | ".join([cell["method"]["label"], *(str(counts[h]) for h in header[1:])]) + " |")
+        counts = cell_errors(run_dir, cell, degeneration)
+        first = [cell["method"]["label"]] + ([str(cell.get("budget") or "–"), str(cell["samples"])] if degeneration else [])
+        lines.append("| " + " | ".join(first + [str(counts[h]) for h in header[len(first):]]) + " |")
     return "\n".join(lines)
 
 
@@ -78,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.harness.testbed_errors", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a dynts eval run directory on the testbed benchmark")
+    parser.add_argument("--degeneration", action="store_true",
+                        help="coarse classes (stops early / wrong value / loops / incoherent) per method and budget")
     args = parser.parse_args(argv)
-    print(error_table(args.run_dir))
+    print(error_table(args.run_dir, degeneration=args.degeneration))
     return 0
 
 

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from dynts.io import write_atomic
+from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
 
 __all__ = ["RescueEvalConfig", "SETTINGS", "calibrate", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
 
@@ -285,9 +286,32 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
         results.append(cell)
     summary = {"config": asdict(config), "cells": [{k: c[k] for k in ("setting", "method", "seconds", "metrics")} for c in results]}
     summary["comparison"] = compare(summary["cells"], config.methods)
+    by = {(c["setting"], c["method"]): c["records"] for c in results}
+    if ("full", None) in by and ("helper", None) in by:
+        summary["oracle_choice"] = {m: oracle_choice(by[("full", None)], by[("evict", m)], by[("helper", None)])
+                                    for m in config.methods if ("evict", m) in by}
+        if summary["oracle_choice"]:
+            kvr = {m: r["A_kvr"] for m, r in summary["comparison"].items()}
+            plot_oracle_choice(summary["oracle_choice"], out / "oracle_choice.png", kvr=kvr)
+    if config.benchmark.startswith("testbed"):
+        summary["degeneration"] = degeneration(results, bench)
     write_atomic(out / "results.json", json.dumps(summary, indent=2, default=str))
     write_atomic(out / "results.md", summary_table(summary))
     return summary
+
+
+def degeneration(cells: Sequence[dict[str, Any]], bench: Any) -> list[dict[str, Any]]:
+    """Testbed only: what each cell's wrong answers did (stops early / wrong value / loops /
+    incoherent, :func:`eval.harness.testbed_errors.degeneration_class`)."""
+    from eval.harness.testbed_errors import DEGENERATION_CLASSES, degeneration_class
+
+    problems = {ex.id: ex.answer for ex in bench.examples}
+    rows = []
+    for c in cells:
+        kinds = [degeneration_class(problems[r["id"]], r["text"]) for r in c["records"]]
+        rows.append({"setting": c["setting"], "method": c["method"], "problems": len(kinds), "wrong": sum(k is not None for k in kinds),
+                     **{k: kinds.count(k) for k in DEGENERATION_CLASSES}})
+    return rows
 
 
 def compare(cells: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -339,6 +363,18 @@ def summary_table(summary: dict[str, Any]) -> str:
             lines.append(f"| {m} | {_fmt(r.get('A_full'), True)} | {_fmt(r['A_evict(bon)'], True)} | {_fmt(r['A_kvr'], True)} | "
                          f"{'–' if rec is None else f'{rec:.2f}'} | {_fmt(r['base_tokens_bon'])} | {_fmt(r['base_tokens_kvr'])} | "
                          f"{_fmt(r['base_token_reduction'], True)} | {_fmt(r['helper_share'], True)} | {_fmt(r['detector_firing_rate'], True)} |")
+    if summary.get("oracle_choice"):
+        lines += ["", "Oracle choice between the evicted base (one sample) and the helper (one sample), KV-Rescue Fig. 1a:", "",
+                  oracle_choice_table(summary["oracle_choice"]).rstrip("\n")]
+    if summary.get("degeneration"):
+        from eval.harness.testbed_errors import DEGENERATION_CLASSES
+
+        lines += ["", "What the wrong answers did (testbed):", "",
+                  "| setting | base method | problems | wrong | " + " | ".join(DEGENERATION_CLASSES) + " |",
+                  "|---|---|---|---|" + "---|" * len(DEGENERATION_CLASSES)]
+        for r in summary["degeneration"]:
+            lines.append(f"| {r['setting']} | {r['method'] or '–'} | {r['problems']} | {r['wrong']} | "
+                         + " | ".join(str(r[k]) for k in DEGENERATION_CLASSES) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,48 @@
+#!/bin/bash
+# Issue 16's measurements on the retrained testbed (eviction-robust LRM, helper in KV-Rescue's
+# regime), one command per number, each under the machine's CPU lock (other jobs may run between).
+# Run after configs/testbed/{lrm,lrm-robust,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
+# Steps: predictor report eval rescue64 pareto rescue-budgets rescue-n8 (default: all, in this order).
+set -ex
+cd "$(dirname "$0")/.."
+export MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=.venv/bin/python
+LOCK="flock /tmp/dynts-cpu.lock"
+RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --method window,rkv,dynts
+  --predictor checkpoints/testbed-predictor --prm testbed-prm --local-window 16 --delimiter ;
+  --max-steps 96 --max-step-tokens 64 --degen-steps 24 --entropy-threshold 3.3 --compress-threshold 0.5
+  --compress-window 100 --guard 12 --entropy-window 6 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 0
+  --settings full,helper,evict,bon,kvr"
+steps=${*:-predictor report eval rescue64 pareto rescue-budgets rescue-n8}
+for step in $steps; do
+  date
+  case $step in
+    predictor)  # traces -> importance -> training -> checkpoints/testbed-predictor
+      $LOCK $PY -m dynts.cli pipeline --config configs/predictor/testbed.pipeline.yaml
+      $LOCK $PY scripts/report_testbed_predictor.py --out reports/testbed-predictor.json ;;
+    report)  # reports/testbed.json: LRM and helper accuracy, oracle vs full, attention, PRM AUROC
+      $LOCK $PY -m dynts.cli testbed report --n 200 ;;
+    eval)  # every method at four budgets, 200 problems, one standard error per cell
+      $LOCK $PY -m dynts.cli eval --model testbed --benchmark testbed:n=200 --predictor checkpoints/testbed-predictor \
+        --method full,window,streamingllm,h2o,snapkv,sepllm,rkv,dynts,testbed-oracle \
+        --budget 64,96,128,192 --local-window 32 --retention 0.4 --k 1 --batch-size 100 --threads 2 \
+        --run-dir runs/eval-testbed-budgets
+      mkdir -p reports/eval-testbed-budgets
+      cp runs/eval-testbed-budgets/results.{md,json} runs/eval-testbed-budgets/accuracy_vs_budget.png reports/eval-testbed-budgets/ ;;
+    rescue64)
+      $LOCK $RESCUE --budget 64 --n 4 --out reports/rescue/regime-B64-N4 ;;
+    pareto)
+      [ -d runs/analysis/testbed-robust-traces ] || $LOCK $PY -m dynts.cli analyze traces --source testbed --model testbed \
+        --n 100 --out runs/analysis/testbed-robust-traces --threads 2
+      $LOCK $PY -m dynts.cli analyze pareto --traces runs/analysis/testbed-robust-traces --model testbed \
+        --out runs/analysis/pareto-testbed-robust --runs 3 --threads 2
+      mkdir -p reports/pareto-testbed && cp runs/analysis/pareto-testbed-robust/pareto.{png,csv} reports/pareto-testbed/ ;;
+    rescue-budgets)
+      $LOCK $RESCUE --budget 32 --n 4 --out reports/rescue/regime-B32-N4
+      $LOCK $RESCUE --budget 128 --n 4 --out reports/rescue/regime-B128-N4 ;;
+    rescue-n8)
+      $LOCK $RESCUE --budget 64 --n 8 --out reports/rescue/regime-B64-N8 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+date
