@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from dynts.prompts import encode_prompt, pad_rows, pad_id
+from dynts.prompts import encode_prompt as encode_prompt_ids, pad_id, pad_rows
 from data_pipeline.grading import last_boxed
 
 __all__ = ["Question", "QuestionDataModule", "WorkItem", "load_questions"]
@@ -143,9 +143,9 @@ def encode_prompt(tokenizer, question: Question) -> list[int]:
         messages = ([{"role": "system", "content": question.system}] if question.system else []) + [
             {"role": "user", "content": question.content}
         ]
-        return encode_prompt(tokenizer, messages)
+        return encode_prompt_ids(tokenizer, messages)
     prefix = f"{question.system}\n\n" if question.system else ""
-    return encode_prompt(tokenizer, prefix + question.content)
+    return encode_prompt_ids(tokenizer, prefix + question.content)
 
 
 class QuestionDataModule(L.LightningDataModule):
