@@ -25,6 +25,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from dynts.prompts import encode_prompt as encode_prompt_ids, pad_id, pad_rows
 from data_pipeline.grading import last_boxed
 
 __all__ = ["Question", "QuestionDataModule", "WorkItem", "load_questions"]
@@ -142,10 +143,9 @@ def encode_prompt(tokenizer, question: Question) -> list[int]:
         messages = ([{"role": "system", "content": question.system}] if question.system else []) + [
             {"role": "user", "content": question.content}
         ]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_prompt_ids(tokenizer, messages)
     prefix = f"{question.system}\n\n" if question.system else ""
-    return tokenizer(prefix + question.content)["input_ids"]
+    return encode_prompt_ids(tokenizer, prefix + question.content)
 
 
 class QuestionDataModule(L.LightningDataModule):
@@ -191,14 +191,7 @@ class QuestionDataModule(L.LightningDataModule):
 
     def collate(self, items: Iterable[WorkItem]) -> dict[str, torch.Tensor]:
         items = list(items)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        width = max(len(self.prompts[it.question_index]) for it in items)
-        ids = torch.full((len(items), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, it in enumerate(items):
-            prompt = self.prompts[it.question_index]
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
+        ids, mask = pad_rows([self.prompts[it.question_index] for it in items], pad_id(self.tokenizer))
         return {
             "input_ids": ids,
             "attention_mask": mask,

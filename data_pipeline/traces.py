@@ -25,6 +25,7 @@ import torch
 from datasets import Features, Sequence as ListOf, Value
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from dynts.prompts import pad_id
 from data_pipeline.loading import load_model, load_tokenizer
 from data_pipeline.grading import ANSWER_RULES, GRADE_ON, find_answer_start, make_grader
 from data_pipeline.questions import Question, QuestionDataModule, load_questions
@@ -200,7 +201,7 @@ class TraceSampler(L.LightningModule):
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[tuple[tuple, dict | None, str]]:
         cfg = self.config
         torch.manual_seed(cfg.seed + 1_000_003 * self.global_rank + batch_idx)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = pad_id(self.tokenizer)
         out = self.model.generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],

@@ -21,6 +21,7 @@ __all__ = [
     "parse_option_value",
     "parse_options",
     "sampling_kwargs",
+    "set_threads",
 ]
 
 
@@ -102,3 +103,17 @@ def parse_options(items: list[str] | None, flag: str = "--method-option") -> dic
             raise ValueError(f"{flag} {item!r} must be key=value, e.g. {flag} sink_size=4")
         options[key.strip()] = parse_option_value(value)
     return options
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply a ``--threads`` flag: ``torch.set_num_threads(threads)``; ``None`` keeps torch's choice.
+
+    Raises ValueError (``--threads=N must be >= 1``) for ``threads < 1``.
+    """
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads={threads} must be >= 1")
+    import torch
+
+    torch.set_num_threads(threads)

@@ -17,6 +17,7 @@ from .cache import BoundedCache
 from .compiled import compiled_decode, scoring_slot
 from .evictors import Evictor, make_evictor
 from .predictor import ImportancePredictor, final_norm  # final_norm re-exported (public API)
+from .prompts import encode_prompt, pad_rows, pad_id
 from .thinking import think_end_ids
 
 __all__ = ["GenerationResult", "attach", "build_cache", "encode_prompts", "final_norm", "generate", "load_predictor"]
@@ -134,18 +135,7 @@ def encode_prompts(tokenizer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
     chats = [not isinstance(p, str) for p in prompts]
     if any(chats) and not all(chats):
         raise ValueError("prompts mixes strings and chat message lists; pass one kind per call")
-    texts = (
-        [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-        if chats[0]
-        else list(prompts)
-    )
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chats[0])
-    finally:
-        tokenizer.padding_side = side
-    return enc["input_ids"], enc["attention_mask"]
+    return pad_rows([encode_prompt(tokenizer, p) for p in prompts], pad_id(tokenizer))
 
 
 def generate(
@@ -233,8 +223,7 @@ def generate(
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if tokenizer is not None and generate_kwargs.get("pad_token_id") is None:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        generate_kwargs["pad_token_id"] = pad
+        generate_kwargs["pad_token_id"] = pad_id(tokenizer)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     start = time.perf_counter()
     with ExitStack() as stack:

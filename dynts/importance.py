@@ -22,8 +22,9 @@ from typing import Sequence
 import torch
 
 from .attention import recording_attention
+from .prompts import pad_rows
 
-__all__ = ["Importance", "answer_importance", "sequence_importance"]
+__all__ = ["Importance", "answer_importance", "final_hidden_states", "sequence_importance"]
 
 
 @dataclass
@@ -43,6 +44,20 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The transformer body without the LM head (skips ``T x vocab`` logits)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+@torch.no_grad()
+def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[b, S, d]`` post-norm final hidden states of left-padded ``input_ids`` ``[b, S]`` (no LM head).
+
+    One forward of the decoder body with position ids counted over real tokens only (a left-padded
+    row gets the positions it would have alone). Inputs move to the embedding's device.
+    """
+    device = model.get_input_embeddings().weight.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
 
 
 @torch.no_grad()
@@ -99,14 +114,11 @@ def answer_importance(
         # probs: [b, heads, rows, T]; sum over heads and answer rows
         scores.add_(torch.einsum("bhrt,br->bt", probs, row_weight))
 
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     with recording_attention(model, record, last_rows=rows):
-        out = _decoder(model)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        )
+        last_hidden = final_hidden_states(model, input_ids, attention_mask)
     answer = torch.arange(length, device=device)[None, :] >= starts[:, None]
     scores.masked_fill_(answer | attention_mask.eq(0), 0.0)
-    hidden = out.last_hidden_state if return_hidden_states else None
+    hidden = last_hidden if return_hidden_states else None
     return Importance(scores=scores, hidden_states=hidden)
 
 
@@ -136,15 +148,9 @@ def sequence_importance(
     batch: list[int] = []
 
     def flush() -> None:
-        width = max(len(sequences[i]) for i in batch)
-        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        starts = []
-        for row, i in enumerate(batch):
-            n = len(sequences[i])
-            ids[row, width - n :] = torch.as_tensor(list(sequences[i]), dtype=torch.long)
-            mask[row, width - n :] = 1
-            starts.append(width - n + int(answer_starts[i]))
+        ids, mask = pad_rows([sequences[i] for i in batch], pad_token_id)
+        width = ids.shape[1]
+        starts = [width - len(sequences[i]) + int(answer_starts[i]) for i in batch]
         out = answer_importance(
             model, ids.to(device), starts, mask.to(device), return_hidden_states=return_hidden_states
         )

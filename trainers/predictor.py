@@ -30,7 +30,9 @@ from torchmetrics import MeanSquaredError
 
 from dynts.io import replace_directory, write_atomic
 from dynts.predictor import CONFIG_NAME, WEIGHTS_NAME, ImportancePredictor, PredictorConfig
-from trainers.predictor_data import PredictorDataModule, final_hidden_states
+from dynts.importance import final_hidden_states
+from trainers.predictor_data import PredictorDataModule
+from trainers.schedules import warmup_cosine
 from trainers.predictor_metrics import LOSSES, MeanKendallTau, TopPercentOverlap, importance_loss
 
 __all__ = ["ExportBest", "PredictorModule", "export_predictor"]
@@ -190,13 +192,8 @@ class PredictorModule(L.LightningModule):
         optimizer = torch.optim.AdamW(self.predictor.parameters(), lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
 
-        def schedule(step: int) -> float:
-            if step < h.warmup_steps:
-                return (step + 1) / h.warmup_steps
-            progress = min(1.0, (step - h.warmup_steps) / max(1, total - h.warmup_steps))
-            return h.min_lr_ratio + (1 - h.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, h.warmup_steps, total, h.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

@@ -30,35 +30,16 @@ import torch
 from datasets import Array2D, Dataset, Features, Value, load_from_disk
 from torch.utils.data import DataLoader
 
+from dynts.importance import final_hidden_states
+from dynts.prompts import pad_rows
 from data_pipeline.importance_data import load_trace_dataset
 from data_pipeline.shards import ShardStore
 from trainers.predictor_metrics import LABEL_TRANSFORMS, normalize_labels
 
-__all__ = ["PredictorDataModule", "final_hidden_states"]
+__all__ = ["PredictorDataModule", "final_hidden_states"]  # final_hidden_states re-exported from dynts.importance
 
 IMPORTANCE_COLUMNS = ("question_id", "sample_id", "input_ids", "question_len", "answer_start", "importance")
 HIDDEN_MODES = ("cache", "recompute")
-
-
-@torch.no_grad()
-def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[b, S, d]`` post-norm final hidden states of left-padded ``input_ids`` (no LM head)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    device = model.get_input_embeddings().weight.device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return out.last_hidden_state
-
-
-def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, s in enumerate(seqs):
-        ids[row, width - len(s) :] = torch.as_tensor(s, dtype=torch.long)
-        mask[row, width - len(s) :] = 1
-    return ids, mask
 
 
 class _Traces(torch.utils.data.Dataset):
@@ -188,7 +169,7 @@ class PredictorDataModule(L.LightningDataModule):
             rows = data.select(todo[s : s + 64])
             records = []
             for row in rows:
-                ids, mask = _left_pad([row["input_ids"]], self.pad_token_id)
+                ids, mask = pad_rows([row["input_ids"]], self.pad_token_id)
                 device = next(model.parameters()).device
                 hidden = final_hidden_states(model, ids.to(device), mask.to(device))[0]
                 records.append({"question_id": row["question_id"], "sample_id": row["sample_id"],
@@ -250,7 +231,7 @@ class PredictorDataModule(L.LightningDataModule):
                 hidden[row, : it["end"] - it["start"]] = it["hidden"]
             batch["hidden"] = hidden
         else:
-            ids, attn = _left_pad([it["input_ids"] for it in items], self.pad_token_id)
+            ids, attn = pad_rows([it["input_ids"] for it in items], self.pad_token_id)
             width = ids.shape[1]
             positions = torch.zeros(b, n, dtype=torch.long)
             for row, it in enumerate(items):

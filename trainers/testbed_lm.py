@@ -329,11 +329,13 @@ class LMModule(L.LightningModule):
 
 def lr_at(cfg: LMConfig, step: int) -> float:
     """Linear warmup, then one cosine from ``lr`` to ``lr_end`` per stage."""
-    scale = min(1.0, (step + 1) / max(1, cfg.warmup))
+    from trainers.schedules import cosine, linear_warmup  # local: keeps this file's import block untouched
+
+    scale = linear_warmup(step, cfg.warmup)
     for stage in cfg.stages:
         if step < stage.steps:
             frac = step / max(1, stage.steps)
-            return scale * (stage.lr_end + 0.5 * (stage.lr - stage.lr_end) * (1 + math.cos(math.pi * frac)))
+            return scale * cosine(frac, stage.lr, stage.lr_end)
         step -= stage.steps
     return cfg.stages[-1].lr_end
 

@@ -180,23 +180,22 @@ class PRMData(L.LightningDataModule):
 
 
 def auroc(scores: Sequence[float], labels: Sequence[int]) -> float:
-    """Area under the ROC curve (Mann-Whitney U with tie correction)."""
-    pairs = sorted(zip(scores, labels))
-    ranks = [0.0] * len(pairs)
-    i = 0
-    while i < len(pairs):
-        j = i
-        while j + 1 < len(pairs) and pairs[j + 1][0] == pairs[i][0]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[k] = (i + j) / 2 + 1
-        i = j + 1
-    pos = sum(1 for _, y in pairs if y == 1)
-    neg = len(pairs) - pos
-    if pos == 0 or neg == 0:
+    """Area under the ROC curve of ``scores`` for ``labels`` (1 = positive, 0 = negative): the
+    Mann-Whitney U statistic with tied scores counted half, by torchmetrics' binary AUROC
+    (computed in float32). NaN when one class is missing.
+
+    ``scores`` are probabilities; torchmetrics reads values outside [0, 1] as logits and applies a
+    sigmoid, which keeps the order (the AUROC) unless it saturates.
+    """
+    from torchmetrics.functional.classification import binary_auroc
+
+    target = torch.as_tensor(list(labels), dtype=torch.long)
+    if len(target) != len(scores):
+        raise ValueError(f"got {len(scores)} scores but {len(target)} labels; give one label per score")
+    positives = int((target == 1).sum())
+    if positives == 0 or positives == len(target):
         return float("nan")
-    r_pos = sum(r for r, (_, y) in zip(ranks, pairs) if y == 1)
-    return (r_pos - pos * (pos + 1) / 2) / (pos * neg)
+    return float(binary_auroc(torch.as_tensor(list(scores), dtype=torch.float64), target))
 
 
 @torch.no_grad()

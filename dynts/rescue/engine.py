@@ -23,6 +23,7 @@ from ..budget import Budget
 from ..evictors import Evictor, make_evictor
 from ..generate import attach
 from ..predictor import ImportancePredictor
+from ..prompts import pad_rows
 from .detector import CandidateScreen
 from .rows import RaggedCache
 from .sampling import Sampler, entropy
@@ -124,14 +125,8 @@ class Policy:
         """Encode ``tokens[i]`` after ``states[i]`` in ONE batched forward (left-padded), then apply
         the evictor to every row over budget; no history is re-encoded. Returns the new states."""
         cache = RaggedCache.stack(_group_rows([(s.cache, s.row) for s in states]))
-        width = max(len(t) for t in tokens)
-        ids = torch.full((len(states), width), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros(len(states), width, dtype=torch.bool)
-        for i, t in enumerate(tokens):
-            if len(t):
-                ids[i, width - len(t) :] = torch.tensor(list(t))
-                valid[i, width - len(t) :] = True
-        logits = self.forward(cache, ids, valid)
+        ids, valid = pad_rows(tokens, self.pad_token_id)
+        logits = self.forward(cache, ids, valid.bool())
         if self.bounded:
             cache.evict()  # rows over n_keep after the step are evicted now (paper: "then applies eviction")
         cache = RaggedCache.stack([(cache, range(len(states)))])  # squeeze the padding out of each row

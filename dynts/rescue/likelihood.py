@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..prompts import pad_id
 from .scorer import StepRequest, StepScorer, padded_batches, shares_vocab
 
 __all__ = ["LikelihoodPRM"]
@@ -39,7 +40,7 @@ class LikelihoodPRM(StepScorer):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
         self.model, self.tokenizer, self.reduce, self.batch_size = model.eval(), tokenizer, reduce, batch_size
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = pad_id(tokenizer)
         self.pad_id = 0 if pad is None else int(pad)
         self._same_vocab: dict[int, bool] = {}
 

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..prompts import pad_id
 from .prefix import PrefixScorer
 from .scorer import CallablePRM, StepRequest, StepScorer, padded_batches, shares_vocab
 
@@ -69,7 +70,7 @@ class _TokenScorer(StepScorer):
             raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.positive_label, self.batch_size = positive_label, batch_size
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = pad_id(tokenizer)
         self.pad_id = 0 if pad is None else int(pad)
         self.prefix = PrefixScorer(self.model, self.pad_id, prefix_entries) if reuse_prefix else None
 

@@ -34,6 +34,7 @@ import torch
 
 from ..cache import BoundedCache, CacheStats, incoming_tokens
 from ..evictors.base import Segment, TokenInfo
+from ..kernels import compact_torch_
 
 __all__ = ["RaggedCache"]
 
@@ -140,18 +141,20 @@ class RaggedCache(BoundedCache):
         self.row_evictions = self.row_evictions + due.long()
 
     def _squeeze(self, keep: torch.Tensor) -> None:
-        """Compact every row to its ``keep`` ``[b, n]`` slots, right-aligned, fillers marked PAD."""
+        """Compact every row to its ``keep`` ``[b, n]`` slots, right-aligned, fillers marked PAD.
+
+        The ragged twin of :meth:`dynts.cache.BoundedCache.apply_kept`: there every row keeps the
+        same ``k`` slots; here rows keep different counts, so each row's gather list is its
+        non-kept slots (fillers, marked PAD) followed by its kept ones. That list is not ascending,
+        so the K/V gather uses the torch reference :func:`dynts.kernels.compact_torch_` (the Triton
+        kernel needs ascending indices to compact in place).
+        """
         n = self.length
         counts = keep.sum(1)
         width = int(counts.max()) if keep.numel() else 0
         order = torch.sort(keep.long(), dim=1, stable=True).indices[:, n - width :]  # fillers, then kept (ascending)
         filler = torch.arange(width, device=keep.device)[None, :] < (width - counts)[:, None]
-        for layer in self.layers:
-            if layer.is_initialized:
-                for name in ("keys", "values"):
-                    t = getattr(layer, name)
-                    idx = order[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3])
-                    t[:, :, :width] = t[:, :, :n].gather(2, idx)
+        compact_torch_([t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)], order, n)
         for name in _TABLES:
             t = getattr(self, name)
             if t is not None:

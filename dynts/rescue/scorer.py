@@ -10,6 +10,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..prompts import pad_rows
+
 __all__ = ["CallablePRM", "StepRequest", "StepScorer", "padded_batches", "shares_vocab"]
 
 
@@ -65,12 +67,7 @@ def padded_batches(rows: Sequence[list[int]], batch_size: int, pad_id: int, devi
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        width = max(len(rows[i]) for i in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, i in enumerate(chunk):
-            ids[j, : len(rows[i])] = torch.tensor(rows[i])
-            mask[j, : len(rows[i])] = 1
+        ids, mask = pad_rows([rows[i] for i in chunk], pad_id, side="right")
         yield chunk, ids.to(device), mask.to(device)
 
 

@@ -13,6 +13,7 @@ from transformers import ContinuousBatchingConfig
 
 from ..evictors import Evictor
 from ..predictor import ImportancePredictor
+from ..prompts import encode_prompt, pad_id  # encode_prompt re-exported: dynts.serving.batch.encode_prompt
 from .manager import init_evicting_batching
 from .settings import EvictionSettings
 
@@ -39,25 +40,6 @@ class ServedResult:
     text: str | None = None
     stats: dict[str, int] = field(default_factory=dict)
     error: str | None = None
-
-
-def encode_prompt(tokenizer, prompt: str | Sequence[dict] | Sequence[int]) -> list[int]:
-    """Token ids of one prompt: ids pass through; a string gets the tokenizer's special tokens; a chat
-    (list of ``{"role", "content"}``) gets the chat template with the generation prompt (as
-    :func:`dynts.generate` encodes them)."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("string prompts need tokenizer=...; or pass token id lists")
-        return tokenizer(prompt)["input_ids"]
-    prompt = list(prompt)
-    if prompt and isinstance(prompt[0], dict):
-        if tokenizer is None:
-            raise ValueError("chat prompts need tokenizer=...")
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not prompt or not all(isinstance(t, int) for t in prompt):
-        raise ValueError("a prompt must be a string, a chat message list or a non-empty list of token ids")
-    return prompt
 
 
 def generate_batch(
@@ -102,7 +84,7 @@ def generate_batch(
     gen_config = copy.deepcopy(model.generation_config)
     gen_config.update(**{**sampling, "max_new_tokens": max_new_tokens})
     if tokenizer is not None and gen_config.pad_token_id is None:
-        gen_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        gen_config.pad_token_id = pad_id(tokenizer)
     manager = init_evicting_batching(
         model, settings, tokenizer=tokenizer, generation_config=gen_config,
         continuous_batching_config=continuous_batching_config,

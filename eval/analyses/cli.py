@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from dynts.cli_options import add_load_arguments, load_kwargs
+from dynts.cli_options import add_load_arguments, load_kwargs, set_threads
 
 __all__ = ["main"]
 
@@ -241,13 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    if args.threads is not None:
-        import torch
-
-        if args.threads < 1:
-            print(f"dynts analyze: --threads={args.threads} must be >= 1", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
+    try:
+        set_threads(args.threads)
+    except ValueError as err:
+        print(f"dynts analyze: {err}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except ValueError as err:

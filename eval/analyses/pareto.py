@@ -29,6 +29,7 @@ import torch
 from dynts.evictors.fixed import FixedPositions, fixed_budget
 from dynts.generate import attach, build_cache, generate
 from dynts.io import write_atomic
+from dynts.prompts import pad_id
 
 from .traces import IMPORTANCE, check_traces
 
@@ -371,7 +372,7 @@ def pareto_curve(
     conditions = [("full", 100.0)] + [(s, p) for s in config.strategies for p in config.percents]
     records = _load_records(path, config, len(conditions) * config.runs) if path is not None else []
     done = {(r["question_id"], r["sample_id"]) for r in records}
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     for t, trace in enumerate(rows):
         key = (trace["question_id"], trace["sample_id"])
         if key in done:

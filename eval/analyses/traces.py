@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from dynts.io import replace_directory
+from dynts.prompts import pad_rows
 
 __all__ = [
     "IMPORTANCE",
@@ -295,14 +296,6 @@ def _sentence_cut(tokenizer: Any, ids: list[int]) -> int:
     return len(ids)
 
 
-def _left_pad(seqs: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[b, width]`` left-padded ids and their attention mask."""
-    width = max(map(len, seqs))
-    ids = torch.tensor([[pad] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
-    return ids, mask
-
-
 @torch.no_grad()
 def chat_traces(
     model: torch.nn.Module,
@@ -343,7 +336,7 @@ def chat_traces(
         chats = [[{"role": "user", "content": f"{q}\n{config.instruction}".strip()}] for _, q, _ in batch]
         texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
         prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        ids, mask = _left_pad(prompts, pad)
+        ids, mask = pad_rows(prompts, pad)
         first = dynts.generate(
             model, tokenizer, input_ids=ids, attention_mask=mask, method="full",
             max_new_tokens=config.max_reasoning_tokens, **sampling,
@@ -356,7 +349,7 @@ def chat_traces(
         keep = [i for i, (_, r) in enumerate(prefixes) if len(r) >= config.min_reasoning_tokens]
         if not keep:
             continue
-        ids, mask = _left_pad([prefixes[i][0] + prefixes[i][1] + cue for i in keep], pad)
+        ids, mask = pad_rows([prefixes[i][0] + prefixes[i][1] + cue for i in keep], pad)
         second = dynts.generate(
             model, tokenizer, input_ids=ids, attention_mask=mask, method="full",
             max_new_tokens=config.max_answer_tokens, do_sample=False,

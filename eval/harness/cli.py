@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from dynts.cli_options import add_load_arguments, load_kwargs
+from dynts.cli_options import add_load_arguments, load_kwargs, set_threads
 
 from .methods import ABLATIONS
 
@@ -186,14 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     from .runner import run
     from .report import markdown_table
 
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"dynts eval: error: --threads={args.threads} must be >= 1", file=sys.stderr)
-            return 2
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
+        set_threads(args.threads)
         config = config_from_args(args)
         print(f"dynts eval: run dir {config.run_dir}", file=sys.stderr)
         results = run(config, load_options=load_kwargs(args, given_only=True))

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
+from dynts.prompts import encode_prompt
 
 from .benchmarks import INSTRUCTION, Benchmark, Example
 from data_pipeline.grading import LETTERS
 
-__all__ = ["INSTRUCTION", "choice_instruction", "encode_prompts", "left_pad", "user_message"]
+__all__ = ["INSTRUCTION", "choice_instruction", "encode_prompts", "user_message"]
 
 
 def choice_instruction(n_choices: int) -> str:
@@ -39,23 +39,5 @@ def encode_prompts(tokenizer, messages: Sequence[str], chat_template: bool = Tru
         raise ValueError(
             "the tokenizer has no chat template; pass chat_template=False (--no-chat-template) to send raw text"
         )
-    out = []
-    for message in messages:
-        if use_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True)
-            out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        else:
-            out.append(tokenizer(message, add_special_tokens=True)["input_ids"])
-    return out
+    return [encode_prompt(tokenizer, [{"role": "user", "content": m}] if use_template else m) for m in messages]
 
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)``, both ``[b, max_len]``, left-padded with ``pad_id``."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids, mask

@@ -33,12 +33,13 @@ import torch
 
 import dynts
 from dynts.io import write_atomic  # re-exported: eval.harness.runner.write_atomic
+from dynts.prompts import pad_rows, pad_id
 from data_pipeline.grading import answer_after_delimiter, grade_text, resolve_grade_on
 
 from .benchmarks import Benchmark, load_benchmark
 from .config import EvalConfig
 from .methods import MethodSpec
-from .prompts import encode_prompts, left_pad, user_message
+from .prompts import encode_prompts, user_message
 
 __all__ = ["Cell", "EvalConfig", "plan_cells", "run", "summarize", "write_atomic"]
 
@@ -164,8 +165,7 @@ def _batches(ctx: _Context, k: int, batch_size: int) -> list[list[tuple[int, int
 
 def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[int, int]], index: int) -> dict:
     torch.manual_seed(config.seed * 1_000_003 + index)
-    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
-    input_ids, attention_mask = left_pad([ctx.prompt_ids[i] for i, _ in pairs], pad)
+    input_ids, attention_mask = pad_rows([ctx.prompt_ids[i] for i, _ in pairs], pad_id(ctx.tokenizer))
     bounds = {} if cell.budget is None else {"budget": cell.budget, "local_window": cell.local_window, "retention": cell.retention}
     result = dynts.generate(
         ctx.model, ctx.tokenizer, input_ids=input_ids, attention_mask=attention_mask,

@@ -177,15 +177,15 @@ def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, bou
     """Plain sampling (``dynts.generate``) of every prompt; texts, generated lengths and seconds."""
     import dynts
 
-    from eval.harness.prompts import left_pad
+    from dynts.prompts import pad_rows, pad_id
 
     texts, lengths, seconds = [], [], 0.0
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     kw = dict(budget=config.budget, local_window=config.local_window, retention=config.retention,
               predictor=config.predictor, method_options=config.method_options.get(method)) if bounded else {}
     for start in range(0, len(prompts), 32):
         torch.manual_seed(config.seed * 1_000_003 + start)
-        ids, mask = left_pad(prompts[start : start + 32], pad)
+        ids, mask = pad_rows(prompts[start : start + 32], pad)
         out = dynts.generate(model, tokenizer, input_ids=ids, attention_mask=mask, method=method, max_new_tokens=max_tokens,
                              think_end=config.think_end, do_sample=True, temperature=config.temperature,
                              top_p=config.top_p, top_k=config.top_k, **kw)
