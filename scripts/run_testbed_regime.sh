@@ -40,8 +40,8 @@ for step in $steps; do
     rescue-budgets)
       $LOCK $RESCUE --budget 32 --n 4 --out reports/rescue/regime-B32-N4
       $LOCK $RESCUE --budget 128 --n 4 --out reports/rescue/regime-B128-N4 ;;
-    rescue-n8)
-      $LOCK $RESCUE --budget 64 --n 8 --out reports/rescue/regime-B64-N8 ;;
+    rescue-n8)  # N = 8 + 8 on the first 50 problems (twice the candidates per step)
+      $LOCK ${RESCUE/testbed:n=100,set=test/testbed:n=50,set=test} --budget 64 --n 8 --out reports/rescue/regime-B64-N8 ;;
     rescue-likelihood)  # the DynTS base with a PRM that knows step order: the full-context LRM's likelihoods
       $LOCK ${RESCUE/--method window,rkv,dynts/--method dynts} --prm likelihood:testbed --budget 64 --n 4 \
         --out reports/rescue/regime-B64-N4-likelihood ;;
