@@ -20,7 +20,6 @@ Two fine-tuning options start from a trained model (``init_from``):
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
+from trainers.schedules import cosine, linear_warmup
 
 TOKEN_ID = {t: i for i, t in enumerate(task.VOCAB)}
 ROLE_NAMES = ("prompt", "filler", "structure", "operand", "step_value", "answer_key", "answer_value")
@@ -142,12 +142,14 @@ def eviction_visibility(tokens: list[str], rng: random.Random, window: tuple[int
     """
     kept = torch.zeros(len(tokens), dtype=torch.bool)
     kept[: task.QUESTION_TOKENS] = True
-    asked = f"r{tokens[task.QUESTION_TOKENS - 2][1:]}="
+    asked = f"r{task.parse_question(tokens[: task.QUESTION_TOKENS])[1]}="
     end = tokens.index(task.END_THINK) if task.END_THINK in tokens else len(tokens)
     p_keep = rng.uniform(0.0, keep_max)
+    key_offset = 6  # rK= is the 7th of a step's STEP_TOKENS words: x xv op y yv gives rK= v ;
     for i in range(task.QUESTION_TOKENS, end):
         if tokens[i] in task.RESULT_KEYS and (tokens[i] == asked or rng.random() < p_keep):
-            kept[max(task.QUESTION_TOKENS, i - 6) : i + 3] = True
+            start = i - key_offset
+            kept[max(task.QUESTION_TOKENS, start) : start + task.STEP_TOKENS] = True
     return kept, rng.randint(*window)
 
 
@@ -329,8 +331,6 @@ class LMModule(L.LightningModule):
 
 def lr_at(cfg: LMConfig, step: int) -> float:
     """Linear warmup, then one cosine from ``lr`` to ``lr_end`` per stage."""
-    from trainers.schedules import cosine, linear_warmup  # local: keeps this file's import block untouched
-
     scale = linear_warmup(step, cfg.warmup)
     for stage in cfg.stages:
         if step < stage.steps:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from data_pipeline.testbed import task
+from dynts.io import write_atomic
 from trainers.testbed_eval import CHECKPOINTS, SAMPLING, load_testbed, score
 
 
@@ -127,6 +128,16 @@ def eviction(model: Any, tokenizer: Any, problems: Sequence[task.Problem], budge
     return {"budget": budget, "local_window": local_window, "min_think": min_think, "policies": policies}
 
 
+def _write(path: Path, result: dict[str, Any]) -> None:
+    write_atomic(path, json.dumps(result, indent=2, default=str))
+
+
+def helper_accuracy(problems: Sequence[task.Problem], seed: int = 0) -> dict[str, Any]:
+    """The helper's full-cache scores on ``problems`` (the report's ``accuracy.helper_full``)."""
+    helper, tok = load_testbed("testbed-helper")
+    return run_policy(helper, tok, problems, "full", seed=seed)[1]
+
+
 def update_eviction(out: str | Path = "reports/testbed.json", min_think: int = 300) -> dict[str, Any]:
     """Recompute only the eviction sections of an existing report (same problems and budget)."""
     import os
@@ -140,7 +151,7 @@ def update_eviction(out: str | Path = "reports/testbed.json", min_think: int = 3
     full = ev["policies"]["full"]
     result["eviction"] = eviction(lrm, tok, problems, ev["budget"], ev["local_window"], 0, full=full)
     result["eviction_min_think"] = eviction(lrm, tok, problems, ev["budget"], ev["local_window"], 0, min_think=min_think)
-    path.write_text(json.dumps(result, indent=2, default=str))
+    _write(path, result)
     return result
 
 
@@ -154,9 +165,7 @@ def report(n: int = 200, budget: int | None = None, local_window: int = 64, out:
     result["checkpoints"] = {name: checkpoint_facts(name) for name in CHECKPOINTS}
     lrm, tok = load_testbed("testbed")
     texts, full = run_policy(lrm, tok, problems, "full", seed=seed)
-    helper, htok = load_testbed("testbed-helper")
-    _, helper_full = run_policy(helper, htok, problems, "full", seed=seed)
-    result["accuracy"] = {"lrm_full": full, "helper_full": helper_full}
+    result["accuracy"] = {"lrm_full": full, "helper_full": helper_accuracy(problems, seed)}
     if budget is None:
         budget = int(round(full["mean_thinking_tokens"] / 4))
     local_window = min(local_window, budget - task.QUESTION_TOKENS - 8)
@@ -166,9 +175,7 @@ def report(n: int = 200, budget: int | None = None, local_window: int = 64, out:
     result["attention"] = attention_ranks(eager, tok, problems, texts)
     prm, _ = load_testbed("testbed-prm")
     result["prm"] = prm_auroc(prm, n)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str))
+    _write(Path(out), result)
     return result
 
 
@@ -179,7 +186,7 @@ def update_prm(out: str | Path = "reports/testbed.json", n: int = 200) -> dict[s
     result["checkpoints"]["testbed-prm"] = checkpoint_facts("testbed-prm")
     prm, _ = load_testbed("testbed-prm")
     result["prm"] = prm_auroc(prm, n)
-    path.write_text(json.dumps(result, indent=2, default=str))
+    _write(path, result)
     return result
 
 
@@ -189,10 +196,9 @@ def update_helper(out: str | Path = "reports/testbed.json", seed: int = 0) -> di
     path = Path(out)
     result = json.loads(path.read_text())
     result["checkpoints"]["testbed-helper"] = checkpoint_facts("testbed-helper")
-    helper, tok = load_testbed("testbed-helper")
     problems = task.problem_set(result["problem_set"], result["n_problems"])
-    result["accuracy"]["helper_full"] = run_policy(helper, tok, problems, "full", seed=seed)[1]
-    path.write_text(json.dumps(result, indent=2, default=str))
+    result["accuracy"]["helper_full"] = helper_accuracy(problems, seed)
+    _write(path, result)
     return result
 
 

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from data_pipeline.testbed import task
 
-__all__ = ["DEGENERATION_CLASSES", "ERROR_CLASSES", "classify_error", "degeneration_class", "error_table", "main"]
+__all__ = ["DEGENERATION_CLASSES", "ERROR_CLASSES", "classify_error", "count_errors", "degeneration_class", "error_table", "main"]
 
 ERROR_CLASSES = ("wrong key", "unparsed", "asked step never written", "step's own value wrong", "retrieval wrong")
 DEGENERATION_CLASSES = ("stops early", "wrong value", "loops", "incoherent")
@@ -66,20 +66,26 @@ def degeneration_class(problem: task.Problem, text: str) -> str | None:
     return "loops" if len(set(keys)) < len(keys) else _COARSE[kind]
 
 
-def cell_errors(run_dir: Path, cell: dict[str, Any], degeneration: bool = False) -> dict[str, int]:
-    """Counts per class (and ``wrong``) over the samples of one finished cell of ``run_dir``."""
-    from .benchmarks import load_benchmark
-
-    problems = {ex.id: ex.answer for ex in load_benchmark(cell["benchmark"]).examples}
+def count_errors(problems: dict[str, task.Problem], records: Sequence[dict[str, Any]], degeneration: bool = False) -> dict[str, int]:
+    """Counts per class (and ``wrong``) over ``records`` (``id``, ``text``; ``problems`` by id):
+    :func:`classify_error`'s classes, or with ``degeneration`` :func:`degeneration_class`'s."""
     classify, classes = (degeneration_class, DEGENERATION_CLASSES) if degeneration else (classify_error, ERROR_CLASSES)
     counts = {"wrong": 0, **{c: 0 for c in classes}}
-    for line in (run_dir / "samples" / f"{cell['key']}.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in records:
         kind = classify(problems[record["id"]], record["text"])
         if kind is not None:
             counts["wrong"] += 1
             counts[kind] += 1
     return counts
+
+
+def cell_errors(run_dir: Path, cell: dict[str, Any], degeneration: bool = False) -> dict[str, int]:
+    """:func:`count_errors` over the samples of one finished cell of ``run_dir``."""
+    from .benchmarks import load_benchmark
+
+    problems = {ex.id: ex.answer for ex in load_benchmark(cell["benchmark"]).examples}
+    lines = (run_dir / "samples" / f"{cell['key']}.jsonl").read_text().splitlines()
+    return count_errors(problems, [json.loads(line) for line in lines], degeneration)
 
 
 def error_table(run_dir: str | Path, cells: Sequence[dict[str, Any]] | None = None, degeneration: bool = False) -> str:

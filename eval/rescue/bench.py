@@ -302,16 +302,12 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
 
 def degeneration(cells: Sequence[dict[str, Any]], bench: Any) -> list[dict[str, Any]]:
     """Testbed only: what each cell's wrong answers did (stops early / wrong value / loops /
-    incoherent, :func:`eval.harness.testbed_errors.degeneration_class`)."""
-    from eval.harness.testbed_errors import DEGENERATION_CLASSES, degeneration_class
+    incoherent, :func:`eval.harness.testbed_errors.count_errors`)."""
+    from eval.harness.testbed_errors import count_errors
 
     problems = {ex.id: ex.answer for ex in bench.examples}
-    rows = []
-    for c in cells:
-        kinds = [degeneration_class(problems[r["id"]], r["text"]) for r in c["records"]]
-        rows.append({"setting": c["setting"], "method": c["method"], "problems": len(kinds), "wrong": sum(k is not None for k in kinds),
-                     **{k: kinds.count(k) for k in DEGENERATION_CLASSES}})
-    return rows
+    return [{"setting": c["setting"], "method": c["method"], "problems": len(c["records"]),
+             **count_errors(problems, c["records"], degeneration=True)} for c in cells]
 
 
 def compare(cells: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, dict[str, Any]]:

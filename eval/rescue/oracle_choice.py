@@ -21,9 +21,13 @@ from typing import Any, Sequence
 __all__ = ["oracle_choice", "oracle_choice_table", "plot_oracle_choice"]
 
 
+def _binomial_se(p: float, n: int) -> float:
+    return math.sqrt(p * (1 - p) / n)
+
+
 def _accuracy(records: Sequence[dict[str, Any]]) -> tuple[float, float]:
     p = sum(bool(r["correct"]) for r in records) / len(records)
-    return p, math.sqrt(p * (1 - p) / len(records))
+    return p, _binomial_se(p, len(records))
 
 
 def oracle_choice(full: Sequence[dict[str, Any]], evict: Sequence[dict[str, Any]], helper: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -79,8 +83,7 @@ def plot_oracle_choice(rows: dict[str, dict[str, Any]], path: str | Path, kvr: d
     for g, (method, r) in enumerate(rows.items()):
         bars = [(label, r[k], r["se"][k]) for k, label in keys]
         if kvr is not None and method in kvr:
-            p = kvr[method]
-            bars.insert(3, ("KV-Rescue", p, math.sqrt(p * (1 - p) / r["problems"])))
+            bars.insert(3, ("KV-Rescue", kvr[method], _binomial_se(kvr[method], r["problems"])))
         for j, (label, value, se) in enumerate(bars):
             ax.bar(g + (j - (len(bars) - 1) / 2) * width, 100 * value, width, yerr=100 * se, capsize=2,
                    color=f"C{j}", label=label if g == 0 else None)
