@@ -15,7 +15,7 @@ from ..evictors import Evictor
 from ..predictor import ImportancePredictor
 from ..prompts import encode_prompt, pad_id  # encode_prompt re-exported: dynts.serving.batch.encode_prompt
 from .manager import init_evicting_batching
-from .settings import EvictionSettings
+from ..paged import EvictionSettings
 
 __all__ = ["ServedResult", "encode_prompt", "generate_batch"]
 

@@ -20,7 +20,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from ..generate import final_norm, load_predictor
 from ..thinking import think_end_ids
 from .processor import EvictingBatchProcessor
-from .settings import EvictionSettings
+from ..paged import EvictionSettings
 
 __all__ = ["EvictingBatchingManager", "check_model", "init_evicting_batching"]
 

@@ -11,7 +11,7 @@ next token would overflow the budget (``stored + 1 > B``, the rule of :class:`dy
 has an eviction event: its :class:`~dynts.TokenInfo` goes to the evictor, the kept slots are
 gathered to the front of the request's pages -- one ``index_select``/``index_copy_`` over all layers
 and all evicting requests of the round -- its tail blocks go back to the pool, and its row of the
-:class:`~dynts.serving.slots.SlotTable` is compacted the same way.
+:class:`~dynts.paged.SlotTable` is compacted the same way.
 
 Memory: a request is admitted only when the pool can cover its reservation (``ceil(min(B, prompt +
 max_new) / page)`` blocks) on top of what the requests in flight may still claim, so an evicting
@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from typing import Callable, Sequence
 
 import torch
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
-from ..evictors.base import Segment
-from ..thinking import DelimiterMatcher
-from .settings import EvictionSettings
-from .slots import RequestSlots, SlotTable
+from ..paged import EvictionSettings, Forward, RequestSlots, SlotTracker, copy_plan
 
 __all__ = ["EvictingBatchProcessor"]
 
@@ -52,8 +48,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
     """
 
     settings: EvictionSettings
-    slots: dict[str, RequestSlots]
-    finished_stats: dict[str, dict[str, int]]
+    tracker: SlotTracker
 
     # ------------------------------------------------------------------ setup
     def attach_eviction(self, settings: EvictionSettings, think_end: Sequence[int] | None,
@@ -72,13 +67,11 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         if self.cache.use_prefix_sharing and settings.bounded:
             raise ValueError("eviction needs prefix block sharing off: ContinuousBatchingConfig(allow_block_sharing=False)")
         self.settings = settings
-        self.delimiter = DelimiterMatcher(think_end) if think_end is not None else None
         self.allocator = self.cache.cache_allocators["full_attention"]
         self.page = self.allocator.tokens_per_page
-        self.table = SlotTable(torch.device(self.model_device), width=max(256, settings.budget or 0))
-        self.slots = {}
-        self.finished_stats = finished_stats if finished_stats is not None else {}
-        self.pending_scores: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.tracker = SlotTracker(settings, self.model_device, think_end)
+        if finished_stats is not None:
+            self.tracker.finished = finished_stats
         self.preemptions = 0
         self.peak_blocks_in_use = 0
         # after every round: (seconds since attach, blocks in use, requests in flight)
@@ -112,12 +105,26 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         offsets = [(t.storage_offset() - origin) // row for layer in self.allocator.layer_indices for t in views[layer]]
         return flat, torch.tensor(offsets, dtype=torch.long, device=flat.device)
 
+    @property
+    def slots(self) -> dict[str, RequestSlots]:
+        """Per-request slot bookkeeping of the requests in flight (the tracker's)."""
+        return self.tracker.slots
+
+    @property
+    def table(self):
+        """The tracker's :class:`~dynts.paged.SlotTable`."""
+        return self.tracker.table
+
+    @property
+    def finished_stats(self) -> dict[str, dict[str, int]]:
+        return self.tracker.finished
+
     def reset(self) -> None:
         super().reset()
         if hasattr(self, "settings"):
             for rid in list(self.slots):
                 self._release(rid)
-            self.pending_scores = None
+            self.tracker.pending_scores = None
 
     # ------------------------------------------------------------------ memory
     def free_blocks_in_pool(self) -> int:
@@ -180,15 +187,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
     def _request_slots(self, state: RequestState) -> RequestSlots:
         entry = self.slots.get(state.request_id)
         if entry is None:
-            q = prompt_length(state)
-            bounds = self.settings.bounds
-            entry = RequestSlots(
-                row=self.table.acquire_row(),
-                question_length=q,
-                n_keep=bounds.n_keep(q) if bounds is not None else None,
-                reserved_blocks=self.reservation(state),
-            )
-            self.slots[state.request_id] = entry
+            entry = self.tracker.open(state.request_id, prompt_length(state), self.reservation(state))
         return entry
 
     def _record_batch(self) -> None:
@@ -199,8 +198,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
                 entry.peak_slots = max(entry.peak_slots, future.state.position_offset)
                 entry.peak_blocks = max(entry.peak_blocks, len(self.allocator.block_table.get(future.state.request_id, ())))
             return
-        rows, slots, positions, segments, tokens, shifts = [], [], [], [], [], []
-        shifted = False
+        forwards, shifts = [], []
         for future in self.inputs_and_outputs.requests_in_batch:
             state, q = future.state, future.query_length
             entry = self._request_slots(state)
@@ -213,66 +211,21 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
                 new = prompt[start : start + q]
             if len(new) != q:
                 raise RuntimeError(f"request {state.request_id}: cannot find the {q} tokens of this forward")
-            seg = self._segments(entry, new, start, stored)
-            rows += [entry.row] * q
-            slots += range(stored, stored + q)
-            positions += range(start, start + q)
-            segments += seg
-            tokens += new
+            forwards.append(Forward(entry, start, stored, new))
             shifts += [entry.shift] * q
-            shifted = shifted or entry.shift > 0
-            entry.peak_slots = max(entry.peak_slots, stored + q)
             entry.peak_blocks = max(entry.peak_blocks, len(self.allocator.block_table.get(state.request_id, ())))
-        total = len(rows)
-        self.table.ensure_width(max(slots) + 1)
-        device = self.table.device
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        row_t, slot_t = as_long(rows), as_long(slots)
-        self.table.write(row_t, slot_t, as_long(positions), as_long(segments), as_long(tokens))
-        self.pending_scores = (row_t, slot_t, total) if self.settings.needs_scores else None
-        if shifted:
+        self.tracker.record(forwards, score=self.settings.needs_scores)
+        if any(shifts):
             ids = self.inputs_and_outputs.position_ids
-            ids[:total] += torch.tensor(shifts, dtype=ids.dtype, device=ids.device)
-
-    def _segments(self, entry: RequestSlots, new: list[int], start: int, stored: int) -> list[int]:
-        """Segments of a forward's ``new`` tokens (absolute index ``start`` on), by the rule of
-        :class:`dynts.BoundedCache`: thinking until the request has emitted the whole delimiter; the
-        delimiter (all its tokens, also those stored by earlier forwards, relabelled in the table) and
-        everything after it are answer. The matcher state is one host integer per request."""
-        seg, generated = [], 0
-        for i, tok in enumerate(new):
-            if start + i < entry.question_length:
-                seg.append(int(Segment.QUESTION))
-                continue
-            generated += 1
-            if self.delimiter is not None and not entry.in_answer:
-                closes, entry.think_match = self.delimiter.step(entry.think_match, tok)
-                if closes:
-                    entry.in_answer = True
-                    m = self.delimiter.length
-                    here = min(m, generated)  # the delimiter's last tokens, in this forward
-                    seg[len(seg) - (here - 1):] = [int(Segment.ANSWER)] * (here - 1)
-                    if here < m:  # its first tokens were stored by earlier forwards
-                        self.table.relabel_answer(entry.row, stored, self.delimiter.ids[: m - here])
-            seg.append(int(Segment.ANSWER if entry.in_answer else Segment.THINKING))
-        return seg
+            ids[: len(shifts)] += torch.tensor(shifts, dtype=ids.dtype, device=ids.device)
 
     def write_scores(self, hidden_states: torch.Tensor, predictor: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Score the new tokens of the forward in flight from the final-norm output ``[1, T, h]``."""
-        if self.pending_scores is None:
-            return
-        rows, slots, total = self.pending_scores
-        self.pending_scores = None
-        if hidden_states.dim() != 3 or hidden_states.shape[1] < total:
-            return
-        self.table.scores[rows, slots] = predictor(hidden_states[0, :total]).float()
+        self.tracker.write_scores(hidden_states, predictor)
 
     def request_stats(self, rid: str) -> dict[str, int]:
         """Statistics of a request in flight or finished (empty if unknown)."""
-        entry = self.slots.get(rid)
-        if entry is not None:
-            return entry.stats()
-        return dict(self.finished_stats.get(rid, {}))
+        return self.tracker.stats(rid)
 
     def _release_finished(self) -> None:
         active, waiting = self.scheduler.active_requests, self.scheduler.waiting_requests
@@ -299,56 +252,41 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
             ), state)
 
     def _release(self, rid: str) -> None:
-        entry = self.slots[rid]
-        self.finished_stats[rid] = entry.stats()  # published before the entry leaves (readers in other threads)
-        del self.slots[rid]
-        self.table.release_row(entry.row)
+        self.tracker.release(rid)
 
     # ------------------------------------------------------------------ eviction
     def _evict_due(self) -> None:
-        budget = self.settings.bounds.budget
-        groups: dict[tuple[int, int], list[tuple[RequestState, RequestSlots]]] = defaultdict(list)
+        due = []
         for rid, state in self.scheduler.active_requests.items():
             entry = self.slots.get(rid)
-            if entry is None or state.status != RequestStatus.DECODING:
-                continue
-            stored = state.position_offset
-            if stored + 1 > budget and stored > entry.n_keep:
-                groups[(entry.question_length, stored)].append((state, entry))
-        if not groups:
+            if entry is not None and state.status == RequestStatus.DECODING and self.tracker.due(entry, state.position_offset):
+                due.append((state, entry))
+        if not due:
             return
+        states = {id(entry): state for state, entry in due}
         src, dst = [], []
-        for (question_length, stored), members in groups.items():
-            n_keep = members[0][1].n_keep
-            rows = torch.tensor([e.row for _, e in members], dtype=torch.long, device=self.table.device)
-            info = self.table.token_info(rows, stored, n_keep, self.settings.bounds.local_window, question_length)
-            if self.settings.needs_scores:
-                stale = info.scores.isnan() & (info.segments == Segment.THINKING)
-                if bool(stale.any()):
-                    raise RuntimeError(f"method={self.settings.evictor.name!r}: thinking tokens without predictor scores")
-            kept = self.settings.evictor(info)  # [g, n_keep]
-            self.table.compact(rows, kept)
+        for group in self.tracker.evict([(entry, state.position_offset) for state, entry in due]):
+            members = [states[id(e)] for e in group.entries]
             physical = torch.tensor(
-                [self.allocator.get_read_indices(s.request_id, 0, stored) for s, _ in members],
+                [self.allocator.get_read_indices(s.request_id, 0, group.stored) for s in members],
                 dtype=torch.long, device=self._flat.device,
             )  # [g, stored]
-            src.append(physical.gather(1, kept.to(physical.device)).flatten())
-            dst.append(physical[:, :n_keep].flatten())
-            for state, entry in members:
-                freed = self._pop_tail_blocks(state.request_id, n_keep)
-                state.position_offset = n_keep
-                entry.shift += stored - n_keep
-                entry.evictions += 1
-                entry.evicted_tokens += stored - n_keep
-                entry.freed_blocks += freed
+            moved = copy_plan(group.kept, physical)
+            src.append(moved[0])
+            dst.append(moved[1])
+            for state, entry in zip(members, group.entries):
+                entry.freed_blocks += self._pop_tail_blocks(state.request_id, group.n_keep)
+                state.position_offset = group.n_keep
         self._gather_rows(torch.cat(src), torch.cat(dst))
 
-    def _gather_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy token rows ``src`` -> ``dst`` (physical indices) in every layer's keys and values at once."""
+    def _gather_rows(self, src: torch.Tensor, dst: torch.Tensor, chunk: int = 4096) -> None:
+        """Copy token rows ``src`` -> ``dst`` (physical indices, :func:`~dynts.paged.copy_plan` order) in every
+        layer's keys and values, ``chunk`` rows of every layer at a time (bounded scratch)."""
         offsets = self._layer_offsets.unsqueeze(1)
-        src_all, dst_all = (src.unsqueeze(0) + offsets).flatten(), (dst.unsqueeze(0) + offsets).flatten()
         flat = self._flat
-        flat.index_copy_(0, dst_all, flat.index_select(0, src_all))
+        for lo in range(0, src.numel(), chunk):
+            s, d = src[lo : lo + chunk], dst[lo : lo + chunk]
+            flat.index_copy_(0, (d.unsqueeze(0) + offsets).flatten(), flat.index_select(0, (s.unsqueeze(0) + offsets).flatten()))
 
     def _pop_tail_blocks(self, rid: str, n_keep: int) -> int:
         """Return the blocks past ``ceil(n_keep / page)`` of a request to the pool; count them."""

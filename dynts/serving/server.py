@@ -22,7 +22,7 @@ from transformers import ContinuousBatchingConfig
 
 from ..evictors.base import EVICTORS
 from .manager import init_evicting_batching
-from .settings import EvictionSettings, serving_methods
+from ..paged import EvictionSettings, serving_methods
 
 __all__ = ["ServerSettings", "build_app", "main"]
 

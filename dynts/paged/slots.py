@@ -9,11 +9,14 @@ request's pages, so the table and the cache always agree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from ..evictors.base import Segment, TokenInfo
+
+if TYPE_CHECKING:
+    from .settings import EvictionSettings
 
 __all__ = ["RequestSlots", "SlotTable"]
 
@@ -31,6 +34,7 @@ class RequestSlots:
         in_answer: the request has emitted the whole thinking delimiter (``</think>``, maybe several tokens).
         think_match: the request's :class:`~dynts.thinking.DelimiterMatcher` state (delimiter tokens matched).
         peak_slots / evictions / evicted_tokens / freed_blocks / peak_blocks: statistics.
+        settings: the request's :class:`~dynts.paged.settings.EvictionSettings` (method, budget, ...).
     """
 
     row: int
@@ -45,6 +49,7 @@ class RequestSlots:
     evicted_tokens: int = 0
     freed_blocks: int = 0
     peak_blocks: int = 0
+    settings: "EvictionSettings | None" = field(default=None, repr=False)
 
     def stats(self) -> dict[str, int]:
         return {

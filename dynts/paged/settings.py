@@ -1,4 +1,4 @@
-"""What eviction a continuous-batching engine runs: one method, one budget for every request."""
+"""What eviction a paged serving engine runs: a method, a budget, a local window (per engine, or per request)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def serving_methods() -> list[str]:
 
 @dataclass
 class EvictionSettings:
-    """Eviction settings shared by every request of one engine (the arguments of :func:`dynts.generate`).
+    """Eviction settings of an engine or of one request (the arguments of :func:`dynts.generate`).
 
     Args:
         method: a name from :func:`serving_methods` or an :class:`~dynts.evictors.Evictor` instance.
