@@ -103,6 +103,11 @@ class Evictor(ABC):
     def select(self, info: TokenInfo) -> torch.Tensor:
         """Return the kept slot indices, ``[b, info.n_keep]`` int64, ascending in each row."""
 
+    def protected_prefix(self, question_length: int) -> int:
+        """Leading slots this method keeps at every event (so they never move): a paged engine may share
+        and cache the full blocks inside them. ``0`` unless the method says otherwise."""
+        return 0
+
     def bind(self, tokenizer) -> None:
         """Adapt settings that depend on the vocabulary (e.g. SepLLM's separator ids).
 

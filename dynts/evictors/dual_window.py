@@ -87,6 +87,9 @@ class DynTS(Evictor):
             protected |= self.protected_answer(info, protected)
         return keep_top(priority.masked_fill(protected, float("inf")), info)
 
+    def protected_prefix(self, question_length: int) -> int:
+        return question_length if self.keep_question else 0
+
     def answer_capacity(self, info: TokenInfo) -> int:
         """Answer tokens protected beyond the windows: ``floor(answer_share * (n_keep - W_q - W_l))``."""
         return math.floor(self.answer_share * max(0, info.n_keep - info.question_length - info.local_window))

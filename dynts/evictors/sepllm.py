@@ -104,6 +104,9 @@ class SepLLM(Evictor):
         if self.separator_token_ids is None:
             self.separator_token_ids = separator_ids(tokenizer, self.separators)
 
+    def protected_prefix(self, question_length: int) -> int:
+        return question_length if self.keep_question else min(self.sink_size, question_length)
+
     def select(self, info: TokenInfo) -> torch.Tensor:
         if self.separator_token_ids is None:
             raise ValueError(

@@ -24,6 +24,9 @@ class StreamingLLM(Evictor):
         if self.sink_size < 0:
             raise ValueError(f"sink_size={self.sink_size} must be >= 0")
 
+    def protected_prefix(self, question_length: int) -> int:
+        return min(self.sink_size, question_length)
+
     def select(self, info: TokenInfo) -> torch.Tensor:
         priority = torch.arange(info.shape[1], device=info.positions.device).float().expand(info.shape)
         priority = priority.masked_fill(first_valid_mask(info, self.sink_size), float("inf"))

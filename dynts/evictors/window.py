@@ -21,6 +21,9 @@ class LocalWindow(Evictor):
 
     keep_question: bool = False
 
+    def protected_prefix(self, question_length: int) -> int:
+        return question_length if self.keep_question else 0
+
     def select(self, info: TokenInfo) -> torch.Tensor:
         priority = torch.arange(info.shape[1], device=info.positions.device).float().expand(info.shape)
         if self.keep_question:

@@ -1,0 +1,28 @@
+"""dynts inside vLLM: a ``vllm.general_plugins`` plugin that bounds every request's KV cache.
+
+Installed with ``pip install 'dynts-lrm[vllm]'`` (entry point ``dynts = dynts.vllm:register``); vLLM
+calls :func:`register` in each of its processes. Inert unless the engine is configured::
+
+    vllm serve MODEL --no-async-scheduling \\
+        --additional-config '{"dynts": {"method": "dynts", "budget": 4096, "local_window": 512,
+                                        "retention": 0.4, "predictor": "DIR"}}'
+
+or ``vllm.LLM(MODEL, async_scheduling=False, additional_config={"dynts": {...}})``. A request may bring
+its own ``method``/``budget``/``local_window``/``retention`` in ``SamplingParams.extra_args``
+(``{"dynts": {...}}``; over HTTP ``vllm_xargs`` ``dynts_method``, ``dynts_budget``, ...). See
+``docs/serving.md``.
+"""
+
+from __future__ import annotations
+
+from .compat import SUPPORTED_VLLM, check_vllm_version, missing_internals
+
+__all__ = ["SUPPORTED_VLLM", "check_vllm_version", "missing_internals", "register"]
+
+
+def register() -> None:
+    """vLLM's ``general_plugins`` entry point: check the release and install the wrappers."""
+    check_vllm_version()
+    from .patches import install
+
+    install()

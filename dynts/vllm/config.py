@@ -1,0 +1,104 @@
+"""The plugin's configuration, the vLLM way: ``additional_config={"dynts": {...}}`` for the engine,
+``SamplingParams.extra_args`` for one request.
+
+Engine (``vllm serve MODEL --additional-config '{"dynts": {...}}'`` or ``vllm.LLM(...,
+additional_config=...)``): the arguments of :func:`dynts.generate` -- ``method``, ``budget``,
+``local_window``, ``retention``, ``predictor`` (a directory), ``think_end``, ``method_options``.
+
+Per request (``SamplingParams(extra_args={"dynts": {"method": "window", "budget": 512}})``, or over
+HTTP the flat ``vllm_xargs`` keys ``dynts_method``, ``dynts_budget``, ``dynts_local_window``,
+``dynts_retention``): any of method / budget / local_window / retention / method_options. The
+predictor is the engine's. Bad values are a ``ValueError`` naming the field (HTTP 400).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..paged import EvictionSettings
+
+__all__ = ["ENGINE_FIELDS", "REQUEST_FIELDS", "PluginConfig", "request_overrides"]
+
+ENGINE_FIELDS = ("method", "budget", "local_window", "retention", "predictor", "think_end", "method_options")
+REQUEST_FIELDS = ("method", "budget", "local_window", "retention", "method_options")
+FLAT_PREFIX = "dynts_"
+
+
+def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The dynts fields a request brings in ``extra_args`` (nested ``{"dynts": {...}}`` or flat ``dynts_*``)."""
+    if not extra_args:
+        return {}
+    out: dict[str, Any] = {}
+    nested = extra_args.get("dynts")
+    if nested is not None:
+        if not isinstance(nested, Mapping):
+            raise ValueError(f"extra_args['dynts'] must be an object of {list(REQUEST_FIELDS)}, got {type(nested).__name__}")
+        out.update(nested)
+    for key, value in extra_args.items():
+        if key.startswith(FLAT_PREFIX):
+            out[key[len(FLAT_PREFIX):]] = value
+    unknown = sorted(set(out) - set(REQUEST_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown dynts request fields {unknown}; a request may set {list(REQUEST_FIELDS)} "
+                         "(the predictor is the server's)")
+    return out
+
+
+@dataclass
+class PluginConfig:
+    """The engine's eviction settings and a cache of per-request variants (one evictor per variant).
+
+    Args:
+        engine: the ``additional_config["dynts"]`` mapping.
+    """
+
+    engine: Mapping[str, Any]
+    settings: EvictionSettings = field(init=False)
+    _variants: dict[tuple, EvictionSettings] = field(init=False, default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, Mapping):
+            raise ValueError(f"additional_config['dynts'] must be an object of {list(ENGINE_FIELDS)}")
+        unknown = sorted(set(self.engine) - set(ENGINE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown additional_config['dynts'] fields {unknown}; choose from {list(ENGINE_FIELDS)}")
+        self.settings = self._build(dict(self.engine))
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> "PluginConfig | None":
+        """The plugin's config from a ``VllmConfig``; ``None`` (plugin inert) without a ``dynts`` entry."""
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        if "dynts" not in extra:
+            return None
+        return cls(extra["dynts"])
+
+    def _build(self, fields: dict[str, Any]) -> EvictionSettings:
+        fields.setdefault("method", "dynts")
+        try:
+            return EvictionSettings(**fields)
+        except TypeError as err:
+            raise ValueError(f"bad dynts settings: {err}") from None
+
+    @property
+    def predictor(self) -> Any:
+        return self.settings.predictor
+
+    def for_request(self, extra_args: Mapping[str, Any] | None) -> EvictionSettings:
+        """The settings one request runs with (the engine's, or its overrides on top)."""
+        overrides = request_overrides(extra_args)
+        if not overrides:
+            return self.settings
+        key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
+        found = self._variants.get(key)
+        if found is None:
+            fields = {name: self.engine.get(name) for name in ENGINE_FIELDS if name in self.engine}
+            if "method" in overrides and "method_options" not in overrides:
+                fields.pop("method_options", None)  # the engine's options belong to the engine's method
+            fields.update(overrides)
+            found = self._build(fields)
+            if found.needs_scores and not self.settings.needs_scores:
+                raise ValueError(f"method={found.evictor.name!r} needs the predictor, which this server does not load; "
+                                 "start it with additional_config {'dynts': {'method': 'dynts', 'predictor': DIR, ...}}")
+            self._variants[key] = found
+        return found

@@ -1,0 +1,215 @@
+"""Where the plugin meets vLLM: wrappers around a handful of scheduler and model-runner methods.
+
+Every wrapper is inert unless the engine was started with ``additional_config={"dynts": {...}}``.
+The methods wrapped (checked to exist by :func:`dynts.vllm.compat.missing_internals`):
+
+| process | method | what dynts adds |
+|---|---|---|
+| engine core | ``Scheduler.__init__`` | builds :class:`~dynts.vllm.scheduler.SchedulerHooks`; refuses configurations it has not been tested with |
+| engine core | ``Scheduler.schedule`` | eviction events and freed blocks before the round, admission by bounded footprint, the plan on the output |
+| engine core | ``Scheduler._preempt_request`` / ``_free_request`` | a preempted evicted request fails loudly; per-request state is dropped |
+| engine core | ``KVCacheManager.allocate_slots`` (per instance) | blocks follow ``stored = num_computed_tokens - shift`` |
+| engine core | ``KVCacheCoordinator.cache_blocks``, ``KVCacheManager.prefix_cache_lookup_enabled`` (per instance) | only blocks that never move are hashed and shared |
+| front end | ``InputProcessor.process_inputs`` | per-request ``dynts`` fields and the prompt checked against the budget (HTTP 400) |
+| worker | ``GPUModelRunner.execute_model`` / ``_prepare_inputs`` / ``_model_forward`` | :class:`~dynts.vllm.worker.WorkerHooks` |
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from .config import PluginConfig
+from .scheduler import SchedulerHooks
+from .worker import WorkerHooks
+
+__all__ = ["install"]
+
+_INSTALLED = False
+
+
+def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(owner, name)
+    wrapped = functools.wraps(original)(make(original))
+    wrapped.__dynts_original__ = original
+    setattr(owner, name, wrapped)
+
+
+def check_engine(vllm_config: Any) -> None:
+    """Raise ``ValueError`` for an engine configuration the plugin has not been tested with."""
+    problems = []
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        problems.append("vLLM's V2 model runner (set VLLM_USE_V2_MODEL_RUNNER=0)")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        problems.append("async scheduling (pass async_scheduling=False / --no-async-scheduling)")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        problems.append("pipeline parallelism")
+    if getattr(vllm_config.cache_config, "cache_dtype", "auto") not in ("auto", None):
+        problems.append(f"a quantized KV cache (kv_cache_dtype={vllm_config.cache_config.cache_dtype!r})")
+    if problems:
+        raise ValueError("dynts.vllm cannot evict with " + "; ".join(problems)
+                         + ". Change these settings or start vLLM without additional_config['dynts']")
+
+
+def _install_scheduler() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            config = PluginConfig.from_vllm(self.vllm_config)
+            self._dynts = None
+            if config is None:
+                return
+            check_engine(self.vllm_config)
+            hooks = SchedulerHooks(self, config)
+            self._dynts = hooks
+            manager = self.kv_cache_manager
+            allocate, cache, lookup = manager.allocate_slots, manager.coordinator.cache_blocks, manager.prefix_cache_lookup_enabled
+
+            def allocate_slots(request, *a, **k):
+                shift = hooks.shift(request)
+                if not shift:
+                    return allocate(request, *a, **k)
+                request.num_computed_tokens -= shift
+                try:
+                    return allocate(request, *a, **k)
+                finally:
+                    request.num_computed_tokens += shift
+
+            def cache_blocks(request, num_computed_tokens):
+                limit = hooks.cache_limit(request)
+                return cache(request, num_computed_tokens if limit is None else min(num_computed_tokens, limit))
+
+            def prefix_cache_lookup_enabled(request):
+                limit = hooks.cache_limit(request)
+                return lookup(request) and (limit is None or limit >= hooks.block_size)
+
+            manager.allocate_slots = allocate_slots
+            manager.coordinator.cache_blocks = cache_blocks
+            manager.prefix_cache_lookup_enabled = prefix_cache_lookup_enabled
+        return __init__
+
+    def schedule(original):
+        def wrapped(self, *args, **kwargs):
+            hooks = getattr(self, "_dynts", None)
+            if hooks is None:
+                return original(self, *args, **kwargs)
+            plan = hooks.before_schedule()
+            waiting = list(self.waiting)
+            hidden = waiting[hooks.admissible(waiting):]
+            if hidden:
+                self.waiting.remove_requests(hidden)
+            try:
+                output = original(self, *args, **kwargs)
+            finally:
+                for request in hidden:
+                    self.waiting.add_request(request)
+            hooks.after_schedule(output, plan)
+            return output
+        return wrapped
+
+    def preempt(original):
+        def _preempt_request(self, request, *args, **kwargs):
+            original(self, request, *args, **kwargs)
+            if getattr(self, "_dynts", None) is not None:
+                self._dynts.on_preempt(request)
+        return _preempt_request
+
+    def free(original):
+        def _free_request(self, request, *args, **kwargs):
+            out = original(self, request, *args, **kwargs)
+            if getattr(self, "_dynts", None) is not None:
+                self._dynts.forget(request.request_id)
+            return out
+        return _free_request
+
+    _wrap(Scheduler, "__init__", init)
+    _wrap(Scheduler, "schedule", schedule)
+    _wrap(Scheduler, "_preempt_request", preempt)
+    _wrap(Scheduler, "_free_request", free)
+
+
+def _install_frontend() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    def process(original):
+        def process_inputs(self, *args, **kwargs):
+            request = original(self, *args, **kwargs)
+            config = getattr(self, "_dynts_config", False)
+            if config is False:
+                config = self._dynts_config = PluginConfig.from_vllm(self.vllm_config)
+            params = getattr(request, "sampling_params", None)
+            if config is not None and params is not None:
+                check_request(config, params.extra_args, len(request.prompt_token_ids or ()))
+            return request
+        return process_inputs
+
+    _wrap(InputProcessor, "process_inputs", process)
+
+
+def check_request(config: PluginConfig, extra_args: Any, prompt_length: int) -> None:
+    """Raise vLLM's validation error (HTTP 400) for bad per-request dynts fields or a prompt the budget
+    cannot hold next to the local window."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        settings = config.for_request(extra_args)
+        settings.check_prompt(prompt_length)
+    except ValueError as err:
+        raise VLLMValidationError(f"dynts: {err}", parameter="vllm_xargs") from None
+
+
+def _install_worker() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def hooks_of(runner) -> WorkerHooks | None:
+        hooks = getattr(runner, "_dynts", False)
+        if hooks is False:
+            config = PluginConfig.from_vllm(runner.vllm_config)
+            hooks = WorkerHooks(runner, config) if config is not None else None
+            runner._dynts = hooks
+        return hooks
+
+    def execute(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            hooks = hooks_of(self) if getattr(self, "kv_caches", None) else None
+            if hooks is not None:
+                hooks.before_step(scheduler_output)
+            return original(self, scheduler_output, *args, **kwargs)
+        return execute_model
+
+    def prepare(original):
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            out = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+            hooks = getattr(self, "_dynts", None)
+            if hooks:
+                hooks.after_prepare_inputs(num_scheduled_tokens)
+            return out
+        return _prepare_inputs
+
+    def forward(original):
+        def _model_forward(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            hooks = getattr(self, "_dynts", None)
+            if hooks:
+                hooks.after_forward(out)
+            return out
+        return _model_forward
+
+    _wrap(GPUModelRunner, "execute_model", execute)
+    _wrap(GPUModelRunner, "_prepare_inputs", prepare)
+    _wrap(GPUModelRunner, "_model_forward", forward)
+
+
+def install() -> None:
+    """Install every wrapper once per process (vLLM calls the plugin in each of its processes)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _install_scheduler()
+    _install_frontend()
+    _install_worker()
+    _INSTALLED = True

