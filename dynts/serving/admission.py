@@ -127,8 +127,8 @@ def isolate_failure(processor, error: Exception) -> list[str]:
     """Fail the requests ``error`` belongs to and free their blocks; return their ids.
 
     A :class:`RequestFailure` names its request. Otherwise the requests of the batch in flight fail
-    when the error came from its forward or update; an error while scheduling fails the requests in
-    flight (the waiting ones stay queued).
+    when the error came from its forward or update; an error while scheduling (e.g. a request that
+    outgrew the pool) fails the request in flight holding the most blocks, and the loop tries again.
     """
     scheduler = processor.scheduler
     rid = getattr(error, "request_id", None)
@@ -139,8 +139,10 @@ def isolate_failure(processor, error: Exception) -> list[str]:
                   if f.state.request_id in scheduler.active_requests]
     else:
         states = []
-    if not states:
-        states = list(scheduler.active_requests.values())
+    if not states and scheduler.active_requests:
+        tables = processor.cache.cache_allocators
+        held = lambda s: sum(len(a.block_table.get(s.request_id, ())) for a in tables.values())  # noqa: E731
+        states = [max(scheduler.active_requests.values(), key=held)]
     failed = []
     for state in states:
         processor._handle_request_error(error, state)
@@ -150,6 +152,6 @@ def isolate_failure(processor, error: Exception) -> list[str]:
             scheduler.waiting_requests_order.remove(state.request_id)
         failed.append(state.request_id)
     processor.batch_in_flight = False
-    logger.error("engine error, %d request(s) failed, the engine keeps serving: %s: %s",
-                 len(failed), type(error).__name__, error, exc_info=error)
+    logger.error("engine error, request(s) %s failed, the engine keeps serving: %s: %s",
+                 failed, type(error).__name__, error, exc_info=error)
     return failed

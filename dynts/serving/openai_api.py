@@ -97,9 +97,10 @@ def _optional_int(body: Mapping[str, Any], name: str, low: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    _kind(value, int, name, f"an int >= {low}")
+    hint = "a positive int" if low == 1 else f"an int >= {low}"
+    _kind(value, int, name, hint)
     if value < low:
-        raise BadRequest(f"{name}={value!r} must be an int >= {low}", param=name)
+        raise BadRequest(f"{name}={value!r} must be {hint}", param=name)
     return value
 
 

@@ -59,14 +59,16 @@ def free_memory(device: torch.device) -> tuple[int, str]:
 
 
 def plan_pool(model: torch.nn.Module, settings: EvictionSettings, page_size: int, *,
-              sized_requests: int = SIZED_REQUESTS) -> PoolPlan:
-    """The default pool for ``model`` served with ``settings`` (raise ``MemoryError`` when not even one
-    request at its longest fits the memory free after the headroom)."""
+              sized_requests: int = SIZED_REQUESTS, longest: int | None = None) -> PoolPlan:
+    """The default pool for ``model`` served with ``settings``: ``sized_requests`` requests of ``longest``
+    tokens (default: ``B`` when evicting, else ``max_position_embeddings``), or what the free memory holds
+    after the headroom if less. Raise ``MemoryError`` when not even one such request fits."""
     config = model.config.get_text_config()
     cache_dtype = next(model.parameters()).dtype
     per_token = ModelShape.from_config(config, bytes_per_element=cache_dtype.itemsize).kv_bytes_per_token
     bytes_per_block = per_token * page_size
-    longest = settings.budget if settings.bounded else getattr(config, "max_position_embeddings", None) or 32768
+    if longest is None:
+        longest = settings.budget if settings.bounded else getattr(config, "max_position_embeddings", None) or 32768
     per_request = math.ceil(longest / page_size)
     device = next(model.parameters()).device
     free, how = free_memory(device)

@@ -112,13 +112,13 @@ class Server:
         out: dict[str, float] = dict(self.counters.snapshot())
         p = self.manager.last_processor
         if p is not None:
-            trace = p.block_trace
-            in_use = trace[-1][1] if trace else 0
+            free = p.free_blocks_in_pool()  # pool counters: safe to read from another thread
+            in_use = p.allocator.num_blocks - free
             out.update(
                 requests_running=len(p.scheduler.active_requests),
                 requests_waiting=len(p.scheduler.waiting_requests) + self.manager.input_queue.qsize(),
                 kv_blocks=p.allocator.num_blocks, kv_blocks_in_use=in_use,
-                kv_blocks_free=p.allocator.num_blocks - in_use, kv_block_tokens=p.page, preemptions=p.preemptions,
+                kv_blocks_free=free, kv_block_tokens=p.page, preemptions=p.preemptions,
             )
         return out
 
