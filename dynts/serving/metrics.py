@@ -66,13 +66,15 @@ def _value(value: float) -> str:
     return repr(float(value))
 
 
+def _escape(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def render_prometheus(stats: Mapping[str, float], labels: Mapping[str, str] | None = None) -> str:
     """Prometheus text exposition of ``stats`` (keys of :data:`METRICS`; missing keys are left out)."""
     label = ""
     if labels:
-        escaped = (f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34)).replace(chr(10), " ")}"'
-                   for k, v in sorted(labels.items()))
-        label = "{" + ",".join(escaped) + "}"
+        label = "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
     lines = []
     for metric in METRICS:
         if metric.key not in stats or stats[metric.key] is None:
