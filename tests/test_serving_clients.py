@@ -302,3 +302,12 @@ def test_default_pool_next_to_a_generate_batch_process(model_dir, tmp_path):
         assert complete(url, prompt=PROMPT, max_tokens=4)["choices"][0]["text"]
     start = next(line for line in log.read_text().splitlines() if line.startswith("dynts serve:"))
     assert re.search(r"KV pool \d+ blocks x 8 tokens \([\d.]+ GiB\): ", start) and "MemAvailable" in start
+
+
+def test_serve_the_testbed_in_bf16_on_cpu(tmp_path):
+    args = ["--dtype", "bf16", "--device", "cpu", "--kv-method", "full", "--page-size", "16", "--num-blocks", "64"]
+    log = tmp_path / "testbed.log"
+    with running_server("testbed", args, log) as url:
+        reply = complete(url, prompt="a 6 b 6 find r1", max_tokens=6)
+    assert reply["usage"]["completion_tokens"] >= 1
+    assert "on cpu" in log.read_text()
