@@ -3,11 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,17 +16,11 @@ httpx = pytest.importorskip("httpx")
 import dynts  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from rescue_tiny import word_tokenizer  # noqa: E402
+from serve_helpers import running_server  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 BUDGET, WINDOW, NEW = 20, 4, 40
 SERVE_ARGS = ["--kv-method", "window", "--kv-budget", str(BUDGET), "--kv-local-window", str(WINDOW),
               "--page-size", "8", "--num-blocks", "64", "--max-batch-tokens", "64"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,34 +29,8 @@ def served(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tiny-llama")
     tiny_model("llama").save_pretrained(model_dir)
     word_tokenizer().save_pretrained(model_dir)
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "dynts.cli", "serve", str(model_dir), "--port", str(port), *SERVE_ARGS]
-    log = open(model_dir / "server.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"dynts serve exited with {proc.returncode}: {(model_dir / 'server.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("dynts serve did not come up within 90 s")
-            time.sleep(0.3)
+    with running_server(model_dir, SERVE_ARGS, model_dir / "server.log") as url:
         yield model_dir, url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-        log.close()
 
 
 def reference_texts(model_dir: Path, prompts: list) -> list[str]:

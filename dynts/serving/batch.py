@@ -15,6 +15,7 @@ from ..evictors import Evictor
 from ..predictor import ImportancePredictor
 from ..prompts import encode_prompt, pad_id  # encode_prompt re-exported: dynts.serving.batch.encode_prompt
 from .manager import init_evicting_batching
+from .pool import plan_pool
 from ..paged import EvictionSettings
 
 __all__ = ["ServedResult", "encode_prompt", "generate_batch"]
@@ -66,7 +67,8 @@ def generate_batch(
     ``GenerationConfig`` fields (``do_sample``, ``temperature``, ``top_p``, ...) overriding the
     model's ``generation_config``, which is followed otherwise (as :func:`dynts.generate` does).
     ``continuous_batching_config`` sizes the paged cache (``num_blocks``, ``page_size``,
-    ``max_batch_tokens``). Returns one :class:`ServedResult` per prompt, in order.
+    ``max_batch_tokens``); without ``num_blocks`` the pool is sized from the memory free on the model's
+    device (:func:`dynts.serving.pool.plan_pool`). Returns one :class:`ServedResult` per prompt, in order.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
@@ -85,9 +87,13 @@ def generate_batch(
     gen_config.update(**{**sampling, "max_new_tokens": max_new_tokens})
     if tokenizer is not None and gen_config.pad_token_id is None:
         gen_config.pad_token_id = pad_id(tokenizer)
+    cb_config = copy.deepcopy(continuous_batching_config) if continuous_batching_config else ContinuousBatchingConfig()
+    if cb_config.num_blocks is None:
+        longest = max(settings.reserved_slots(len(p), max_new_tokens) for p in ids)
+        cb_config.num_blocks = plan_pool(model, settings, cb_config.page_size, sized_requests=len(ids),
+                                         longest=longest).num_blocks
     manager = init_evicting_batching(
-        model, settings, tokenizer=tokenizer, generation_config=gen_config,
-        continuous_batching_config=continuous_batching_config,
+        model, settings, tokenizer=tokenizer, generation_config=gen_config, continuous_batching_config=cb_config,
     )
     outputs, request_ids = {}, []
     manager.start()

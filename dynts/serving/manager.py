@@ -19,7 +19,9 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 
 from ..generate import final_norm, load_predictor
 from ..thinking import think_end_ids
+from .admission import isolate_failure
 from .processor import EvictingBatchProcessor
+from .sampling import PerRequestSampler, SamplingParams, neutral_generation_config
 from ..paged import EvictionSettings
 
 __all__ = ["EvictingBatchingManager", "check_model", "init_evicting_batching"]
@@ -47,6 +49,10 @@ class EvictingBatchingManager(ContinuousBatchingManager):
     eviction: EvictionSettings
     think_end_ids: tuple[int, ...] | None
     predictor: torch.nn.Module | None
+    # per-request sampling (init_evicting_batching(per_request_sampling=True)): request id -> parameters
+    sampling: dict[str, SamplingParams] | None = None
+    default_sampling: SamplingParams | None = None
+    isolate_errors: bool = True
 
     def _create_batch_processor(self):
         self.continuous_batching_config.use_async_batching = False
@@ -56,16 +62,45 @@ class EvictingBatchingManager(ContinuousBatchingManager):
         if not isinstance(processor, EvictingBatchProcessor):
             processor.__class__ = EvictingBatchProcessor
             processor.attach_eviction(self.eviction, self.think_end_ids, self.finished_stats)
+            if self.sampling is not None:
+                processor.attach_sampler(PerRequestSampler(self.sampling.get, self.default_sampling))
         self.last_processor = processor
         return processor
 
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
-                    **kwargs: Any) -> str | None:
+                    sampling: SamplingParams | None = None, **kwargs: Any) -> str | None:
+        """The stock ``add_request``; ``sampling``: this request's own parameters (needs
+        ``init_evicting_batching(per_request_sampling=True)``)."""
         self.eviction.check_prompt(len(input_ids))
         limit = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"max_new_tokens={limit!r} must be a positive int")
+        if sampling is not None:
+            if self.sampling is None:
+                raise ValueError("sampling=... needs a manager built with init_evicting_batching(per_request_sampling=True)")
+            if request_id is None:
+                with self._request_lock:
+                    request_id = f"req_{self._request_counter}"
+                    self._request_counter += 1
+            self.sampling[request_id] = sampling
         return super().add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+
+    def release(self, request_id: str) -> None:
+        """Forget a delivered request's sampling parameters and statistics (a long-running server calls this)."""
+        if self.sampling is not None:
+            self.sampling.pop(request_id, None)
+        self.finished_stats.pop(request_id, None)
+
+    def _generation_loop_body(self, batch_processor, bootstrapping: bool) -> bool:
+        """The stock loop body; an exception fails only the requests it belongs to
+        (:func:`~dynts.serving.admission.isolate_failure`) and the loop goes on."""
+        try:
+            return super()._generation_loop_body(batch_processor, bootstrapping)
+        except Exception as error:
+            if not self.isolate_errors or not isinstance(batch_processor, EvictingBatchProcessor):
+                raise
+            isolate_failure(batch_processor, error)
+            return True
 
     def request_stats(self, request_id: str) -> dict[str, int]:
         """A request's statistics (final once its result is delivered; empty if unknown)."""
@@ -110,8 +145,13 @@ def init_evicting_batching(
     tokenizer=None,
     generation_config: GenerationConfig | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
+    per_request_sampling: bool = False,
 ) -> EvictingBatchingManager:
     """Build (not start) an :class:`EvictingBatchingManager` for ``model``.
+
+    ``per_request_sampling``: each request decodes with the :class:`~dynts.serving.sampling.SamplingParams`
+    given to ``add_request(sampling=...)`` (default: the generation config's own sampling) instead of the
+    engine's one batch-wide mode; the sampling step then runs outside CUDA graphs.
 
     ``continuous_batching_config`` sizes the paged cache (``num_blocks``, ``page_size``,
     ``max_batch_tokens``; set them on CPU). Async batching and (when evicting) prefix block
@@ -131,6 +171,11 @@ def init_evicting_batching(
     gen_config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     if gen_config.eos_token_id is None:
         gen_config.eos_token_id = -1
+    default_sampling = None
+    if per_request_sampling:
+        default_sampling = SamplingParams.from_generation_config(gen_config)
+        gen_config = neutral_generation_config(gen_config)
+        cb_config.use_cuda_graph = False  # the per-request sampling step is host logic: never replay it from a graph
     manager = EvictingBatchingManager(model=model, generation_config=gen_config, continuous_batching_config=cb_config)
     manager.eviction = settings
     manager.think_end_ids = think_end_ids(tokenizer, settings.think_end)
@@ -138,6 +183,8 @@ def init_evicting_batching(
     manager._score_hook = None
     manager.finished_stats = {}
     manager.last_processor = None
+    manager.sampling = {} if per_request_sampling else None
+    manager.default_sampling = default_sampling
     if settings.needs_scores:
         manager.predictor = load_predictor(settings.predictor, model)
         manager._score_hook = final_norm(model).register_forward_hook(manager._score)

@@ -95,6 +95,14 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
             return done
 
         self.offloading_manager.offload_requests = guarded_offload
+        self.sampler = None
+        self.batch_in_flight = False  # a batch was prepared and not yet updated (dynts.serving.admission)
+
+    def attach_sampler(self, sampler) -> None:
+        """Sample every request with its own parameters (:class:`~dynts.serving.sampling.PerRequestSampler`
+        replaces the engine's batch-wide sampling step)."""
+        self.sampler = sampler
+        self.model_runner._sample = sampler
 
     def _flat_view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The allocator's cache as ``[rows, kv_heads, head_dim]`` and, per layer and K/V, the offset
@@ -168,10 +176,15 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
 
     # ------------------------------------------------------------------ per round
     def prepare_next_batch(self) -> bool:
+        self.batch_in_flight = False
         ready = super().prepare_next_batch()
         self._release_finished()
         if ready:
             self._record_batch()
+            if self.sampler is not None:
+                self.sampler.prepare(self.inputs_and_outputs.requests_in_batch)
+                self.sampler.forget(set(self.scheduler.active_requests))
+        self.batch_in_flight = ready
         return ready
 
     def update_batch(self) -> None:
@@ -179,6 +192,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         self._release_finished()
         if self.settings.bounded:
             self._evict_due()
+        self.batch_in_flight = False
         self._round += 1
         in_use = self.blocks_in_use()
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
