@@ -21,6 +21,7 @@ from datasets import Array2D, Dataset, Features, Sequence as ListOf, Value, load
 from data_pipeline.shards import ShardStore, settings_from_dict, stage_main
 from data_pipeline.traces import KEY, TRACE_FEATURES
 from dynts.importance import sequence_importance
+from dynts.predictor import BaseModelFingerprint
 
 __all__ = ["ImportanceConfig", "add_importance", "importance_features", "load_trace_dataset"]
 
@@ -123,7 +124,8 @@ def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dic
     order = {key: i for i, key in enumerate(zip(traces["question_id"], traces["sample_id"]))}
     settings = {k: v for k, v in asdict(cfg).items() if k != "threads"}
     store.merge(sort_key=lambda k: order.get((k["question_id"], k["sample_id"]), len(order)),
-                extra_stats={"config": settings, "hidden_size": hidden_size})
+                extra_stats={"config": settings, "hidden_size": hidden_size,
+                             "base_model": asdict(BaseModelFingerprint.from_model(model, cfg.model))})
     return store.stats()
 
 

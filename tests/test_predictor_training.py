@@ -18,6 +18,7 @@ import dynts
 from data_pipeline.importance_data import add_importance
 from data_pipeline.traces import generate_traces
 from pipeline_utils import tiny_testbed_lm, write_yaml
+from dynts.predictor import BaseModelFingerprint
 from trainers.predictor import PredictorModule, export_predictor
 from trainers.predictor_cli import PredictorCLI, check_checkpoint
 from trainers.predictor_data import PredictorDataModule
@@ -174,6 +175,12 @@ def test_fit_exports_a_predictor_that_generate_loads(work, tmp_path):
     assert predictor.config.extra["metrics"]["val/kendall"] == metrics["val/kendall"]
     assert (run / "ckpt" / "last.ckpt").is_file()
     model, tok = dynts.load(str(work["model"]))
+    # bound to its backbone (the importance stage recorded the fingerprint), with a model card
+    assert predictor.config.base_model == BaseModelFingerprint.from_model(model, str(work["model"]))
+    card = (exported / "README.md").read_text()
+    assert f"{metrics['val/kendall']:.3f}" in card and f"{metrics['val/overlap']:.3f}" in card
+    assert f"dynts train-predictor fit --config {config}" in card and "testbed:ptrain:16" in card
+    assert "log1p-zscore" in card and predictor.config.base_model.final_norm_sha256 in card
     ids = torch.tensor([[2, 9, 21, 10, 14, 11, 19, 12, 20, 13, 17, 7, 28, 4]])
     result = dynts.generate(model, input_ids=ids, method="dynts", predictor=str(exported), budget=24, local_window=4,
                             max_new_tokens=30, pad_token_id=0)

@@ -20,6 +20,7 @@ Batches (micro-batches of ``micro_batch_size`` traces), over the thinking tokens
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -31,9 +32,11 @@ from datasets import Array2D, Dataset, Features, Value, load_from_disk
 from torch.utils.data import DataLoader
 
 from dynts.importance import final_hidden_states
+from dynts.predictor import BaseModelFingerprint
 from dynts.prompts import pad_rows
 from data_pipeline.importance_data import load_trace_dataset
 from data_pipeline.shards import ShardStore
+from trainers.predictor_card import traces_settings
 from trainers.predictor_metrics import LABEL_TRANSFORMS, normalize_labels
 
 __all__ = ["PredictorDataModule", "final_hidden_states"]  # final_hidden_states re-exported from dynts.importance
@@ -150,6 +153,32 @@ class PredictorDataModule(L.LightningDataModule):
             self.backbone.requires_grad_(False)
             self.pad_token_id = self.backbone.config.get_text_config().pad_token_id or 0
         return self.backbone
+
+    def base_model(self) -> BaseModelFingerprint:
+        """The backbone's fingerprint: the one the importance stage recorded in the dataset's
+        ``stats.json``, else computed from the backbone (loaded once; in cache mode freed after)."""
+        stats = Path(self.dataset) / "stats.json"
+        saved = json.loads(stats.read_text()).get("base_model") if stats.is_file() else None
+        if saved:
+            fingerprint = BaseModelFingerprint(**saved)
+        else:
+            loaded = self.backbone is not None
+            fingerprint = BaseModelFingerprint.from_model(self.load_backbone())
+            if not loaded and self.hidden_mode == "cache":
+                self.backbone = None
+        fingerprint.name_or_path = self.backbone_name
+        return fingerprint
+
+    def traces_settings(self) -> dict[str, Any]:
+        """Trace settings and counts behind the dataset, for the model card."""
+        return traces_settings(self.dataset)
+
+    def split_sizes(self) -> dict[str, int]:
+        """Traces and questions on each side of the split (after :meth:`setup`), for the model card."""
+        if not hasattr(self, "train_set"):
+            return {}
+        return {"train_traces": len(self.train_set), "heldout_traces": len(self.val_set),
+                "heldout_questions": len(self.val_questions)}
 
     def prepare_data(self) -> None:
         """Build the hidden-state cache once (rank 0) when the dataset has no ``hidden`` column."""
