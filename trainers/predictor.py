@@ -37,7 +37,7 @@ from trainers.predictor_data import PredictorDataModule
 from trainers.schedules import warmup_cosine
 from trainers.predictor_metrics import LOSSES, MeanKendallTau, TopPercentOverlap, importance_loss
 
-__all__ = ["ExportBest", "PredictorModule", "export_predictor"]
+__all__ = ["ExportBest", "PredictorModule", "export_predictor", "place_backbone"]
 
 METRICS_NAME = "metrics.json"
 
@@ -156,10 +156,8 @@ class PredictorModule(L.LightningModule):
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if "hidden" in batch:
             return batch["hidden"]
-        backbone = self._frozen[0]
-        if next(backbone.parameters()).device != self.device:
-            backbone.to(self.device)
-        hidden = final_hidden_states(backbone, batch["input_ids"], batch["attention_mask"])
+        backbone = place_backbone(self._frozen[0], self.device)
+        hidden = final_hidden_states(backbone, batch["input_ids"], batch["attention_mask"]).to(self.device)
         index = batch["positions"][..., None].expand(-1, -1, hidden.shape[-1])
         return hidden.gather(1, index).float()
 
@@ -200,6 +198,17 @@ class PredictorModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, h.warmup_steps, total, h.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def place_backbone(backbone: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The frozen backbone on the training device, unless accelerate dispatched it (``device_map``):
+    a sharded backbone stays where it is (its inputs go to the embedding's device, its outputs come
+    back to ``device``)."""
+    if getattr(backbone, "hf_device_map", None):
+        return backbone
+    if next(backbone.parameters()).device != device:
+        backbone.to(device)
+    return backbone
 
 
 class ExportBest(Callback):
