@@ -18,9 +18,11 @@ from typing import Any
 import torch
 from datasets import Array2D, Dataset, Features, Sequence as ListOf, Value, load_from_disk
 
+from data_pipeline.loading import default_dtype, is_bundled_toy
 from data_pipeline.shards import ShardStore, settings_from_dict, stage_main
 from data_pipeline.traces import KEY, TRACE_FEATURES
 from dynts.importance import sequence_importance
+from dynts.predictor import BaseModelFingerprint
 
 __all__ = ["ImportanceConfig", "add_importance", "importance_features", "load_trace_dataset"]
 
@@ -33,24 +35,32 @@ class ImportanceConfig:
         model: ``dynts.load`` name or local HF directory (the model that generated the traces).
         traces_dir: the trace dataset directory (``<traces output_dir>/dataset``).
         output_dir: where ``shards/`` and the merged ``dataset/`` go.
-        save_hidden: also store fp16 final hidden states (the predictor's training inputs).
+        save_hidden: also store fp16 final hidden states (the predictor's training inputs); default
+            ``True`` for a bundled toy only (a 7B trace set would need ~250 GB; the trainer
+            recomputes them or builds a thinking-span cache instead).
         max_batch_tokens: padded tokens per forward (long traces go one at a time).
         shard_size: traces per shard.
-        dtype: model dtype; device: ``cpu`` / ``cuda`` / ``auto``.
+        dtype: model dtype; default ``float32`` for a bundled toy, ``bfloat16`` otherwise.
+        device: ``cpu`` / ``cuda`` / ``auto`` (without ``device_map``).
+        device_map: shard the model over GPUs (``dynts.load``, e.g. ``auto`` for 32B).
         threads: ``torch.set_num_threads`` for this job.
     """
 
     model: str = "testbed"
     traces_dir: str = "runs/pipeline-testbed/traces/dataset"
     output_dir: str = "runs/pipeline-testbed/importance"
-    save_hidden: bool = True
+    save_hidden: bool | None = None
     max_batch_tokens: int = 16384
     shard_size: int = 256
-    dtype: str = "float32"
+    dtype: str | None = None
     device: str = "auto"
+    device_map: str | dict | None = None
     threads: int | None = None
 
     def __post_init__(self) -> None:
+        self.dtype = default_dtype(self.model, self.dtype)
+        if self.save_hidden is None:
+            self.save_hidden = is_bundled_toy(self.model)
         if self.max_batch_tokens < 1 or self.shard_size < 1:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} and shard_size={self.shard_size} must be >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -100,7 +110,8 @@ def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dic
     if model is None:
         from data_pipeline.loading import load_model
 
-        model, _ = load_model(cfg.model, cfg.dtype, _device(cfg.device))
+        device = None if cfg.device_map is not None else _device(cfg.device)
+        model, _ = load_model(cfg.model, cfg.dtype, device, device_map=cfg.device_map)
     hidden_size = model.config.get_text_config().hidden_size
     store = ShardStore(cfg.output_dir, importance_features(hidden_size if cfg.save_hidden else None), KEY)
     store.clean_partial()
@@ -123,7 +134,8 @@ def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dic
     order = {key: i for i, key in enumerate(zip(traces["question_id"], traces["sample_id"]))}
     settings = {k: v for k, v in asdict(cfg).items() if k != "threads"}
     store.merge(sort_key=lambda k: order.get((k["question_id"], k["sample_id"]), len(order)),
-                extra_stats={"config": settings, "hidden_size": hidden_size})
+                extra_stats={"config": settings, "hidden_size": hidden_size,
+                             "base_model": asdict(BaseModelFingerprint.from_model(model, cfg.model))})
     return store.stats()
 
 

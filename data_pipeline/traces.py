@@ -26,7 +26,7 @@ from datasets import Features, Sequence as ListOf, Value
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from dynts.prompts import pad_id
-from data_pipeline.loading import load_model, load_tokenizer
+from data_pipeline.loading import check_device_map, default_dtype, load_model, load_tokenizer
 from data_pipeline.grading import ANSWER_RULES, GRADE_ON, find_answer_start, make_grader
 from data_pipeline.questions import Question, QuestionDataModule, load_questions
 from data_pipeline.shards import ShardStore, settings_from_dict, stage_main
@@ -77,7 +77,9 @@ class TraceConfig:
             (default: the longest prompt + ``max_new_tokens``, not the model's full context), and the
             fraction of GPU memory vLLM may take.
         accelerator / devices / precision: passed to the Lightning ``Trainer``.
-        dtype: model weights dtype (``float32``, ``bfloat16``, ``float16``).
+        dtype: model weights dtype (``float32``, ``bfloat16``, ``float16``); default ``float32`` for a
+            bundled toy, ``bfloat16`` otherwise.
+        device_map: shard the model over GPUs (``dynts.load``; ``hf`` backend, ``devices: 1``).
         progress: show a progress bar.
         threads: ``torch.set_num_threads`` for this job (CPU; tiny models decode fastest with 1).
     """
@@ -108,7 +110,8 @@ class TraceConfig:
     gpu_memory_utilization: float = 0.9
     accelerator: str = "auto"
     devices: int | str = 1
-    dtype: str = "float32"
+    dtype: str | None = None
+    device_map: str | dict | None = None
     progress: bool = True
     threads: int | None = None
 
@@ -125,8 +128,11 @@ class TraceConfig:
                 f"sampling temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k} must satisfy "
                 "temperature > 0, 0 < top_p <= 1, top_k >= 0"
             )
+        self.dtype = default_dtype(self.model, self.dtype)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        if self.backend == "hf":
+            check_device_map(self.device_map, self.devices, "traces")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an int >= 1 (GPUs per model)")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= self.max_new_tokens):
@@ -195,14 +201,23 @@ class TraceSampler(L.LightningModule):
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: TraceConfig, data: QuestionDataModule) -> None:
         super().__init__()
-        self.model, self.tokenizer, self.config, self.data = model, tokenizer, config, data
+        # a dispatched (device_map) model stays where accelerate put it: held outside the submodules,
+        # Lightning never moves it
+        self._held = [model] if getattr(model, "hf_device_map", None) else []
+        if not self._held:
+            self.model = model
+        self.tokenizer, self.config, self.data = tokenizer, config, data
         self.grader = make_grader(config.grader)
+
+    @property
+    def backbone(self) -> torch.nn.Module:
+        return self._held[0] if self._held else self.model
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[tuple[tuple, dict | None, str]]:
         cfg = self.config
         torch.manual_seed(cfg.seed + 1_000_003 * self.global_rank + batch_idx)
         pad = pad_id(self.tokenizer)
-        out = self.model.generate(
+        out = self.backbone.generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             do_sample=True,
@@ -273,7 +288,7 @@ def generate_traces(config: TraceConfig | dict[str, Any], model=None, tokenizer=
         if cfg.backend == "vllm":
             tokenizer = load_tokenizer(cfg.model)
         else:
-            model, tokenizer = load_model(cfg.model, cfg.dtype)
+            model, tokenizer = load_model(cfg.model, cfg.dtype, device_map=cfg.device_map)
     done = store.done()
     data = QuestionDataModule(questions, tokenizer, cfg.samples_per_question, cfg.batch_size, done=set(done))
     writer = ShardWriter(store, cfg.shard_size)

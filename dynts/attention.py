@@ -46,14 +46,19 @@ def attention_rows(
         scaling: softmax scale, default ``d ** -0.5``.
 
     Returns ``[b, h_q, q, n]`` float32.
+
+    Precision (as kvpress): ``q k^T`` runs in the model's dtype, reading the key cache where it is
+    (no float32 copy of every layer's keys at every step); the logits are then cast to float32 for
+    the mask, the softmax and everything the caller accumulates. In float32 models nothing changes;
+    in bfloat16 the logits carry bfloat16 rounding (relative ~4e-3), as in the peers' own code.
     """
     b, hq, q, d = query.shape
     hk, n = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else d**-0.5
     # Query head i reads KV head i // (hq // hk) (transformers' repeat_kv order): fold each group's
     # heads into the query rows of its KV head instead of copying the keys once per query head.
-    grouped = (query.float() * scale).reshape(b, hk, (hq // hk) * q, d)
-    logits = torch.matmul(grouped, key.float().transpose(-1, -2)).view(b, hq, q, n)
+    grouped = (query.to(key.dtype) * scale).reshape(b, hk, (hq // hk) * q, d)
+    logits = torch.matmul(grouped, key.transpose(-1, -2)).view(b, hq, q, n).float()
     del grouped
     if attention_mask is None:
         if q == 1:  # a single new row attends to every stored key

@@ -23,7 +23,7 @@ import torch
 
 from .predictor import final_norm
 
-__all__ = ["COMPILE_MODES", "compiled_decode", "default_compile_mode", "scoring_slot"]
+__all__ = ["COMPILE_MODES", "check_single_device", "compiled_decode", "default_compile_mode", "scoring_slot"]
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _ATTRIBUTE = "_dynts_compiled_forwards"  # per model: mode -> compiled forward (compile once, reuse)
@@ -32,6 +32,18 @@ _ATTRIBUTE = "_dynts_compiled_forwards"  # per model: mode -> compiled forward (
 def default_compile_mode(device: torch.device) -> str:
     """``"reduce-overhead"`` (CUDA graphs) on CUDA, ``"default"`` elsewhere."""
     return "reduce-overhead" if torch.device(device).type == "cuda" else "default"
+
+
+def check_single_device(model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` when ``model`` is dispatched over several devices (accelerate's
+    ``hf_device_map``): the compiled decode step, its CUDA graphs and the static cache buffers live
+    on one device."""
+    devices = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()})
+    if len(devices) > 1:
+        raise ValueError(
+            f"compile=True is single-device, but the model is dispatched over {devices} (device_map); "
+            "load it on one GPU (device='cuda', no device_map) to compile, or keep device_map and pass compile=False"
+        )
 
 
 def _compiled_forward(model: torch.nn.Module, eager: Callable, mode: str) -> Callable:
@@ -87,6 +99,7 @@ def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Iterator
     Use with a ``static=True`` :class:`~dynts.cache.BoundedCache` (``dynts.generate(..., compile=True)``
     builds one): with the default dynamic layout every step has a new shape and would recompile.
     """
+    check_single_device(model)
     if mode is None:
         mode = default_compile_mode(next(model.parameters()).device)
     if mode not in COMPILE_MODES:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from .budget import Budget
 from .cache import BoundedCache
 from .compiled import compiled_decode, scoring_slot
 from .evictors import Evictor, make_evictor
-from .predictor import ImportancePredictor, final_norm  # final_norm re-exported (public API)
+from .predictor import BaseModelFingerprint, ImportancePredictor, final_norm, find_predictor  # final_norm re-exported
 from .prompts import encode_prompt, pad_rows, pad_id
 from .thinking import think_end_ids
 
@@ -41,21 +42,52 @@ class GenerationResult:
     cache: BoundedCache | None = field(default=None, repr=False)
 
 
-def load_predictor(predictor: ImportancePredictor | str | Path, model: torch.nn.Module) -> ImportancePredictor:
-    """Load/check a predictor for ``model`` (hidden size must match) and move it to its device."""
+def load_predictor(
+    predictor: ImportancePredictor | str | Path,
+    model: torch.nn.Module | Any,
+    *,
+    strict: bool = True,
+    final_norm_weight: torch.Tensor | None = None,
+    name_or_path: str | None = None,
+    search_dirs: Sequence[str | Path] | None = None,
+) -> ImportancePredictor:
+    """Load a predictor for ``model``, check it was trained on that model, and place it.
+
+    Args:
+        predictor: an :class:`ImportancePredictor`, its directory, or ``"auto"``
+            (:func:`dynts.predictor.find_predictor`: ``dynts-predictor-<model basename>`` in
+            ``search_dirs``, ``$DYNTS_PREDICTOR_PATH``, the shipped checkpoints or the HF cache).
+        model: the Hugging Face model, or only its config (``PretrainedConfig``) where no model
+            object exists (vLLM); then pass ``final_norm_weight`` too.
+        strict: a predictor of another base model raises ``ValueError``; ``False`` warns instead.
+        final_norm_weight: with a config: the final norm's weight ``[d]`` (its hash identifies
+            the model; the predictor moves to its device).
+        name_or_path: the model's name for messages and ``"auto"`` (default: the config's).
+        search_dirs: extra directories for ``"auto"``.
+
+    Returns the predictor in eval mode on the final norm's device (a sharded model's last stage).
+    """
+    if isinstance(model, torch.nn.Module):
+        fingerprint = BaseModelFingerprint.from_model(model, name_or_path)
+        param = next(final_norm(model).parameters(), None)
+        device = param.device if param is not None else next(model.parameters()).device
+    else:
+        fingerprint = BaseModelFingerprint.from_config(model, final_norm_weight, name_or_path)
+        device = final_norm_weight.device if final_norm_weight is not None else None
+    if isinstance(predictor, str) and predictor == "auto":
+        predictor = find_predictor(fingerprint, search_dirs)
     if isinstance(predictor, (str, Path)):
-        predictor = ImportancePredictor.from_pretrained(predictor)
+        path, predictor = predictor, ImportancePredictor.from_pretrained(predictor)
+        if predictor.config.base_model is None:
+            warnings.warn(
+                f"predictor {str(path)!r} records no base model (its config has no base_model): only its hidden "
+                "size is checked; add one with `python -m trainers.predictor_card --predictor DIR --backbone MODEL`",
+                stacklevel=2,
+            )
     if not isinstance(predictor, ImportancePredictor):
-        raise ValueError(f"predictor must be an ImportancePredictor or a directory, got {type(predictor).__name__}")
-    hidden = model.config.get_text_config().hidden_size
-    if predictor.hidden_size != hidden:
-        raise ValueError(
-            f"predictor hidden size {predictor.hidden_size} != model hidden size {hidden}; "
-            "train/load a predictor for this backbone"
-        )
-    # the predictor reads the final norm's output: put it where that module lives (sharded models)
-    param = next(final_norm(model).parameters(), None)
-    return predictor.to(param.device if param is not None else next(model.parameters()).device).eval()
+        raise ValueError(f"predictor must be an ImportancePredictor, a directory or 'auto', got {type(predictor).__name__}")
+    predictor.check_base_model(fingerprint, strict=strict)
+    return (predictor.to(device) if device is not None else predictor).eval()
 
 
 def build_cache(
@@ -169,7 +201,8 @@ def generate(
             (then ``local_window`` and ``retention`` come from it; e.g. ``sizing="official"``).
         local_window: ``W_l`` recent tokens always kept.
         retention: fraction of the selection window kept at each eviction event.
-        predictor: :class:`ImportancePredictor` or its directory (required by ``dynts``).
+        predictor: :class:`ImportancePredictor`, its directory or ``"auto"`` (required by
+            ``dynts``); it must have been trained on ``model`` (:func:`load_predictor`).
         max_new_tokens: generation length cap.
         think_end: the delimiter closing the thinking segment: text (encoded with ``tokenizer``; it
             may span several tokens), a token id or a sequence of ids; the delimiter and the tokens

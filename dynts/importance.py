@@ -112,7 +112,8 @@ def answer_importance(
 
     def record(module: torch.nn.Module, probs: torch.Tensor) -> None:
         # probs: [b, heads, rows, T]; sum over heads and answer rows
-        scores.add_(torch.einsum("bhrt,br->bt", probs, row_weight))
+        # a sharded model (device_map) runs each layer on its own device
+        scores.add_(torch.einsum("bhrt,br->bt", probs, row_weight.to(probs.device)).to(scores.device))
 
     with recording_attention(model, record, last_rows=rows):
         last_hidden = final_hidden_states(model, input_ids, attention_mask)

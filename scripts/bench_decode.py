@@ -22,6 +22,11 @@ in cache length over a sawtooth cycle); the speedup ``t_full(L) / t(L)``; the di
 :mod:`dynts.cost`. A continuous decode of the small model traces the sawtooth of the paper's Fig. 5.
 Writes ``bench_decode.json`` and ``decode_latency.png`` under ``--out``.
 
+``--stats-before-after``: the per-step cost of the attention statistics (H2O, SnapKV, R-KV) over the
+window method, with ``q k^T`` in the model's dtype (shipped) and with the query and the whole key
+cache cast to float32 first (the former code), alternating ``--ab-rounds`` times; pair it with
+``--dtype bfloat16`` (in float32 the two are the same computation).
+
 ``--compile``: every lane uses a static-layout cache (fixed buffers: ``B`` slots for a method, for the
 full cache ``max(positions) + 3N`` slots, for ``full@B`` ``B`` slots, like transformers' StaticCache)
 and decode steps run through :func:`dynts.compiled.compiled_decode`; ``t_full(B)`` is then the
@@ -31,6 +36,7 @@ warm-up step before the timed phases.
     flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_decode.py            # ~10 min on 2 cores
     .venv/bin/python scripts/bench_decode.py --quick                               # tiny model, ~1 min
     flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_decode.py --models small --compile
+    flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_decode.py --quick --dtype bfloat16 --stats-before-after
 """
 
 from __future__ import annotations
@@ -53,11 +59,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import dynts  # noqa: E402
+import dynts.attention  # noqa: E402
 from dynts.compiled import compiled_decode  # noqa: E402
 from dynts.cost import ModelShape, decode_flops, predictor_flops, selection_flops  # noqa: E402
 from dynts.kernels import backend_for  # noqa: E402
 from dynts.models import checkpoints_dir  # noqa: E402
-from decode_report import plot, print_run, write_json  # noqa: E402
+from decode_report import plot, print_run, print_stats_before_after, write_json  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -74,6 +81,42 @@ def small_model() -> tuple[torch.nn.Module, str]:
         num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=True, attn_implementation="sdpa",
     )
     return Qwen2ForCausalLM(config).eval(), "random-qwen2-0.8M"
+
+
+STATS_METHODS = ("h2o", "snapkv", "rkv")  # the methods whose statistics come from dynts.attention.attention_rows
+SHIPPED_ATTENTION_ROWS = dynts.attention.attention_rows
+
+
+def fp32_attention_rows(query, key, attention_mask, scaling):
+    """The former statistics: query and the whole key cache cast to float32 before ``q k^T``."""
+    return SHIPPED_ATTENTION_ROWS(query.float(), key.float(), attention_mask, scaling)
+
+
+def stats_before_after(model, label: str, args) -> dict:
+    """``t_top`` of window and the statistics methods with float32-cast keys (before) and model-dtype
+    ``q k^T`` (after), best of ``args.ab_rounds`` alternating runs; overhead = method - window."""
+    methods = ["window", *STATS_METHODS]
+    best: dict = {}
+    for _ in range(args.ab_rounds):
+        for variant, rows_fn in (("before", fp32_attention_rows), ("after", SHIPPED_ATTENTION_ROWS)):
+            dynts.attention.attention_rows = rows_fn
+            try:
+                run = bench_positions(model, f"{label} [{variant}]", 1, methods, args.positions, args)
+            finally:
+                dynts.attention.attention_rows = SHIPPED_ATTENTION_ROWS
+            for row in run["rows"]:
+                for name, r in row["methods"].items():
+                    key = (row["position"], name, variant)
+                    best[key] = min(best.get(key, float("inf")), r["t_top"])
+    table = []
+    for position in args.positions:
+        for name in STATS_METHODS:
+            before = best[(position, name, "before")] - best[(position, "window", "before")]
+            after = best[(position, name, "after")] - best[(position, "window", "after")]
+            table.append(dict(position=position, method=name, t_top_before=best[(position, name, "before")],
+                              t_top_after=best[(position, name, "after")], overhead_before=before, overhead_after=after))
+    print_stats_before_after(f"{label} {args.dtype}, B={args.budget}, best of {args.ab_rounds}", table)
+    return dict(model=label, dtype=args.dtype, budget=args.budget, rounds=args.ab_rounds, rows=table)
 
 
 def load_model(name: str) -> tuple[torch.nn.Module, str]:
@@ -355,6 +398,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="batch sizes to run (batch 8 uses the --batch8-* settings on large models)")
     parser.add_argument("--compile", action="store_true",
                         help="static-layout caches and torch.compile'd decode steps (see the module docstring)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
+    parser.add_argument("--stats-before-after", action="store_true",
+                        help="only the attention-statistics cost, float32-cast keys vs model-dtype q k^T (docstring)")
+    parser.add_argument("--ab-rounds", type=int, default=2, help="alternating rounds of --stats-before-after")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_decode")
@@ -392,6 +439,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     for name in args.models:
         model, label = load_model(name)
+        model = model.to(getattr(torch, args.dtype))
+        if args.stats_before_after:
+            results["stats_before_after"] = stats_before_after(model, label, args)
+            write_json(results, args.out / "bench_decode.json")
+            continue
         small = name == "small"
         for batch in args.batches:
             batch_methods = methods if small else (args.large_methods if batch == 1 else args.batch8_methods)
@@ -413,6 +465,8 @@ def main(argv=None) -> int:
         del model
     results["seconds"] = time.perf_counter() - started
     write_json(results, args.out / "bench_decode.json")
+    if args.stats_before_after:
+        return 0
     plot(results, args.out / "decode_latency.png")
     print(f"\nwrote {args.out / 'bench_decode.json'} and {args.out / 'decode_latency.png'} "
           f"({results['seconds']:.0f} s)")

@@ -31,6 +31,17 @@ def print_run(run: dict) -> None:
                   f"event extra {v['event_extra_ms']:+.2f} ms")
 
 
+def print_stats_before_after(title: str, table: list[dict]) -> None:
+    """The ``--stats-before-after`` table: per-step time and overhead over window, before / after."""
+    print(f"\n== attention statistics per decode step, {title}")
+    print(f"{'L':>6} {'method':<7} {'before ms':>9} {'after ms':>9} {'after/before':>12} "
+          f"{'overhead before':>15} {'overhead after':>14}")
+    for r in table:
+        print(f"{r['position']:>6} {r['method']:<7} {1e3 * r['t_top_before']:>9.3f} {1e3 * r['t_top_after']:>9.3f} "
+              f"{r['t_top_after'] / r['t_top_before']:>12.3f} {1e3 * r['overhead_before']:>13.3f}ms "
+              f"{1e3 * r['overhead_after']:>12.3f}ms")
+
+
 def plot(results: dict, path: Path) -> None:
     """One panel per (model, batch): per-token latency vs position; plus the continuous sawtooth."""
     import matplotlib

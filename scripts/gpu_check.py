@@ -1,36 +1,43 @@
-"""One prepared check for the GPU machine (one H200, ~8 minutes): CUDA tests, decode speed of a 7B shape, one JSON.
+"""One prepared check for the GPU machine (one H200, about 8 minutes): versions, kernels, exactness,
+serving and decode speed at 7B shapes, one JSON.
 
-(a) ``pytest -m cuda`` (tests/test_cuda.py: Triton kernels vs torch on the hardware, bf16 sdpa
-    exactness, compiled decode with CUDA graphs vs eager, a two-GPU split when there are two);
-(b) ``scripts/bench_decode.py``'s measurement (:func:`bench_positions`: every lane advanced to each
-    position, then top / event / bottom decode phases timed side by side) on a RANDOM-INIT model of
-    DeepSeek-R1-Distill-Qwen-7B's shape in bf16 (28 layers, hidden 3584, 28 query / 4 KV heads, head
-    dim 128, MLP 18944, vocab 152064; speed does not depend on the weights) at L = 8k / 16k / 32k,
-    B = 2k / 4k, batch 1 and 16, eager and compiled (``torch.compile`` mode ``reduce-overhead``):
-    speedup vs the full cache, t / t_full(B), peak KV and peak GPU memory per combination;
-(c) ``gpu_check.json`` under ``--out``.
+Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finishes):
 
-Every combination is time-boxed (SIGALRM) inside ``--budget-seconds`` (default 450 s); what did not
-run (time, or memory: a combination whose full cache would not fit is skipped up front) is listed
-under ``skipped`` with the reason. Combinations run in :func:`plan`'s order (most informative per second first).
+(1) ``versions``: python, torch, CUDA, triton, transformers, huggingface-hub, checked against the
+    ranges in ``pyproject.toml`` (core and ``serve`` extra) and against ``import dynts`` /
+    ``import dynts.serving`` (which refuse an unsupported transformers). An unsupported release stops
+    the script before any test or timing (exit 2; the JSON says why): timings of a cache that
+    computes wrong tokens are worth nothing.
+(2) ``kernels``: Triton compaction and keep-top selection vs the torch reference at the real layout,
+    K/V ``[16, 4, 8192, 128]`` bf16 (bitwise: they only move data), with their times.
+(3) ``attention_stats``: H2O/SnapKV/R-KV statistics of one decode step (``attention_rows``, 28 query /
+    4 KV heads, 4096 keys, batch 16, bf16), ``q k^T`` in bf16 vs the key cache cast to float32.
+(4) ``logits``: a bounded cache that never evicts vs a plain forward: bf16 logits within 4 ulps of the
+    largest logit (SDPA on strided views and on contiguous tensors may sum in another order: no
+    bitwise demand) and, in float32, greedy tokens identical to ``model.generate``.
+(5) ``tests``: ``pytest -m cuda`` (tests/test_cuda.py).
+(6) ``serve``: ``scripts/bench_serve.py`` on a RANDOM-INIT model of DeepSeek-R1-Distill-Qwen-7B's
+    shape in bf16 (28 layers, hidden 3584, 28 query / 4 KV heads, head dim 128; speed does not
+    depend on the weights): stock continuous batching vs per-request eviction at one block pool.
+(7) ``decode``: ``scripts/bench_decode.py``'s measurement on the same model at L = 8k / 16k / 32k,
+    B = 2k / 4k, batch 1 and 16, eager and compiled: speedup vs the full cache, t / t_full(B),
+    peak KV and GPU memory (combinations in :func:`plan`'s order; what did not fit in time or
+    memory is listed under ``skipped``).
+(8) ``vllm``: reserved for the vLLM plugin check (``null`` until it is added; see the marked place
+    in :func:`main`).
 
-The GPU image has transformers 5.17, on which 47 core tests fail; the project needs 5.24. Carry the
-wheel (the image's huggingface-hub 1.33, tokenizers 0.23.2 and safetensors 0.8 satisfy 5.24's pins;
-huggingface-hub 2.x would need httpx2, which the image lacks, so pin the hub to the image's 1.33).
-Here, in the repo root, once::
+Run it there (the device tool's ``run``, ``timeout_s=600``)::
 
-    echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-        -d .whl transformers==5.24.0 huggingface-hub==1.33.0
-
-There (the device tool's ``run`` with ``carry=[".whl"]``, ``timeout_s=540``)::
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; \\
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT
 
-On CPU, tiny shapes, the same code paths (run by tests/test_gpu_check.py so it cannot rot)::
+When the image's transformers lies outside the supported range, the script refuses; carry wheels
+of a supported release (here: ``pip download --no-deps --only-binary=:all: --python-version 3.12
+--platform manylinux_2_28_x86_64 -d .whl transformers==X huggingface-hub==Y``, ``carry=[".whl"]``)
+and put them first on the path there (``pip install --no-index --no-deps --target /tmp/site
+.whl/*.whl; export PYTHONPATH=/tmp/site:$PWD``).
+
+On CPU every section runs at tiny shapes (tests collected only), so the script is known to run
+(tests/test_gpu_check.py)::
 
     python scripts/gpu_check.py --dry-run --out /tmp/gpu_check
 """
@@ -39,22 +46,26 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import inspect
 import json
 import platform
 import signal
 import subprocess
 import sys
 import time
+import tomllib
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-
-import bench_decode  # noqa: E402
+# dynts, bench_decode and bench_serve are imported only after check_versions() accepted the release
 
 R1_DISTILL_7B = dict(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -64,6 +75,11 @@ TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
 )
+MID = dict(  # the logits check: big enough for real kernels, small enough for float32
+    vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+)
+PACKAGES = {"torch": "torch", "transformers": "transformers", "huggingface-hub": "huggingface_hub", "triton": "triton"}
 
 
 def build_model(shape: dict, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -131,6 +147,8 @@ def kv_bytes_per_token(shape: dict, dtype: torch.dtype) -> int:
 
 
 def run_combo(model, combo: dict, args, shape: dict, dtype) -> dict:
+    import bench_decode
+
     steps = 4 if args.dry_run else 8
     argv = ["--models", "x", "--budget", str(combo["budget"]), "--local-window", str(combo["budget"] // 16),
             "--steps", str(steps), "--prompt-tokens", "32", "--full-chunk", str(256 if args.dry_run else 4096)]
@@ -164,44 +182,170 @@ def print_combo(record: dict) -> None:
         print(f"  L={row['position']:>6} full {row['t_full_L_ms']:.2f} ms, full@B {row['t_full_B_ms']:.2f} ms | {cells}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="directory for gpu_check.json")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, tests collected only")
-    parser.add_argument("--budget-seconds", type=float, default=None, help="whole run (default 450; dry run 240)")
-    parser.add_argument("--methods", nargs="+", default=["window", "dynts"])
-    parser.add_argument("--skip-tests", action="store_true")
-    args = parser.parse_args(argv)
-    budget = args.budget_seconds or (240.0 if args.dry_run else 450.0)
-    started = time.perf_counter()
-    left = lambda: budget - (time.perf_counter() - started)
-    if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --dry-run on CPU")
-    device, dtype, shape = ("cpu", torch.float32, TINY) if args.dry_run else ("cuda", torch.bfloat16, R1_DISTILL_7B)
-    if args.dry_run:
-        torch.set_num_threads(1)
-    import transformers
+# ---------------------------------------------------------------------------------------------- sections
+def check_versions() -> dict:
+    """Installed versions vs ``pyproject.toml`` (core dependencies and the ``serve`` extra) and vs
+    dynts's own import-time checks; ``refused`` lists every reason not to run."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    result = dict(
-        machine=dict(platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
-                     transformers=transformers.__version__, cuda=torch.version.cuda,
-                     gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]),
-        dry_run=args.dry_run, shape=shape, dtype=str(dtype), methods=args.methods, budget_seconds=budget,
-        tests=None, bench=[], skipped=[],
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
-    out_file = args.out / "gpu_check.json"
+    from packaging.requirements import Requirement
 
-    def save() -> None:
-        result["seconds"] = time.perf_counter() - started
-        out_file.write_text(json.dumps(result, indent=1))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"].get("serve", [])]
+    found, refused = {"python": platform.python_version(), "cuda": torch.version.cuda}, []
+    for dist in PACKAGES:
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            found[dist] = getattr(sys.modules.get(PACKAGES[dist]) or _try_import(PACKAGES[dist]), "__version__", None)
+    for req in wanted:
+        have = found.get(req.name)
+        if req.name in PACKAGES and have is not None and not req.specifier.contains(have.split("+")[0], prereleases=True):
+            refused.append(f"{req.name} {have} is outside the supported {req} (pyproject.toml)")
+    for module in ("dynts", "dynts.serving"):  # their own checks (an ImportError naming the release and the fix)
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            refused.append(f"import {module}: {err}")
+    return dict(found=found, required=[str(r) for r in wanted if r.name in PACKAGES], refused=refused)
 
-    if not args.skip_tests:
-        result["tests"] = run_tests(args.dry_run, min(150.0, 0.3 * budget))
-        print(f"tests: rc={result['tests']['returncode']} ({result['tests']['seconds']:.0f} s)\n"
-              f"{result['tests']['output_tail'][-1500:]}", flush=True)
-        save()
-    model = build_model(shape, device, dtype)
+
+def _try_import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _cuda_ms(fn, repeat: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn()`` over ``repeat`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_check(device: torch.device, dry_run: bool) -> dict:
+    """compact_ / keep_top_indices (Triton on CUDA) vs the torch reference at ``[b, h, n, d]``."""
+    from dynts.kernels import backend_for, compact_, compact_torch_, keep_top_indices, keep_top_torch
+
+    b, h, n, d = (2, 2, 64, 16) if dry_run else (16, 4, 8192, 128)
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    k = n // 2 + n // 7
+    priority = torch.randperm(b * n, generator=g).float().view(b, n).to(device)  # distinct: no ties
+    valid = (torch.rand(b, n, generator=g) > 0.05).to(device)
+    kept = keep_top_indices(priority, valid, k)
+    select_equal = torch.equal(kept.cpu(), keep_top_torch(priority.cpu(), valid.cpu(), k))
+    buffers = [torch.randn(b, h, n, d, generator=g).to(device, dtype) for _ in range(4)]  # K and V of 2 layers
+    expected = [t.clone() for t in buffers]
+    compact_torch_(expected, kept, n)
+    compact_(buffers, kept, n)
+    compact_equal = all(torch.equal(a[:, :, :k], e[:, :, :k]) for a, e in zip(buffers, expected))
+    scratch = [t.clone() for t in buffers]
+    times = dict(compact_ms=_cuda_ms(lambda: compact_(scratch, kept, n), 5, device),
+                 compact_torch_ms=_cuda_ms(lambda: compact_torch_(scratch, kept, n), 5, device),
+                 select_ms=_cuda_ms(lambda: keep_top_indices(priority, valid, k), 5, device),
+                 select_torch_ms=_cuda_ms(lambda: keep_top_torch(priority, valid, k), 5, device))
+    return dict(layout=[b, h, n, d], dtype=str(dtype), n_keep=k, backend=backend_for(buffers[0]),
+                select_equal=select_equal, compact_equal=compact_equal, ok=select_equal and compact_equal, **times)
+
+
+def attention_stats_check(device: torch.device, dry_run: bool) -> dict:
+    """One layer's decode-step statistics, ``q k^T`` in bf16 (shipped) vs float32-cast keys."""
+    from dynts.attention import attention_rows
+
+    b, hq, hk, n, d = (2, 4, 2, 64, 16) if dry_run else (16, 28, 4, 4096, 128)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    query = torch.randn(b, hq, 1, d, generator=g).to(device, torch.bfloat16)
+    key = torch.randn(b, hk, n, d, generator=g).to(device, torch.bfloat16)
+    shipped = _cuda_ms(lambda: attention_rows(query, key, None, d**-0.5), 20, device)
+    fp32 = _cuda_ms(lambda: attention_rows(query.float(), key.float(), None, d**-0.5), 20, device)
+    diff = (attention_rows(query, key, None, d**-0.5) - attention_rows(query.float(), key.float(), None, d**-0.5)).abs()
+    return dict(query=[b, hq, 1, d], key=[b, hk, n, d], bf16_ms=shipped, fp32_keys_ms=fp32, ratio=shipped / fp32,
+                per_step_28_layers_ms=dict(bf16=28 * shipped, fp32_keys=28 * fp32), max_prob_diff=float(diff.max()))
+
+
+def _cached_decode(model, ids: torch.Tensor, steps: int):
+    """Greedy tokens and per-step logits ``[b, steps, V]`` through a bounded cache that never evicts."""
+    import dynts
+
+    budget = ids.shape[1] + steps + 8
+    cache = dynts.build_cache(model, dynts.make_evictor("window"), dynts.Budget(budget, 4, 0.5))
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    logits, token = [], ids
+    with torch.no_grad(), dynts.attach(model, cache):
+        for _ in range(steps):
+            out = model(input_ids=token, **{cache_kw: cache})
+            logits.append(out.logits[:, -1].float())
+            token = out.logits[:, -1:].argmax(-1)
+            ids = torch.cat([ids, token], 1)
+    return ids, torch.stack(logits, 1)
+
+
+def logits_check(device: torch.device, dry_run: bool) -> dict:
+    """bf16: cached-decode logits vs one plain forward over the same tokens, within 4 ulps of the
+    largest logit; float32: ``dynts.generate`` (no eviction) token-identical to ``model.generate``."""
+    import dynts
+
+    shape, b, m, steps = (TINY, 2, 16, 8) if dry_run else (MID, 4, 96, 64)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(3, shape["vocab_size"], (b, m), generator=g).to(device)
+    model = build_model(shape, str(device), torch.bfloat16)
+    seq, cached = _cached_decode(model, ids, steps)
+    with torch.no_grad():
+        plain = model(input_ids=seq[:, :-1]).logits[:, m - 1 :].float()
+    scale = float(plain.abs().max())
+    ulps = float((cached - plain).abs().max()) / (torch.finfo(torch.bfloat16).eps * scale)
+    model = build_model(shape, str(device), torch.float32)
+    with torch.no_grad():
+        reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                                   do_sample=False, pad_token_id=0, eos_token_id=None)[:, m:]
+    ours = dynts.generate(model, input_ids=ids, method="window", budget=m + steps + 8, local_window=4,
+                          max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None, think_end=None)
+    identical = torch.equal(ours.sequences, reference)
+    del model
+    return dict(shape=shape, batch=b, prompt=m, steps=steps, bf16_max_err_ulps_of_max_logit=ulps, bf16_tolerance_ulps=4,
+                fp32_tokens_identical=identical, ok=ulps <= 4 and identical)
+
+
+def serve_check(model, dry_run: bool) -> dict:
+    """``scripts/bench_serve.py``: stock continuous batching vs eviction at one block pool."""
+    import math
+
+    import bench_serve
+    from dynts.serving import EvictionSettings
+
+    cfg = (dict(requests=4, prompt=8, generate=24, page=8, full_requests=1, max_batch_tokens=64, budget=16, window=4)
+           if dry_run else
+           dict(requests=16, prompt=32, generate=256, page=32, full_requests=4, max_batch_tokens=1024, budget=128, window=16))
+    args = SimpleNamespace(generate=cfg["generate"], page=cfg["page"], max_batch_tokens=cfg["max_batch_tokens"])
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (cfg["prompt"],), generator=g).tolist() for _ in range(cfg["requests"])]
+    num_blocks = cfg["full_requests"] * math.ceil((cfg["prompt"] + cfg["generate"]) / cfg["page"])
+    attn = model.config._attn_implementation
+    try:
+        runs = [bench_serve.run(model, prompts, EvictionSettings("full", think_end=None), args, num_blocks),
+                bench_serve.run(model, prompts, EvictionSettings("streamingllm", cfg["budget"], cfg["window"], think_end=None), args, num_blocks)]
+    finally:
+        model.set_attn_implementation(attn)  # continuous batching switches the model to paged attention
+    for r in runs:
+        r.pop("trace")
+    return dict(**cfg, pool_blocks=num_blocks, runs=runs,
+                tokens_per_s_ratio=runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"],
+                in_flight_mean_ratio=runs[1]["in_flight_mean"] / runs[0]["in_flight_mean"])
+
+
+def decode_bench(model, args, shape: dict, dtype, result: dict, left, save) -> None:
+    """bench_decode combinations in :func:`plan`'s order, each time-boxed; appends to ``result``."""
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
     per_token = kv_bytes_per_token(shape, dtype)
     for combo in plan(args.dry_run):
@@ -232,10 +376,75 @@ def main(argv=None) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         save()
+
+
+def run_section(result: dict, name: str, fn, seconds: float, save) -> dict | None:
+    """Run one section inside a time box; record its output, or its error, under ``result[name]``."""
+    t0 = time.perf_counter()
+    try:
+        with time_box(seconds):
+            out = fn()
+    except Exception as err:  # noqa: BLE001 - one section's failure must not lose the others' numbers
+        out = dict(ok=False, error=f"{type(err).__name__}: {str(err)[:500]}", traceback=traceback.format_exc()[-2000:])
+    out["seconds"] = time.perf_counter() - t0
+    result[name] = out
+    print(f"{name}: {json.dumps({k: v for k, v in out.items() if k != 'traceback'}, default=str)[:1500]}", flush=True)
     save()
-    print(f"\nwrote {out_file} ({result['seconds']:.0f} s; {len(result['bench'])} combinations run, "
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="directory for gpu_check.json")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, tests collected only")
+    parser.add_argument("--budget-seconds", type=float, default=None, help="whole run (default 480; dry run 300)")
+    parser.add_argument("--methods", nargs="+", default=["window", "dynts"])
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args(argv)
+    budget = args.budget_seconds or (300.0 if args.dry_run else 480.0)
+    started = time.perf_counter()
+    left = lambda: budget - (time.perf_counter() - started)  # noqa: E731
+    args.out.mkdir(parents=True, exist_ok=True)
+    out_file = args.out / "gpu_check.json"
+    result = dict(dry_run=args.dry_run, budget_seconds=budget, versions=None, kernels=None, attention_stats=None,
+                  logits=None, tests=None, serve=None, bench=[], skipped=[], vllm=None)
+
+    def save() -> None:
+        result["seconds"] = time.perf_counter() - started
+        out_file.write_text(json.dumps(result, indent=1, default=str))
+
+    result["versions"] = check_versions()
+    save()
+    if result["versions"]["refused"]:
+        print("refusing to run:\n  " + "\n  ".join(result["versions"]["refused"]), file=sys.stderr)
+        return 2
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --dry-run on CPU")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    dtype, shape = (torch.float32, TINY) if args.dry_run else (torch.bfloat16, R1_DISTILL_7B)
+    if args.dry_run:
+        torch.set_num_threads(1)
+    result.update(gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], shape=shape,
+                  dtype=str(dtype), methods=args.methods)
+    run_section(result, "kernels", lambda: kernel_check(device, args.dry_run), 60, save)
+    run_section(result, "attention_stats", lambda: attention_stats_check(device, args.dry_run), 30, save)
+    run_section(result, "logits", lambda: logits_check(device, args.dry_run), 60, save)
+    if not args.skip_tests:
+        result["tests"] = run_tests(args.dry_run, min(120.0, 0.25 * budget))
+        print(f"tests: rc={result['tests']['returncode']} ({result['tests']['seconds']:.0f} s)\n"
+              f"{result['tests']['output_tail'][-1500:]}", flush=True)
+        save()
+    model = build_model(shape, str(device), dtype)
+    run_section(result, "serve", lambda: serve_check(model, args.dry_run), min(150.0, max(left() / 2, 20)), save)
+    # ---- vLLM plugin section: to be added here (result["vllm"]), between serving and the decode bench,
+    # ---- on the same random 7B-shaped model; until then result["vllm"] stays null.
+    decode_bench(model, args, shape, dtype, result, left, save)
+    save()
+    print(f"\nwrote {out_file} ({result['seconds']:.0f} s; {len(result['bench'])} decode combinations run, "
           f"{len(result['skipped'])} skipped)")
-    return 0 if result["tests"] is None or result["tests"]["returncode"] in (0, 5) else 1
+    checks = [result[k] and result[k].get("ok", "error" not in result[k]) for k in ("kernels", "logits", "serve")]
+    tests_ok = result["tests"] is None or result["tests"]["returncode"] in (0, 5)
+    return 0 if all(checks) and tests_ok else 1
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import dynts
-from dynts.compiled import compiled_decode
+from dynts.compiled import check_single_device, compiled_decode
 from conftest import decode_with_cache, padded_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,6 +65,17 @@ def test_bad_compile_mode(qwen2):
     ids, mask = padded_batch([6], seed=0)
     with pytest.raises(ValueError, match="compile mode"):
         dynts.generate(qwen2, input_ids=ids, attention_mask=mask, method="full", max_new_tokens=2, compile="fast")
+
+
+def test_compile_on_a_multi_gpu_dispatch_is_a_clear_error(qwen2, monkeypatch):
+    ids, mask = padded_batch([6], seed=0)
+    monkeypatch.setattr(qwen2, "hf_device_map", {"model.embed_tokens": 0, "model.layers": 1, "lm_head": 1}, raising=False)
+    with pytest.raises(ValueError, match="single-device") as err:
+        dynts.generate(qwen2, input_ids=ids, attention_mask=mask, method="full", max_new_tokens=2, compile=True)
+    assert "['0', '1']" in str(err.value) and "compile=False" in str(err.value)
+    assert "forward" not in qwen2.__dict__  # nothing was patched
+    monkeypatch.setattr(qwen2, "hf_device_map", {"": 0}, raising=False)  # one device: compiles as usual
+    check_single_device(qwen2)
 
 
 @pytest.fixture(scope="module")

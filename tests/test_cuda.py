@@ -2,8 +2,9 @@
 
 * the Triton kernels (keep-top selection, in-place compaction) against the torch reference on the
   hardware, not the interpreter;
-* exactness in bf16 with sdpa: a bounded cache that never evicts is token-identical to plain
-  ``generate``; the compiled decode step (CUDA graphs) is token-identical to the eager bounded cache;
+* a bounded cache that never evicts: bf16 logits within 4 ulps of a plain forward, float32 tokens
+  identical to plain ``generate``; the compiled decode step (CUDA graphs) is token-identical to the
+  eager bounded cache;
 * a model split across two GPUs decodes with eviction (only with more than one GPU).
 """
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import dynts
-from conftest import padded_batch, tiny_model
+from conftest import decode_with_cache, padded_batch, tiny_model
 from dynts.kernels import compact_torch_, keep_top_torch, triton_available
 
 pytestmark = [
@@ -64,11 +65,24 @@ def _bf16_model(seed: int = 0) -> torch.nn.Module:
     return tiny_model("qwen2", seed=seed).to("cuda", torch.bfloat16)
 
 
-def test_bf16_sdpa_bounded_cache_without_eviction_is_exact():
+def test_bf16_bounded_cache_logits_within_tolerance_and_fp32_tokens_identical():
+    """SDPA over the cache's strided views and over contiguous tensors may sum in another order, so
+    bf16 is held to a tolerance (4 ulps of the largest logit, per decode step, vs one plain forward
+    over the same tokens) and float32 to token identity with ``model.generate``."""
     model = _bf16_model()
     ids, mask = padded_batch([20, 13, 17], seed=1)
     ids, mask = ids.cuda(), mask.cuda()
     new = 40
+    seq, logits, _, _, cache = decode_with_cache(model, ids, mask, "window", 256, new)
+    assert cache.stats.evictions == 0
+    full_mask = torch.cat([mask, torch.ones(mask.shape[0], new, dtype=mask.dtype, device=mask.device)], 1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        plain = model(input_ids=seq[:, :-1], attention_mask=full_mask[:, :-1], position_ids=positions[:, :-1]).logits
+    ref = plain[:, ids.shape[1] :].float()
+    atol = 4 * torch.finfo(torch.bfloat16).eps * float(ref.abs().max())
+    torch.testing.assert_close(logits[:, :-1].float(), ref, atol=atol, rtol=0)
+    model = tiny_model("qwen2", seed=0).cuda()
     with torch.no_grad():
         reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
                                    pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]

@@ -1,4 +1,5 @@
-"""``scripts/gpu_check.py --dry-run`` runs on CPU (tiny shapes, every code path) and writes its JSON."""
+"""``scripts/gpu_check.py --dry-run`` runs every section on CPU (tiny shapes) and writes its JSON; an
+unsupported release stops it before any test or timing."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--methods", "window", "dynts"]) == 0
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["dry_run"] and not result["skipped"]
+    assert not result["versions"]["refused"] and result["versions"]["found"]["transformers"]
+    assert result["kernels"]["ok"] and result["kernels"]["layout"] == [2, 2, 64, 16]
+    assert result["attention_stats"]["bf16_ms"] > 0 and result["attention_stats"]["max_prob_diff"] < 1e-2
+    assert result["logits"]["ok"] and result["logits"]["fp32_tokens_identical"]
+    serve = result["serve"]
+    assert [r["name"] for r in serve["runs"]] == ["full", "streamingllm@16"] and "error" not in serve
+    assert serve["runs"][1]["peak_slots_max"] <= 16 and serve["runs"][1]["evictions"] > 0
+    assert result["vllm"] is None  # the place reserved for the vLLM plugin section
     assert result["tests"]["returncode"] == 0 and "test_cuda.py" in result["tests"]["output_tail"]
     assert {(c["compile"], c["batch"]) for c in result["bench"]} == {(False, 1), (False, 2), (True, 1)}
     for combo in result["bench"]:
@@ -27,3 +36,17 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
             assert set(row["methods"]) == {"window", "dynts"}
             for r in row["methods"].values():
                 assert r["t_ms"] > 0 and r["speedup"] > 0 and r["peak_kv_bytes"] < row["full_peak_kv_bytes"]
+
+
+def test_gpu_check_refuses_an_unsupported_release_before_anything_runs(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gpu_check
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.0" if name == "transformers" else real(name))
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 2
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert any("transformers 5.17.0 is outside" in r for r in result["versions"]["refused"])
+    assert result["kernels"] is None and result["tests"] is None and result["bench"] == []

@@ -10,7 +10,7 @@ import torch
 import dynts
 import dynts.attention as attention
 import importlib
-from dynts.attention import attention_row_chunks, recording_attention
+from dynts.attention import attention_row_chunks, attention_rows, recording_attention
 from dynts.cache import BoundedCache
 import dynts.evictors.rkv as rkv
 from dynts.evictors import Segment, TokenInfo
@@ -163,6 +163,27 @@ def test_attention_row_chunks_equal_all_rows(chunk, mask_kind):
     assert [start for start, _ in pieces] == list(range(0, q, chunk))
     assert max(p.shape[2] for _, p in pieces) <= chunk
     torch.testing.assert_close(torch.cat([p for _, p in pieces], dim=2), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_attention_rows_in_low_precision_match_float32_within_the_dtype(dtype):
+    """q k^T runs in the model dtype (no float32 copy of the keys), softmax in float32: the rows
+    equal the float32 computation on the same (already rounded) inputs within the logits' rounding,
+    |dp| <= 4 u max|logit| p + 1e-6 (u = the dtype's unit roundoff; the query scale, the matmul
+    output and the softmax's normalisation each add about u |logit|)."""
+    g = torch.Generator().manual_seed(0)
+    b, hq, hk, q, n, d = 2, 8, 2, 5, 300, 64
+    query, key = torch.randn(b, hq, q, d, generator=g).to(dtype), torch.randn(b, hk, n, d, generator=g).to(dtype)
+    got = attention_rows(query, key, None, d**-0.5)
+    assert got.dtype == torch.float32
+    want = reference_attention_rows(query.float(), key.float(), None, d**-0.5)
+    max_logit = float((query.float() @ key.float().repeat_interleave(hq // hk, 1).transpose(-1, -2)).abs().max()) * d**-0.5
+    u = torch.finfo(dtype).eps / 2
+    assert ((got - want).abs() <= 4 * u * max_logit * want + 1e-6).all()
+    assert (got - want).abs().max() > 0  # the matmul really ran in the low dtype
+    torch.testing.assert_close(got.sum(-1), torch.ones(b, hq, q))
+    # float32 inputs: exactly the float32 computation
+    torch.testing.assert_close(attention_rows(query.float(), key.float(), None, d**-0.5), want, rtol=0, atol=0)
 
 
 def test_recording_calls_the_recorder_per_chunk_with_row_offsets():

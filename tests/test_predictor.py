@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import dynts
-from dynts.predictor import WEIGHTS_NAME
+import dynts.models
+from conftest import tiny_model
+from dynts.generate import load_predictor
+from dynts.predictor import (
+    PREDICTOR_PATH_ENV,
+    WEIGHTS_NAME,
+    BaseModelFingerprint,
+    PredictorConfig,
+    final_norm,
+    find_predictor,
+    model_basename,
+    norm_weight_hash,
+)
 
 
 def test_architecture_and_roundtrip(tmp_path):
@@ -81,3 +95,126 @@ def test_deep_copied_model_scores_through_its_own_slot(qwen2):
     twin = copy.deepcopy(qwen2)
     second = dynts.generate(twin, **kw)
     assert first.stats["evictions"] >= 2 and torch.equal(first.sequences, second.sequences)
+
+
+# ---------------------------------------------------------------- bound to its base model
+
+
+def trained(family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny model whose final norm looks trained (random init leaves every norm at 1.0)."""
+    model = tiny_model(family, seed=seed)
+    with torch.no_grad():
+        norm = final_norm(model).weight
+        norm.copy_(1 + 0.1 * torch.randn(norm.shape, generator=torch.Generator().manual_seed(seed)))
+    return model.to(dtype)
+
+
+def _bound(model, name: str | None = None) -> dynts.ImportancePredictor:
+    torch.manual_seed(0)
+    p = dynts.ImportancePredictor(model.config.hidden_size)
+    p.config.base_model = BaseModelFingerprint.from_model(model, name)
+    return p
+
+
+def test_a_predictor_refuses_another_model_of_the_same_hidden_size(tmp_path):
+    a, b = trained(seed=0), trained(seed=1)  # same shapes, other weights
+    a.config._name_or_path, b.config._name_or_path = "org/tiny-a", "org/tiny-b"
+    _bound(a).save_pretrained(tmp_path)
+    assert load_predictor(str(tmp_path), a).config.base_model.name_or_path == "org/tiny-a"
+    with pytest.raises(ValueError, match="final_norm_sha256") as err:
+        load_predictor(str(tmp_path), b)
+    assert "org/tiny-a" in str(err.value) and "org/tiny-b" in str(err.value) and "strict=False" in str(err.value)
+    with pytest.raises(ValueError, match="trained on org/tiny-a"):  # generate routes through the same check
+        dynts.generate(b, input_ids=torch.tensor([[1, 5, 6]]), method="dynts", predictor=str(tmp_path),
+                       budget=16, local_window=4, max_new_tokens=2)
+    predictor = dynts.ImportancePredictor.from_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="used anyway"):
+        assert load_predictor(predictor, b, strict=False) is predictor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_predictor(predictor, b)  # accepted once: generate's own check passes silently
+    llama = trained("llama", seed=7)
+    with pytest.raises(ValueError, match="trained on"):
+        load_predictor(str(tmp_path), llama)
+
+
+def test_fingerprint_is_dtype_and_device_independent_and_callable_from_a_config():
+    model = trained()
+    fp32 = BaseModelFingerprint.from_model(model)
+    bf16 = BaseModelFingerprint.from_model(trained(dtype=torch.bfloat16))
+    assert fp32.final_norm_sha256 == bf16.final_norm_sha256 and not fp32.differences(bf16)
+    assert (fp32.num_hidden_layers, fp32.hidden_size, fp32.vocab_size) == (2, 64, 128)
+    norm = final_norm(model).weight
+    # an engine without an HF model object (vLLM) has the config and the final norm's weight
+    from_config = BaseModelFingerprint.from_config(model.config, norm.detach().clone().to(torch.bfloat16))
+    assert from_config == fp32
+    predictor = _bound(model)
+    assert load_predictor(predictor, model.config, final_norm_weight=norm) is predictor
+    other = trained(seed=3)
+    with pytest.raises(ValueError, match="final_norm_sha256"):
+        load_predictor(predictor, other.config, final_norm_weight=final_norm(other).weight)
+    assert norm_weight_hash(torch.empty(4, device="meta")) is None
+
+
+def test_fingerprint_round_trips_and_an_unbound_predictor_checks_the_hidden_size(tmp_path):
+    model = trained()
+    _bound(model, "tiny").save_pretrained(tmp_path / "bound")
+    assert dynts.ImportancePredictor.from_pretrained(tmp_path / "bound").config.base_model == BaseModelFingerprint.from_model(model, "tiny")
+    dynts.ImportancePredictor(64).save_pretrained(tmp_path / "unbound")
+    with pytest.warns(UserWarning, match="records no base model"):
+        load_predictor(str(tmp_path / "unbound"), model)
+    with pytest.raises(ValueError, match="hidden_size 32 != 64"):
+        load_predictor(dynts.ImportancePredictor(32), model)
+    with pytest.raises(ValueError, match="base_model.hidden_size"):
+        dynts.ImportancePredictor(PredictorConfig(hidden_size=32, base_model={"hidden_size": 64}))
+    assert model_basename("/hub/models--deepseek-ai--DeepSeek-R1-Distill-Qwen-7B/snapshots/abc123") == "DeepSeek-R1-Distill-Qwen-7B"
+    assert model_basename("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B") == model_basename("models/DeepSeek-R1-Distill-Qwen-7B/")
+
+
+def test_auto_finds_a_predictor_by_base_name(tmp_path, monkeypatch):
+    model = trained()
+    model.config._name_or_path = "/models/tiny-reasoner"
+    monkeypatch.delenv(PREDICTOR_PATH_ENV, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match="dynts-predictor-tiny-reasoner") as err:
+        load_predictor("auto", model)
+    assert "dynts pipeline --config" in str(err.value)
+    # a local directory list: the search_dirs argument or $DYNTS_PREDICTOR_PATH
+    _bound(model).save_pretrained(tmp_path / "mine" / "dynts-predictor-tiny-reasoner")
+    assert load_predictor("auto", model, search_dirs=[tmp_path / "mine"]).config.base_model is not None
+    monkeypatch.setenv(PREDICTOR_PATH_ENV, str(tmp_path / "mine"))
+    assert find_predictor("org/tiny-reasoner") == tmp_path / "mine" / "dynts-predictor-tiny-reasoner"
+    monkeypatch.delenv(PREDICTOR_PATH_ENV)
+    # the local HF cache: a hub repo <org>/dynts-predictor-<basename>
+    repo = tmp_path / "hub" / "models--someone--dynts-predictor-tiny-reasoner"
+    _bound(model).save_pretrained(repo / "snapshots" / "c0ffee")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    assert find_predictor(BaseModelFingerprint.from_model(model)) == repo / "snapshots" / "c0ffee"
+    # the predictor found must still be this model's
+    other = trained(seed=5)
+    other.config._name_or_path = "/elsewhere/tiny-reasoner"
+    with pytest.raises(ValueError, match="final_norm_sha256"):
+        load_predictor("auto", other)
+
+
+def test_shipped_testbed_predictor_is_bound_and_carded():
+    directory = dynts.models.checkpoints_dir() / "testbed-predictor"
+    card = (directory / "README.md").read_text()
+    assert "0.411" in card and "0.681" in card and "reports/testbed-predictor.json" in card
+    assert "dynts pipeline --config configs/predictor/testbed.pipeline.yaml" in card
+    model, _ = dynts.load("testbed")
+    predictor = load_predictor("auto", model)  # found by its fingerprint: the directory is testbed-predictor
+    assert predictor.config.base_model.name_or_path == "testbed"
+    assert predictor.config.base_model.final_norm_sha256 in card
+    assert find_predictor("testbed") == directory  # and by the base name it records
+    with pytest.raises(ValueError, match="trained on testbed"):
+        load_predictor(predictor, tiny_model_of_width(model.config.hidden_size))
+
+
+def tiny_model_of_width(hidden: int) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=87, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4)).eval()

@@ -18,6 +18,7 @@ import dynts
 from data_pipeline.importance_data import add_importance
 from data_pipeline.traces import generate_traces
 from pipeline_utils import tiny_testbed_lm, write_yaml
+from dynts.predictor import BaseModelFingerprint
 from trainers.predictor import PredictorModule, export_predictor
 from trainers.predictor_cli import PredictorCLI, check_checkpoint
 from trainers.predictor_data import PredictorDataModule
@@ -43,18 +44,21 @@ def work(tmp_path_factory) -> dict[str, Path]:
     traces = dict(
         model=str(model_dir), questions="testbed:ptrain:16", output_dir=str(root / "traces"),
         samples_per_question=2, max_new_tokens=40, batch_size=8, shard_size=16, grader="any", require_eos=False,
-        progress=False, accelerator="cpu",
+        progress=False, accelerator="cpu", dtype="float32",  # a local dir defaults to bfloat16 (7B settings)
     )
     generate_traces(traces)
-    add_importance(dict(model=str(model_dir), traces_dir=str(root / "traces/dataset"), output_dir=str(root / "imp")))
-    add_importance(dict(model=str(model_dir), traces_dir=str(root / "traces/dataset"), output_dir=str(root / "imp-nohidden"), save_hidden=False))
+    add_importance(dict(model=str(model_dir), traces_dir=str(root / "traces/dataset"), output_dir=str(root / "imp"),
+                        dtype="float32", save_hidden=True))
+    add_importance(dict(model=str(model_dir), traces_dir=str(root / "traces/dataset"), output_dir=str(root / "imp-nohidden"),
+                        dtype="float32"))
     return {"root": root, "model": model_dir, "traces": traces, "imp": root / "imp/dataset", "imp_nohidden": root / "imp-nohidden/dataset"}
 
 
 def train_config(work, run: Path, **model) -> dict:
     return {
         "model": {"global_batch_size": 4, "run_dir": str(run), "export_dir": str(run / "export"), **model},
-        "data": {"dataset": str(work["imp"]), "backbone": str(work["model"]), "micro_batch_size": 2, "val_fraction": 0.25},
+        "data": {"dataset": str(work["imp"]), "backbone": str(work["model"]), "micro_batch_size": 2, "val_fraction": 0.25,
+                 "dtype": "float32"},
         "trainer": {"accelerator": "cpu", "max_epochs": 2, "logger": False, "enable_progress_bar": False},
         "ckpt_path": "last",
     }
@@ -126,12 +130,14 @@ def test_losses():
 
 
 def test_recompute_and_built_cache_match_stored_hidden_states(work, tmp_path):
-    stored = PredictorDataModule(str(work["imp"]), str(work["model"]), micro_batch_size=3)
+    stored = PredictorDataModule(str(work["imp"]), str(work["model"]), micro_batch_size=3, dtype="float32")
     stored.setup("fit")
-    built = PredictorDataModule(str(work["imp_nohidden"]), str(work["model"]), micro_batch_size=3, cache_dir=str(tmp_path / "cache"))
+    built = PredictorDataModule(str(work["imp_nohidden"]), str(work["model"]), micro_batch_size=3, cache_dir=str(tmp_path / "cache"),
+                                dtype="float32")
     built.prepare_data()
     built.setup("fit")
-    recompute = PredictorDataModule(str(work["imp_nohidden"]), str(work["model"]), hidden_states="recompute", micro_batch_size=3)
+    recompute = PredictorDataModule(str(work["imp_nohidden"]), str(work["model"]), hidden_states="recompute", micro_batch_size=3,
+                                    dtype="float32")
     recompute.setup("fit")
     assert stored.hidden_size == built.hidden_size == recompute.hidden_size == 32
     assert stored.val_questions == recompute.val_questions and stored.val_questions
@@ -146,7 +152,8 @@ def test_recompute_and_built_cache_match_stored_hidden_states(work, tmp_path):
 def test_empty_dataset_and_hidden_size_mismatch(work, tmp_path):
     empty_traces = dict(work["traces"], output_dir=str(tmp_path / "traces"), grader="testbed", require_eos=True, questions="testbed:e:2")
     generate_traces(empty_traces)
-    add_importance(dict(model=str(work["model"]), traces_dir=str(tmp_path / "traces/dataset"), output_dir=str(tmp_path / "imp")))
+    add_importance(dict(model=str(work["model"]), traces_dir=str(tmp_path / "traces/dataset"), output_dir=str(tmp_path / "imp"),
+                        dtype="float32"))
     dm = PredictorDataModule(str(tmp_path / "imp/dataset"), str(work["model"]))
     with pytest.raises(ValueError, match="empty"):
         dm.setup("fit")
@@ -174,6 +181,12 @@ def test_fit_exports_a_predictor_that_generate_loads(work, tmp_path):
     assert predictor.config.extra["metrics"]["val/kendall"] == metrics["val/kendall"]
     assert (run / "ckpt" / "last.ckpt").is_file()
     model, tok = dynts.load(str(work["model"]))
+    # bound to its backbone (the importance stage recorded the fingerprint), with a model card
+    assert predictor.config.base_model == BaseModelFingerprint.from_model(model, str(work["model"]))
+    card = (exported / "README.md").read_text()
+    assert f"{metrics['val/kendall']:.3f}" in card and f"{metrics['val/overlap']:.3f}" in card
+    assert f"dynts train-predictor fit --config {config}" in card and "testbed:ptrain:16" in card
+    assert "log1p-zscore" in card and predictor.config.base_model.final_norm_sha256 in card
     ids = torch.tensor([[2, 9, 21, 10, 14, 11, 19, 12, 20, 13, 17, 7, 28, 4]])
     result = dynts.generate(model, input_ids=ids, method="dynts", predictor=str(exported), budget=24, local_window=4,
                             max_new_tokens=30, pad_token_id=0)
@@ -237,7 +250,7 @@ def test_pipeline_runs_every_stage_then_skips_them(work, tmp_path):
     train_yaml = write_yaml(tmp_path / "train.yaml", cfg)
     pipeline = {
         "traces": dict(work["traces"], output_dir=str(tmp_path / "traces")),
-        "importance": {"output_dir": str(tmp_path / "imp"), "save_hidden": False},
+        "importance": {"output_dir": str(tmp_path / "imp"), "save_hidden": False, "dtype": "float32"},
         "train": {"config": str(train_yaml), "args": ["--data.hidden_states=recompute"]},
         "export_dir": str(tmp_path / "exported"),
     }
@@ -248,3 +261,95 @@ def test_pipeline_runs_every_stage_then_skips_them(work, tmp_path):
     assert again["train"]["skipped"] and again["export"]["skipped"]
     with pytest.raises(ValueError, match="train.config"):
         run_pipeline({"traces": pipeline["traces"]})
+
+
+# ---------------------------------------------------------------- 7B-32B defaults
+
+
+def test_backbones_default_to_bf16_without_stored_hidden_states_unless_bundled_toys(work, tmp_path):
+    from data_pipeline.importance_data import ImportanceConfig
+    from data_pipeline.traces import TraceConfig
+
+    assert TraceConfig(model="models/DeepSeek-R1-Distill-Qwen-7B").dtype == "bfloat16"
+    assert TraceConfig(model="testbed").dtype == "float32" and TraceConfig(model="x", dtype="float16").dtype == "float16"
+    seven_b = ImportanceConfig(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B")
+    assert (seven_b.dtype, seven_b.save_hidden) == ("bfloat16", False)
+    toy = ImportanceConfig(model="smollm2-135m")
+    assert (toy.dtype, toy.save_hidden) == ("float32", True)
+    assert PredictorDataModule(backbone="models/R1-7B").dtype == "bfloat16"
+    assert PredictorDataModule(backbone="testbed").dtype == "float32"
+    # the importance stage on a (tiny) non-bundled backbone: bf16, no hidden column, fingerprint recorded
+    stats = add_importance(dict(model=str(work["model"]), traces_dir=str(work["imp"].parents[1] / "traces/dataset"),
+                                output_dir=str(tmp_path / "imp")))
+    assert stats["config"]["dtype"] == "bfloat16" and stats["config"]["save_hidden"] is False
+    assert "hidden" not in dynts_dataset(tmp_path / "imp/dataset").column_names
+    model, _ = dynts.load(str(work["model"]), dtype="bfloat16")
+    assert stats["base_model"]["final_norm_sha256"] == BaseModelFingerprint.from_model(model).final_norm_sha256
+
+
+def dynts_dataset(path: Path):
+    from datasets import load_from_disk
+
+    return load_from_disk(str(path))
+
+
+def test_device_map_with_ddp_is_a_clear_error(work):
+    from data_pipeline.loading import check_device_map
+    from data_pipeline.traces import TraceConfig
+
+    with pytest.raises(ValueError, match="device_map='auto' with 2 processes"):
+        TraceConfig(model="models/R1-32B", device_map="auto", devices=2)
+    TraceConfig(model="models/R1-32B", device_map="auto", devices=1)  # one process, sharded: fine
+    data = PredictorDataModule(str(work["imp_nohidden"]), str(work["model"]), hidden_states="recompute", device_map="auto")
+    data.trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match="train-predictor: device_map='auto' with 2 processes"):
+        data.setup("fit")
+    with pytest.raises(ValueError, match="devices: 1"):
+        data.prepare_data()
+    check_device_map(None, 8, "x")
+    check_device_map({"": 0}, 1, "x")
+
+
+def test_hidden_cache_holds_thinking_spans_built_in_token_batches(work, tmp_path, monkeypatch):
+    import trainers.predictor_data as predictor_data
+
+    calls = []
+    real = predictor_data.final_hidden_states
+
+    def counting(model, ids, mask):
+        calls.append(tuple(ids.shape))
+        return real(model, ids, mask)
+
+    monkeypatch.setattr(predictor_data, "final_hidden_states", counting)
+    built = PredictorDataModule(str(work["imp_nohidden"]), str(work["model"]), cache_dir=str(tmp_path / "cache"),
+                                dtype="float32", max_batch_tokens=256, micro_batch_size=3)
+    built.prepare_data()
+    data = dynts_dataset(work["imp_nohidden"])
+    assert len(calls) < len(data) and all(b * s <= 256 or b == 1 for b, s in calls)  # several traces per forward
+    assert max(s for _, s in calls) <= max(data["answer_start"])  # the answer is never fed
+    cache = dynts_dataset(tmp_path / "cache/dataset")
+    spans = [a - q for a, q in zip(data["answer_start"], data["question_len"])]
+    assert [len(h) for h in cache["hidden"]] == spans  # the thinking span only
+    stored = dynts_dataset(work["imp"]).with_format("numpy", columns=["hidden"])
+    for i in (0, len(data) - 1):
+        q, a = data[i]["question_len"], data[i]["answer_start"]
+        torch.testing.assert_close(torch.as_tensor(cache[i]["hidden"]), torch.as_tensor(stored[i]["hidden"][q:a]),
+                                   atol=2e-3, rtol=2e-3)
+    built.setup("fit")
+    batch = next(iter(built.train_dataloader()))
+    assert batch["hidden"].shape[1] == batch["mask"].shape[1] and batch["hidden"][~batch["mask"]].abs().sum() == 0
+    stats = tmp_path / "cache/dataset/stats.json"
+    stats.write_text(json.dumps({k: v for k, v in json.loads(stats.read_text()).items() if k != "span"}))
+    with pytest.raises(ValueError, match="older format"):
+        built.setup("fit")
+
+
+def test_recompute_leaves_a_sharded_backbone_where_it_is(work):
+    from trainers.predictor import place_backbone
+
+    model, _ = dynts.load(str(work["model"]))
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 1, "lm_head": 1}  # as accelerate dispatches
+    model.to = lambda *a, **k: pytest.fail("a dispatched backbone was moved")
+    assert place_backbone(model, torch.device("meta")) is model
+    plain, _ = dynts.load(str(work["model"]))
+    assert next(place_backbone(plain, torch.device("meta")).parameters()).device.type == "meta"

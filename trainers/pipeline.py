@@ -89,7 +89,8 @@ def run_pipeline(config: str | Path | dict[str, Any], stages: tuple[str, ...] = 
             args = ["fit", "--config", str(train["config"]), *map(str, train.get("args", []))]
             if export_dir is not None:
                 args.append(f"--model.export_dir={export_dir}")
-            cli = PredictorCLI(args=args)
+            command = f"dynts pipeline --config {config}" if isinstance(config, (str, Path)) else None
+            cli = PredictorCLI(args=args, command=command)
             if not cli.trainer.is_global_zero:
                 return {}
             summary["train"] = json.loads(done.read_text()) if done.is_file() else {"error": "no best predictor"}

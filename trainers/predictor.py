@@ -10,8 +10,9 @@ from ``global_batch_size``, the micro-batch size and the number of devices).
 Validation (held-out questions) logs ``val/mse`` (torchmetrics ``MeanSquaredError`` on normalised
 labels), ``val/kendall`` (per-trace Kendall tau-b, averaged) and ``val/overlap`` (top-``top_percent``%
 overlap). :class:`ExportBest` writes the best predictor as ``save_pretrained`` safetensors (no pickle)
-to ``<run_dir>/best`` with its metrics; :func:`export_predictor` copies it to the export directory
-that ``dynts.generate(..., predictor=path)`` loads.
+to ``<run_dir>/best`` with its metrics, its backbone's fingerprint (``config.base_model``) and a
+model card (``README.md``, :mod:`trainers.predictor_card`); :func:`export_predictor` copies it to
+the export directory that ``dynts.generate(..., predictor=path)`` loads.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanSquaredError
 
 from dynts.io import replace_directory, write_atomic
-from dynts.predictor import CONFIG_NAME, WEIGHTS_NAME, ImportancePredictor, PredictorConfig
+from dynts.predictor import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, ImportancePredictor, PredictorConfig
 from dynts.importance import final_hidden_states
+from trainers.predictor_card import model_card, write_model_card
 from trainers.predictor_data import PredictorDataModule
 from trainers.schedules import warmup_cosine
 from trainers.predictor_metrics import LOSSES, MeanKendallTau, TopPercentOverlap, importance_loss
 
-__all__ = ["ExportBest", "PredictorModule", "export_predictor"]
+__all__ = ["ExportBest", "PredictorModule", "export_predictor", "place_backbone"]
 
 METRICS_NAME = "metrics.json"
 
@@ -97,6 +99,7 @@ class PredictorModule(L.LightningModule):
         if hidden_size is not None:
             self._build(hidden_size)
         self._frozen: list[torch.nn.Module] = []  # the backbone in recompute mode (not a submodule: never saved)
+        self.training_command: str | None = None  # set by the CLI; goes on the model card
         self.val_mse = MeanSquaredError()
         self.val_kendall = MeanKendallTau()
         self.val_overlap = TopPercentOverlap(top_percent)
@@ -137,6 +140,8 @@ class PredictorModule(L.LightningModule):
             self.predictor.config.label_transform = data.label_transform
         if data.hidden_mode == "recompute":  # each DDP rank loads it once, onto its own device
             self._frozen = [data.load_backbone(self.trainer.strategy.root_device).eval()]
+        # binds the predictor to its backbone (dynts.load_predictor refuses any other model)
+        self.predictor.config.base_model = data.base_model()
         if stage == "fit":
             micro, world = data.micro_batch_size, max(self.trainer.world_size, 1)
             accumulate = max(1, round(self.hparams.global_batch_size / (micro * world)))
@@ -151,10 +156,8 @@ class PredictorModule(L.LightningModule):
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if "hidden" in batch:
             return batch["hidden"]
-        backbone = self._frozen[0]
-        if next(backbone.parameters()).device != self.device:
-            backbone.to(self.device)
-        hidden = final_hidden_states(backbone, batch["input_ids"], batch["attention_mask"])
+        backbone = place_backbone(self._frozen[0], self.device)
+        hidden = final_hidden_states(backbone, batch["input_ids"], batch["attention_mask"]).to(self.device)
         index = batch["positions"][..., None].expand(-1, -1, hidden.shape[-1])
         return hidden.gather(1, index).float()
 
@@ -197,6 +200,17 @@ class PredictorModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def place_backbone(backbone: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The frozen backbone on the training device, unless accelerate dispatched it (``device_map``):
+    a sharded backbone stays where it is (its inputs go to the embedding's device, its outputs come
+    back to ``device``)."""
+    if getattr(backbone, "hf_device_map", None):
+        return backbone
+    if next(backbone.parameters()).device != device:
+        backbone.to(device)
+    return backbone
+
+
 class ExportBest(Callback):
     """After each validation, when ``monitor`` improved, write the predictor with
     ``save_pretrained`` (safetensors + json) and ``metrics.json`` to ``directory`` (rank 0)."""
@@ -225,6 +239,13 @@ class ExportBest(Callback):
         tmp = self.directory.parent / f".tmp-best-{uuid.uuid4().hex[:8]}"
         pl_module.predictor.save_pretrained(tmp)
         (tmp / METRICS_NAME).write_text(json.dumps(metrics, indent=2))
+        data = trainer.datamodule
+        card = model_card(
+            pl_module.predictor.config, metrics, traces=data.traces_settings(), split=data.split_sizes(),
+            command=pl_module.training_command, top_percent=pl_module.hparams.top_percent,
+            parameters=sum(p.numel() for p in pl_module.predictor.parameters()),
+        )
+        write_model_card(tmp, card)
         replace_directory(tmp, self.directory)
 
     def state_dict(self) -> dict[str, Any]:
@@ -245,7 +266,7 @@ def export_predictor(best_dir: str | Path, export_dir: str | Path) -> dict[str, 
     best_dir, export_dir = Path(best_dir), Path(export_dir)
     ImportancePredictor.from_pretrained(best_dir)  # validates config + safetensors
     export_dir.mkdir(parents=True, exist_ok=True)
-    for name in (WEIGHTS_NAME, CONFIG_NAME, METRICS_NAME):
+    for name in (WEIGHTS_NAME, CONFIG_NAME, METRICS_NAME, CARD_NAME):
         if (best_dir / name).is_file():
             write_atomic(export_dir / name, (best_dir / name).read_bytes())
     metrics = best_dir / METRICS_NAME

@@ -55,9 +55,11 @@ def check_checkpoint(path: str | Path) -> None:
 class PredictorCLI(LightningCLI):
     """LightningCLI with the paper's trainer defaults, checkpoint checks and export after fit."""
 
-    def __init__(self, args: list[str] | None = None, **kwargs) -> None:
+    def __init__(self, args: list[str] | None = None, command: str | None = None, **kwargs) -> None:
         # `dynts train-predictor` / `dynts pipeline` pass their own argv slice: that is intended
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        # the command for the model card (the CLI runs the subcommand inside LightningCLI.__init__)
+        self.command = command or " ".join(["dynts train-predictor", *map(str, args or sys.argv[1:])])
         super().__init__(
             PredictorModule,
             PredictorDataModule,
@@ -80,6 +82,7 @@ class PredictorCLI(LightningCLI):
     def before_fit(self) -> None:
         # Resolve "last" here: Lightning resolves it before the module's callbacks (which know
         # <run_dir>/ckpt) are attached, and would silently start from scratch.
+        self.model.training_command = self.command
         path = self._resolved_ckpt()
         if path is not None:
             check_checkpoint(path)

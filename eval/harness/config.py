@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from data_pipeline.grading import GRADE_ON
+from dynts.predictor import find_predictor
 
 from .benchmarks import JsonlFields
 from .methods import MethodSpec, parse_methods
@@ -38,7 +39,8 @@ class EvalConfig:
         max_new_tokens: generation cap (``None`` = each benchmark's default; paper 16,384).
         batch_size: sequences per ``dynts.generate`` call (the ``k`` samples of a question count).
         temperature / top_p / top_k: sampling (paper); ``greedy`` decodes greedily (needs ``k == 1``).
-        predictor: ImportancePredictor directory, needed by methods that require scores (DynTS).
+        predictor: ImportancePredictor directory or ``"auto"`` (the one trained on ``model``), needed
+            by methods that require scores (DynTS).
         seed: base seed; batch ``j`` of every cell draws from ``seed`` and ``j`` (common random
             numbers across methods).
         run_dir: where results go (resumable).
@@ -102,6 +104,8 @@ class EvalConfig:
         needs_scores = [m.label for m in self.method_specs if "scores" in m.requires]
         if needs_scores and self.predictor is None:
             raise ValueError(f"methods {needs_scores} need a trained predictor: predictor=DIR (--predictor DIR)")
+        if self.predictor == "auto":  # the trained predictor of this model (dynts.predictor.find_predictor)
+            self.predictor = str(find_predictor(self.model))
         if self.predictor is not None and not (Path(self.predictor) / "predictor_config.json").is_file():
             raise ValueError(f"predictor={self.predictor!r} is not a directory written by ImportancePredictor.save_pretrained")
         if self.grade_on not in ("auto", *GRADE_ON):

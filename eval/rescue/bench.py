@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from dynts.io import write_atomic
+from dynts.predictor import find_predictor
 from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
 
 __all__ = ["RescueEvalConfig", "SETTINGS", "calibrate", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
@@ -83,6 +84,8 @@ class RescueEvalConfig:
     load_options: dict[str, Any] = field(default_factory=dict)  # dynts.load: dtype, device, device_map, ...
 
     def __post_init__(self) -> None:
+        if self.predictor == "auto":  # the trained predictor of the base (dynts.predictor.find_predictor)
+            self.predictor = str(find_predictor(self.base))
         unknown = set(self.settings) - set(SETTINGS)
         if unknown:
             raise ValueError(f"settings {sorted(unknown)} are unknown; choose from {list(SETTINGS)}")
