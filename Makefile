@@ -25,16 +25,29 @@ demo: install
 
 test: install
 	$(BIN)/pytest
+	$(MAKE) check-transformers
 
 bench: install
 	$(BIN)/python scripts/bench_decode.py
 
-# The core tests on another transformers release (pyproject's lower bound is the oldest that passes):
-#   make check-transformers TF=5.23.0   (5.18.0, 5.22.0, 5.23.0 fail test_eviction's explicit-mask check; 5.24.0 passes)
-TF ?= 5.24.0
-check-transformers: install
-	$(BIN)/pip install -q --target /tmp/dynts-transformers-$(TF) --no-deps transformers==$(TF)
-	PYTHONPATH=/tmp/dynts-transformers-$(TF) $(BIN)/pytest -q -m "not slow" tests/test_exactness.py tests/test_eviction.py tests/test_baselines.py
+# The core tests on the other supported transformers releases (dynts/hf_compat.py: >=5.17,<5.25; the venv
+# runs the newest, 5.24): the floor 5.17.0 and 5.19.0 (vLLM 0.32 pins <5.20). Each release installs once,
+# --no-deps, under $(VENV)/transformers-<release> and goes first on PYTHONPATH; `make test` runs this too.
+#   make check-transformers TF=5.22.0   (any other release, e.g. a spot check)
+TF ?= 5.17.0 5.19.0
+TF_PINS_5.17.0 := huggingface-hub==1.33.0  # 5.17 needs huggingface-hub<2 (the GPU image pairs them)
+CORE_TESTS := tests/test_exactness.py tests/test_eviction.py tests/test_baselines.py tests/test_transformers_range.py
+
+$(VENV)/transformers-%/.installed: $(BIN)/.installed
+	rm -rf $(@D)
+	$(BIN)/pip install -q --target $(@D) --no-deps transformers==$* $(TF_PINS_$*)
+	touch $@
+
+check-transformers: install $(foreach v,$(TF),$(VENV)/transformers-$(v)/.installed)
+	@set -e; for v in $(TF); do \
+		echo "== core tests on transformers $$v"; \
+		PYTHONPATH=$(CURDIR):$(abspath $(VENV))/transformers-$$v $(BIN)/pytest -q -m "not slow" $(CORE_TESTS); \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,5 +1,8 @@
 """dynts: keep only the KV entries of the thinking tokens that matter (DynTS, KV-Rescue)."""
 
+# First: refuse an unsupported transformers release (ImportError naming it and the fix) before any
+# module builds on its cache contract (dynts.hf_compat).
+from . import hf_compat  # noqa: F401  (isort: skip)
 from .budget import Budget
 from .cache import BoundedCache
 from .evictors import Evictor, Segment, TokenInfo, available_methods, make_evictor, register

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
 from contextlib import ExitStack, contextmanager
@@ -17,6 +16,7 @@ from .budget import Budget
 from .cache import BoundedCache
 from .compiled import compiled_decode, scoring_slot
 from .evictors import Evictor, make_evictor
+from .hf_compat import cache_keyword, route_cache_keyword
 from .predictor import BaseModelFingerprint, ImportancePredictor, final_norm, find_predictor  # final_norm re-exported
 from .prompts import encode_prompt, pad_rows, pad_id
 from .thinking import think_end_ids
@@ -116,10 +116,13 @@ def attach(
     gets the validity mask, records the statistics its evictor needs, and (with ``predictor``)
     scores its new tokens from the final hidden state of the same forward."""
 
+    keyword = cache_keyword(model)
+
     def before(module, args, kwargs):
         used = kwargs.get("cache", kwargs.get("past_key_values"))
         if used is not cache:
             return None
+        route_cache_keyword(kwargs, keyword)  # `cache=` also reaches a model that takes `past_key_values`
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         ref = ids if ids is not None else embeds
@@ -257,7 +260,7 @@ def generate(
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if tokenizer is not None and generate_kwargs.get("pad_token_id") is None:
         generate_kwargs["pad_token_id"] = pad_id(tokenizer)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_keyword(model)  # generate validates its keywords against forward's (hf_compat)
     start = time.perf_counter()
     with ExitStack() as stack:
         stack.enter_context(torch.no_grad())

@@ -15,6 +15,7 @@ from dynts.evictors.h2o import H2O
 from dynts.evictors.rkv import RKV
 from dynts.evictors.sepllm import SepLLM, separator_ids
 from dynts.evictors.snapkv import SnapKV
+from dynts.hf_compat import cache_keyword
 from conftest import decode_with_cache, padded_batch
 
 PADS = (0, 4, 9)  # left pads per row of the random cache
@@ -257,7 +258,8 @@ def test_cache_takes_the_evictors_observation_window(qwen2):
     cache = dynts.build_cache(qwen2, RKV(observation_window=5), dynts.Budget(40, 4, 0.5))
     ids, mask = padded_batch([6])
     with torch.no_grad(), dynts.attach(qwen2, cache):
-        qwen2.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache=cache, pad_token_id=0)
+        # generate checks its keywords against forward's: `cache` on transformers 5.24, `past_key_values` before
+        qwen2.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, **{cache_keyword(qwen2): cache})
     assert cache.window_attention.shape[1] == 5
     with pytest.raises(ValueError, match="observation_window"):
         dynts.build_cache(qwen2, RKV(), dynts.Budget(40, 4, 0.5), observation_window=0)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dynts
+from dynts.hf_compat import cache_keyword
 from conftest import decode_with_cache, explicit_mask_logits, padded_batch
 
 
@@ -77,12 +78,13 @@ def test_kv_buffers_are_preallocated(qwen2):
     ids, mask = padded_batch([6], seed=5)
     evictor = dynts.make_evictor("window")
     cache = dynts.build_cache(qwen2, evictor, dynts.Budget(32, 4, 0.5))
+    kw = {cache_keyword(qwen2): cache}  # generate's own keyword: `cache` on transformers 5.24, `past_key_values` before
     with torch.no_grad(), dynts.attach(qwen2, cache):
-        qwen2.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, cache=cache, pad_token_id=0)
+        qwen2.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kw)
         pointer = cache.layers[0].keys.data_ptr()
         qwen2.generate(
             input_ids=torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], 1), max_new_tokens=60,
-            cache=cache, pad_token_id=0, eos_token_id=None,
+            pad_token_id=0, eos_token_id=None, **kw,
         )
     assert cache.layers[0].keys.data_ptr() == pointer
     assert cache.stats.peak_cache_tokens <= 32
