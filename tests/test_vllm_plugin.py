@@ -175,3 +175,25 @@ def test_chunked_prefill(tmp_path, tiny_models):
                      method_options={"keep_question": True})
     assert result["outputs"]["0"]["token_ids"] == want
     assert result["request_stats"]["0"]["evictions"] > 0
+
+
+def test_prefix_sharing_keeps_prompt_blocks_shared_and_exact(tmp_path, tiny_models):
+    """Prefix caching stays on: a second request with the same long prompt reuses its full blocks
+    (refcount > 1) while both evict, and both stay token-identical to dynts.generate alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
+    torch.manual_seed(2)
+    shared = torch.randint(4, 80, (100,)).tolist()
+    requests = [{"prompt_token_ids": shared, "max_tokens": 200, "arrive_at_step": s} for s in (0, 6)]
+    budget, window = 160, 32
+    method = {"method": "window", "budget": budget, "local_window": window, "method_options": {"keep_question": True}}
+    result = run_engine(tmp_path, tiny_models["llama"], requests, additional_config={"dynts": method},
+                        enable_prefix_caching=True)
+    assert_bounded_and_freed(result, budget)
+    assert result["max_block_refcount"] > 1  # the shared prompt's full blocks
+    want = reference(model, None, shared, 200, method="window", budget=budget, local_window=window,
+                     method_options={"keep_question": True})
+    for i in range(2):
+        assert result["outputs"][str(i)]["token_ids"] == want, f"request {i}"
+        assert result["request_stats"][str(i)]["evictions"] > 0

@@ -9,7 +9,7 @@ The methods wrapped (checked to exist by :func:`dynts.vllm.compat.missing_intern
 | engine core | ``Scheduler.schedule`` | eviction events and freed blocks before the round, admission by bounded footprint, the plan on the output |
 | engine core | ``Scheduler._preempt_request`` / ``_free_request`` | a preempted evicted request fails loudly; per-request state is dropped |
 | engine core | ``KVCacheManager.allocate_slots`` (per instance) | blocks follow ``stored = num_computed_tokens - shift`` |
-| engine core | ``KVCacheCoordinator.cache_blocks``, ``KVCacheManager.prefix_cache_lookup_enabled`` (per instance) | bounded requests neither cache nor reuse prefix blocks (see `SchedulerHooks.cache_limit`) |
+| engine core | ``KVCacheCoordinator.cache_blocks``, ``KVCacheManager.prefix_cache_lookup_enabled`` (per instance) | only blocks that never move are hashed and shared |
 | front end | ``InputProcessor.process_inputs`` | per-request ``dynts`` fields and the prompt checked against the budget (HTTP 400) |
 | worker | ``GPUModelRunner.execute_model`` / ``_prepare_inputs`` / ``_model_forward`` | :class:`~dynts.vllm.worker.WorkerHooks` |
 """

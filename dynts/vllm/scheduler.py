@@ -17,10 +17,11 @@ checks, the token budget). Per request the plugin keeps ``shift`` = tokens evict
    one that already evicted anyway, it finishes with ``finish_reason="error"`` instead of continuing on
    a wrong cache.
 
-Prefix caching: requests without a budget keep vLLM's; a bounded request neither caches nor reuses blocks
-(:meth:`SchedulerHooks.cache_limit`). Its method's never-moving prefix
-(:meth:`dynts.evictors.Evictor.protected_prefix`; DynTS: the whole question) is recorded for sharing
-prompt blocks, which is not switched on until it is shown exact.
+Prefix caching stays on: a bounded request caches (and reuses) only full blocks inside the prefix its
+method never moves (:meth:`dynts.evictors.Evictor.protected_prefix`; DynTS: the whole question), so
+shared prompt blocks stay hashed and shared while decode-side slots are compacted. (The worker records
+the metadata of a prefix-cache hit's tokens too: slots it never saw would count as padding and be
+evicted first -- into the shared blocks.)
 """
 
 from __future__ import annotations
@@ -101,13 +102,10 @@ class SchedulerHooks:
         return state.shift if state is not None else 0
 
     def cache_limit(self, request: Any) -> int | None:
-        """Tokens whose full blocks this request may cache and reuse (``None``: no limit).
-
-        Bounded requests cache and reuse nothing for now: two bounded requests sharing a prompt's
-        blocks diverged from ``dynts.generate`` in a test (cause not found yet), so sharing stays off
-        for them until it is exact; unbounded requests keep vLLM's prefix caching."""
+        """Tokens whose full blocks this request may cache and reuse (``None``: no limit): the prefix its
+        method keeps at every event, so those blocks are never rewritten."""
         state = self.budget_of(request)
-        return None if state is None else 0
+        return None if state is None else state.protected
 
     def forget(self, rid: str) -> None:
         state = self.requests.pop(rid, None)

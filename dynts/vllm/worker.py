@@ -165,7 +165,7 @@ class WorkerHooks:
         runner = self.runner
         batch = runner.input_batch
         num_reqs = batch.num_reqs
-        forwards, shift_rows = [], np.zeros(num_reqs, dtype=np.int64)
+        forwards, cached, shift_rows = [], [], np.zeros(num_reqs, dtype=np.int64)
         for i, rid in enumerate(batch.req_ids[:num_reqs]):
             q = int(num_scheduled_tokens[i])
             computed = int(batch.num_computed_tokens_cpu[i])
@@ -174,7 +174,11 @@ class WorkerHooks:
             entry = self.tracker.slots.get(rid)
             if entry is None:
                 entry = self.tracker.open(rid, int(batch.num_prompt_tokens[i]), settings=self.settings_of(rid))
+                if computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
+                    cached.append(Forward(entry, 0, 0, batch.token_ids_cpu[i, :computed].tolist()))
             forwards.append(Forward(entry, computed, computed - shift, batch.token_ids_cpu[i, computed : computed + q].tolist()))
+        if cached:
+            self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
         self.tracker.record(forwards, score=self.predictor is not None)
         if not shift_rows.any():
             return
