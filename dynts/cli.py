@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-predictor": ("trainers.predictor_cli:main", "train the DynTS importance predictor (LightningCLI: fit / validate)"),
     "pipeline": ("trainers.pipeline:main", "traces -> importance -> predictor training -> export, resumable"),
     "eval": ("eval.harness.cli:main", "pass@1 / tokens/s / peak KV of methods x budgets x benchmarks, ablations, resumable"),
-    "serve": ("dynts.serving.server:main", "OpenAI-compatible server: continuous batching, a bounded KV cache per request"),
+    "serve": ("dynts.serving.server:main", "OpenAI-compatible server, a bounded KV cache per request (--engine vllm: vLLM's)"),
     "rescue": ("eval.rescue.cli:main", "KV-Rescue: evicted base + full-context helper + PRM; generate, or bench vs best-of-N"),
 }
 
@@ -30,6 +30,16 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def engine_of(argv: list[str]) -> str:
+    """The ``--engine`` of ``dynts serve`` (``transformers`` unless ``--engine vllm`` / ``--engine=vllm``)."""
+    for i, arg in enumerate(argv):
+        if arg == "--engine" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--engine="):
+            return arg.split("=", 1)[1]
+    return "transformers"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in {"-h", "--help"}:
@@ -39,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"dynts: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module, func = COMMANDS[name][0].split(":")
+    target = COMMANDS[name][0]
+    if name == "serve" and engine_of(rest) == "vllm":
+        target = "dynts.vllm.serve:main"  # vLLM's own server with the plugin (another venv: transformers<5.20)
+    module, func = target.split(":")
     return int(getattr(importlib.import_module(module), func)(rest) or 0)
 
 

@@ -12,6 +12,9 @@ blocks in use, and ratios against ``full``; ``--plot`` draws blocks in use over 
 Example (short CPU config, the one in docs/serving.md):
     python scripts/bench_serve.py --requests 16 --prompt 32 --generate 384 --page 16 --full-requests 4 \\
         --budgets 64 128 --plot docs/serving_blocks.png
+
+``--engine vllm`` (run it with the vLLM venv's python) does the same inside vLLM: stock vLLM vs the dynts
+plugin at one ``num_gpu_blocks_override`` pool, each engine in its own process (scripts/bench_serve_vllm.py).
 """
 
 from __future__ import annotations
@@ -22,15 +25,15 @@ import math
 import os
 import time
 
-import torch
-from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+import sys
 
-from dynts import load
-from dynts.serving import EvictionSettings, init_evicting_batching
+import torch
 
 
 def random_model(hidden: int, layers: int, seed: int = 0) -> torch.nn.Module:
     """A random-init Llama (speed does not depend on the weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     heads = max(1, hidden // 64)
     config = LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
@@ -39,7 +42,12 @@ def random_model(hidden: int, layers: int, seed: int = 0) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
-def run(model, prompts, settings: EvictionSettings, args, num_blocks: int) -> dict:
+def run(model, prompts, settings, args, num_blocks: int) -> dict:
+    """One transformers continuous-batching engine (``settings``: :class:`dynts.serving.EvictionSettings`)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from dynts.serving import init_evicting_batching
+
     gen = GenerationConfig(max_new_tokens=args.generate, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(page_size=args.page, num_blocks=num_blocks, max_batch_tokens=args.max_batch_tokens)
     manager = init_evicting_batching(model, settings, generation_config=gen, continuous_batching_config=cb)
@@ -98,19 +106,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plot", default=None, help="PNG path for blocks in use over time")
     p.add_argument("--json", default=None, help="write the numbers here")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model = load(args.model)[0] if args.model else random_model(args.hidden, args.layers)
-    vocab = model.config.get_text_config().vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(args.requests)]
     num_blocks = args.full_requests * math.ceil((args.prompt + args.generate) / args.page)
-    print(f"pool: {num_blocks} blocks of {args.page} tokens (= {args.full_requests} full-length requests); "
-          f"{args.requests} requests x ({args.prompt} prompt + {args.generate} generated); load avg {os.getloadavg()}")
-    runs = [run(model, prompts, EvictionSettings("full"), args, num_blocks)]
-    for budget in args.budgets:
-        settings = EvictionSettings(args.method, budget, args.local_window, predictor=args.predictor)
-        runs.append(run(model, prompts, settings, args, num_blocks))
+    print(f"engine: {args.engine}; pool: {num_blocks} blocks of {args.page} tokens (= {args.full_requests} full-length "
+          f"requests); {args.requests} requests x ({args.prompt} prompt + {args.generate} generated); "
+          f"load avg {os.getloadavg()}")
+    if args.engine == "vllm":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_serve_vllm import run_all
+
+        runs = run_all(args, num_blocks)
+    else:
+        from dynts import load
+        from dynts.serving import EvictionSettings
+
+        torch.set_num_threads(args.threads)
+        model = load(args.model)[0] if args.model else random_model(args.hidden, args.layers)
+        vocab = model.config.get_text_config().vocab_size
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (args.prompt,), generator=g).tolist() for _ in range(args.requests)]
+        runs = [run(model, prompts, EvictionSettings("full"), args, num_blocks)]
+        for budget in args.budgets:
+            settings = EvictionSettings(args.method, budget, args.local_window, predictor=args.predictor)
+            runs.append(run(model, prompts, settings, args, num_blocks))
     base = runs[0]
     header = f"{'run':<18}{'tok/s':>9}{'x':>7}{'in-flight max':>15}{'mean':>8}{'x':>7}{'preempt':>9}{'peak blk':>10}{'evictions':>11}"
     print(header)

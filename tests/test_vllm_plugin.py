@@ -27,9 +27,9 @@ TESTBED = checkpoints_dir() / "testbed-lrm"
 PREDICTOR = checkpoints_dir() / "testbed-predictor"
 
 
-def run_engine(tmp_path: Path, model: Path, requests: list[dict], **engine) -> dict:
+def run_engine(tmp_path: Path, model: Path, requests: list[dict], admit_all: bool = False, **engine) -> dict:
     spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
-    spec.write_text(json.dumps({"model": str(model), "engine": engine, "requests": requests}))
+    spec.write_text(json.dumps({"model": str(model), "engine": engine, "requests": requests, "admit_all": admit_all}))
     proc = subprocess.run([sys.executable, str(DRIVER), str(spec)], capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("DYNTS_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
@@ -197,3 +197,25 @@ def test_prefix_sharing_keeps_prompt_blocks_shared_and_exact(tmp_path, tiny_mode
     for i in range(2):
         assert result["outputs"][str(i)]["token_ids"] == want, f"request {i}"
         assert result["request_stats"][str(i)]["evictions"] > 0
+
+
+def test_preempted_requests_fail_loudly_or_stay_exact(tmp_path, testbed):
+    """Admission control off and a pool too small for every request: vLLM preempts. A request preempted
+    after it evicted finishes with finish_reason 'error' (its evicted cache cannot be rebuilt by a
+    re-prefill); every other request is still token-identical to dynts.generate alone."""
+    model, tok = testbed
+    budget, window = 96, 16
+    prompts = testbed_questions(6)
+    requests = [{"prompt_token_ids": p, "max_tokens": 400} for p in prompts]
+    engine = {"method": "streamingllm", "budget": budget, "local_window": window}
+    result = run_engine(tmp_path, TESTBED, requests, admit_all=True, additional_config={"dynts": engine},
+                        num_gpu_blocks_override=14, max_model_len=416)
+    assert result["stats"]["preemptions"] > 0
+    failed = [i for i in range(len(prompts)) if result["outputs"][str(i)]["finish_reason"] == "error"]
+    assert failed, "expected a request preempted after its first eviction"
+    for i, p in enumerate(prompts):
+        if i in failed:
+            continue
+        want = reference(model, tok, p, 400, method="streamingllm", budget=budget, local_window=window)
+        assert result["outputs"][str(i)]["token_ids"] == want, f"request {i}"
+    assert result["free_blocks_at_end"] == result["num_blocks"] - 1

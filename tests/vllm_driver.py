@@ -3,6 +3,7 @@
 ``python tests/vllm_driver.py SPEC.json`` -- SPEC: ``{"model", "engine": {LLM kwargs}, "requests":
 [{"prompt_token_ids", "max_tokens", "extra_args", "arrive_at_step"}]}``. Requests arrive at their step
 (``arrive_at_step``: 0 = before the first step), so later ones join while others decode. Prints
+``"admit_all": true`` switches the plugin's admission control off (vLLM then preempts under a tight pool).
 ``{"outputs": {rid: {"token_ids", "finish_reason"}}, "max_stored": {rid: n}, "stats": ..., "request_stats": ...}``.
 Used by tests/test_vllm_plugin.py (an engine per process: vLLM keeps process-wide state).
 """
@@ -18,7 +19,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process: its statistics are readable
 
 
-def main(spec_path: str) -> None:
+def main(spec_path: str) -> None:  # noqa: C901
     from vllm import LLM, SamplingParams
 
     spec = json.load(open(spec_path))
@@ -29,6 +30,8 @@ def main(spec_path: str) -> None:
     core = llm.llm_engine.engine_core.engine_core
     scheduler = core.scheduler
     hooks = getattr(scheduler, "_dynts", None)
+    if spec.get("admit_all"):  # switch admission control off: let vLLM preempt
+        hooks.admissible = lambda waiting: len(waiting)
     pending = sorted(enumerate(spec["requests"]), key=lambda p: p[1].get("arrive_at_step", 0))
     outputs, max_stored, step = {}, {}, 0
     shared_blocks = 0

@@ -271,6 +271,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dynts serve", description="OpenAI-compatible server (continuous batching) with "
                                 "a bounded KV cache per request")
     p.add_argument("model", help="local HF directory, smollm2-135m or testbed (dynts.load)")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="transformers' continuous batching (this server) or vLLM's OpenAI server with the dynts plugin")
     p.add_argument("--kv-method", default="dynts", help=f"one of {serving_methods()}")
     p.add_argument("--kv-budget", type=int, default=None, help="B: most KV entries per request")
     p.add_argument("--kv-local-window", type=int, default=None, help="W_l: recent tokens always kept")

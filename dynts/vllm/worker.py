@@ -106,7 +106,8 @@ class WorkerHooks:
 
     def before_step(self, scheduler_output: Any) -> None:
         """Forget finished requests; run the round's eviction events (before any block is rewritten)."""
-        for rid in scheduler_output.finished_req_ids:
+        resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ())
+        for rid in [*scheduler_output.finished_req_ids, *resumed]:  # a resumed request re-prefills from scratch
             if rid in self.tracker.slots:
                 self.tracker.release(rid)
             self.shifts.pop(rid, None)

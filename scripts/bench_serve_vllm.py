@@ -1,0 +1,96 @@
+"""The vLLM half of ``scripts/bench_serve.py --engine vllm``: stock vLLM vs the dynts plugin at one pool.
+
+Each engine runs in its own process (``python scripts/bench_serve_vllm.py SPEC.json``; vLLM keeps
+process-wide state) over the same prompts with ``ignore_eos`` and greedy decoding, at a fixed
+``num_gpu_blocks_override`` pool, and reports what ``bench_serve.run`` reports for transformers: requests in
+flight per step, generated tokens/s, preemptions, peak blocks in use, evictions and the blocks-in-use trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+
+
+def run_all(args, num_blocks: int) -> list[dict]:
+    """Stock vLLM, then ``args.method`` at every budget in ``args.budgets``, at one pool of ``num_blocks``."""
+    if args.page % 32:
+        raise ValueError(f"--page {args.page}: vLLM's CPU attention needs a block size that is a multiple of 32")
+    model = args.model or "testbed"
+    configs = [None] + [{"method": args.method, "budget": b, "local_window": args.local_window,
+                         **({"predictor": args.predictor} if args.predictor else {})} for b in args.budgets]
+    runs = []
+    for dynts in configs:
+        spec = {"model": model, "dynts": dynts, "requests": args.requests, "prompt": args.prompt,
+                "generate": args.generate, "block_size": args.page, "num_blocks": num_blocks,
+                "max_batch_tokens": args.max_batch_tokens}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(spec, f)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), f.name], capture_output=True, text=True)
+        os.unlink(f.name)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
+        if proc.returncode or not lines:
+            raise RuntimeError(f"the engine run failed:\n{proc.stderr[-3000:]}")
+        runs.append(json.loads(lines[-1][6:]))
+    return runs
+
+
+def one_engine(spec: dict) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process: its counters are readable
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from dynts.models import resolve_path
+
+    extra = {"additional_config": {"dynts": spec["dynts"]}} if spec["dynts"] else {}
+    llm = LLM(model=str(resolve_path(spec["model"])), dtype="float32", block_size=spec["block_size"],
+              num_gpu_blocks_override=spec["num_blocks"], max_model_len=spec["prompt"] + spec["generate"],
+              max_num_batched_tokens=max(spec["max_batch_tokens"], spec["prompt"] + spec["generate"]),
+              max_num_seqs=spec["requests"], enforce_eager=True, async_scheduling=False, seed=0, **extra)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    preemptions = [0]
+    original = scheduler._preempt_request
+
+    def counted(request, *a, **k):
+        preemptions[0] += 1
+        return original(request, *a, **k)
+
+    scheduler._preempt_request = counted
+    vocab = llm.get_tokenizer().vocab_size
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=spec["generate"], ignore_eos=True)
+    for i in range(spec["requests"]):
+        prompt = torch.randint(4, vocab, (spec["prompt"],), generator=g).tolist()
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    pool = scheduler.kv_cache_manager.block_pool
+    trace, tokens, start = [], 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+        trace.append((time.perf_counter() - start, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+                      len(scheduler.running)))
+    seconds = time.perf_counter() - start
+    hooks = getattr(scheduler, "_dynts", None)
+    flight = [a for _, _, a in trace]
+    d = spec["dynts"]
+    return {
+        "name": "vllm" if d is None else f"{d['method']}@{d['budget']}",
+        "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+        "in_flight_max": max(flight), "in_flight_mean": sum(flight) / len(flight),
+        "preemptions": preemptions[0], "peak_blocks": max(b for _, b, _ in trace), "pool_blocks": spec["num_blocks"],
+        "evictions": sum(s["evictions"] for s in hooks.finished.values()) if hooks else 0,
+        "trace": trace,
+    }
+
+
+if __name__ == "__main__":
+    print("BENCH " + json.dumps(one_engine(json.load(open(sys.argv[1])))), flush=True)
