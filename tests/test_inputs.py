@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dynts
+from dynts.hf_compat import cache_keyword
 from conftest import padded_batch
 
 
@@ -62,7 +63,7 @@ def test_prompts_need_tokenizer(qwen2):
 def test_cache_refuses_untracked_forward(qwen2, ids):
     cache = dynts.build_cache(qwen2, dynts.make_evictor("window"), dynts.Budget(64, 8))
     with pytest.raises(RuntimeError, match="dynts.attach"):
-        qwen2(input_ids=ids[0], cache=cache)
+        qwen2(input_ids=ids[0], **{cache_keyword(qwen2): cache})  # before 5.24 a `cache=` never reaches the cache
 
 
 def test_available_methods_lists_core():

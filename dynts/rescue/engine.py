@@ -12,7 +12,6 @@ for its next token. Forking a state is :meth:`RaggedCache.stack` with that row r
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -22,6 +21,7 @@ from ..attention import recording_attention  # noqa: F401  (registers the "dynts
 from ..budget import Budget
 from ..evictors import Evictor, make_evictor
 from ..generate import attach
+from ..hf_compat import cache_keyword
 from ..predictor import ImportancePredictor
 from ..prompts import pad_rows
 from .detector import CandidateScreen
@@ -89,7 +89,7 @@ class Policy:
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
         self.num_layers = model.config.get_text_config().num_hidden_layers
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kw = cache_keyword(model)
         self.forwards = 0
 
     def new_cache(self) -> RaggedCache:

@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from ..hf_compat import cache_keyword
+
 __all__ = ["PrefixScorer", "reuse_tolerance"]
 
 
@@ -34,13 +36,15 @@ class PrefixScorer:
     """Scores rows of token ids at given positions, reusing encoded prefixes.
 
     Args:
-        model: a token-classification model whose backbone takes ``cache=`` (transformers 5).
+        model: a token-classification model whose backbone takes a cache (``cache=`` on transformers 5.24,
+            ``past_key_values=`` before: :func:`dynts.hf_compat.cache_keyword`).
         pad_id: id used to right-pad candidate suffixes.
         max_entries: prefixes kept (least recently used dropped first).
     """
 
     def __init__(self, model: torch.nn.Module, pad_id: int, max_entries: int = 256):
         self.model, self.pad_id, self.max_entries = model, pad_id, max_entries
+        self._cache_kw = cache_keyword(model)  # `past_key_values` before transformers 5.24 (a `cache=` is dropped)
         self.store: OrderedDict[tuple[int, ...], DynamicCache] = OrderedDict()
         self.verified: bool | None = None  # None: not checked yet
         self.prefix_tokens = 0  # tokens encoded as prefixes (for cost accounting)
@@ -50,7 +54,7 @@ class PrefixScorer:
         return next(self.model.parameters()).device
 
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache | None) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=cache is not None)
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=cache is not None, **{self._cache_kw: cache})
         logits = getattr(out, "logits", None)
         return logits if logits is not None else out[0]
 
