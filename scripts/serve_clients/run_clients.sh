@@ -10,7 +10,7 @@ PY=${PY:-python}
 MODEL=${MODEL:-smollm2-135m}
 PORT=${PORT:-8765}
 OUT=${OUT:-runs/serve_clients}
-SERVE_ARGS=${SERVE_ARGS:---kv-method streamingllm --kv-budget 256 --kv-local-window 32 --page-size 64 --num-blocks 128 --max-batch-tokens 256}
+SERVE_ARGS=${SERVE_ARGS:---kv-method streamingllm --kv-budget 128 --kv-local-window 16 --page-size 32 --num-blocks 64 --max-batch-tokens 256}
 mkdir -p "$OUT"
 TOKENIZER=$($PY -c "from dynts.models import resolve_path; print(resolve_path('$MODEL'))")
 
@@ -34,7 +34,7 @@ echo "lm-eval rc=${PIPESTATUS[0]}"
 echo "== guidellm"
 HF_HUB_OFFLINE=1 "$CLIENTS/bin/guidellm" run --backend "kind=openai_http,target=http://127.0.0.1:$PORT,model=$MODEL" \
   --tokenizer "kind=huggingface_auto,model=$TOKENIZER" \
-  --data "kind=synthetic_text,prompt_tokens=64,output_tokens=32" \
+  --data "kind=synthetic_text,prompt_tokens=64,output_tokens=64" \
   --profile kind=concurrent,streams=4 --constraint kind=max_requests,count=16 \
   --output "kind=json,path=$OUT/guidellm.json" --disable-console-interactive 2>&1 | tee "$OUT/guidellm.log" | tail -40
 echo "guidellm rc=${PIPESTATUS[0]}"
