@@ -70,7 +70,7 @@ DISTRIBUTIONS = {
     "numpy": "numpy", "huggingface_hub": "transformers", "tqdm": "transformers", "triton": "triton",
     "lightning": "lightning", "torchmetrics": "torchmetrics", "datasets": "datasets", "jsonargparse": "jsonargparse",
     "yaml": "pyyaml", "peft": "peft", "scipy": "scipy", "math_verify": "math-verify", "matplotlib": "matplotlib",
-    "spacy": "spacy", "vllm": "vllm", "accelerate": "accelerate", "gguf": "gguf", "fastapi": "fastapi",
+    "spacy": "spacy", "vllm": "vllm", "accelerate": "accelerate", "gguf": "gguf", "fastapi": "fastapi", "starlette": "starlette",
     "uvicorn": "uvicorn", "openai": "openai", "nbclient": "nbclient", "nbformat": "nbformat", "kvpress": "kvpress",
     "packaging": "packaging",
 }

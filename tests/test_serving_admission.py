@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import ContinuousBatchingConfig
 
+import dynts
 from conftest import tiny_model
 from dynts.serving import EvictionSettings, init_evicting_batching
 from dynts.serving import pool as pool_module
@@ -124,6 +125,27 @@ def test_each_row_samples_with_its_own_parameters():
     assert draws == {first[3]}  # the same seed, the same draw
     spread = {sample({f"r{i}": SamplingParams(temperature=2.0, seed=i)}, logits[3:])[0] for i in range(20)}
     assert len(spread) > 1
+
+
+def test_per_request_sampling_with_chunked_prefill_equals_each_request_alone():
+    """Requests still prefilling (a prompt split over forwards) leave filler logits rows the sampler must skip."""
+    model = tiny_model("llama")
+    cb = ContinuousBatchingConfig(num_blocks=64, page_size=PAGE, max_batch_tokens=16)
+    manager = init_evicting_batching(model, EvictionSettings("window", 32, 4), per_request_sampling=True,
+                                     continuous_batching_config=cb)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 24, 20)]
+    manager.start()
+    try:
+        ids = [manager.add_request(p, max_new_tokens=40, eos_token_id=-1, sampling=SamplingParams()) for p in prompts]
+        outs = {rid: manager.get_result(rid, timeout=60) for rid in ids}
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    for rid, prompt in zip(ids, prompts):
+        reference = dynts.generate(model, input_ids=torch.tensor([prompt]), method="window", budget=32, local_window=4,
+                                   max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert outs[rid].error is None and outs[rid].generated_tokens == reference.sequences[0].tolist()
 
 
 def test_penalties_push_generated_tokens_down():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
+pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 

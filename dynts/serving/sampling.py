@@ -132,11 +132,14 @@ class PerRequestSampler:
             del self.generators[rid]
 
     def __call__(self, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
-        """Sample the next token of every row of ``scores`` ``[1, N, V]`` into ``output_ids[0, :N]``."""
-        logits = scores[0].float()  # [N, V]
-        n = logits.shape[0]
-        if len(self.rows) != n:
-            raise RuntimeError(f"per-request sampling: {n} logits rows for {len(self.rows)} requests")
+        """Sample the next token of the ``N`` requests with a new token (the first ``N`` rows of ``scores``
+        ``[1, >=N, V]``) into ``output_ids[0, :N]``."""
+        # the engine slices one logits row per request of the batch; the rows of requests still prefilling
+        # (no new token) are trailing filler it never reads
+        n = len(self.rows)
+        if scores.shape[1] < n:
+            raise RuntimeError(f"per-request sampling: {scores.shape[1]} logits rows for {n} requests")
+        logits = scores[0, :n].float()  # [N, V]
         if any(p.penalised for _, p, _ in self.rows):
             logits = logits.clone()
             for i, (_, p, generated) in enumerate(self.rows):
