@@ -73,7 +73,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=256, help="cache budget B (KV entries)")
     parser.add_argument("--local-window", type=int, default=32, help="W_l, recent tokens always kept")
     parser.add_argument("--retention", type=float, default=0.4, help="share of the selection window kept per eviction")
-    parser.add_argument("--predictor", default=None, help="directory written by ImportancePredictor.save_pretrained (dynts)")
+    parser.add_argument("--predictor", default=None,
+                        help="directory written by ImportancePredictor.save_pretrained, or auto (dynts-predictor-<model name>)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--think-end", default="</think>", help="text closing the thinking segment")
     parser.add_argument("--method-option", action="append", default=None, metavar="KEY=VALUE",

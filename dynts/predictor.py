@@ -208,12 +208,11 @@ class ImportancePredictor(nn.Module):
         trained = base.describe() if base is not None else f"a backbone of hidden size {self.hidden_size}"
         message = (
             f"this predictor was trained on {trained}, not on {model.describe()} ({'; '.join(problems)}): "
-            f"its scores would be noise on another model; train one for this model (docs/pipeline.md) or pass "
-            "strict=False to use it anyway"
+            "its scores would be noise on another model"
         )
         if strict:
-            raise ValueError(message)
-        warnings.warn(message.replace(" or pass strict=False to use it anyway", "; used anyway (strict=False)"), stacklevel=3)
+            raise ValueError(f"{message}; train one for this model (docs/pipeline.md) or pass strict=False to use it anyway")
+        warnings.warn(f"{message}; used anyway (strict=False)", stacklevel=3)
         self._accepted.append(model)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

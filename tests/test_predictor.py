@@ -218,3 +218,19 @@ def tiny_model_of_width(hidden: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=87, hidden_size=hidden, intermediate_size=2 * hidden,
                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4)).eval()
+
+
+def test_config_only_check_compares_names_when_the_weights_are_unknown():
+    model = trained()
+    predictor = _bound(model, "org/tiny-reasoner")
+    assert load_predictor(predictor, model.config, name_or_path="/models/tiny-reasoner") is predictor
+    with pytest.raises(ValueError, match="name 'tiny-reasoner' != 'other'"):
+        load_predictor(predictor, model.config, name_or_path="org/other")
+
+
+def test_cli_predictor_auto(capsys):
+    from dynts.demo import generate_main
+
+    assert generate_main(["a 6 b 6 find r1 <think>", "--model", "testbed", "--method", "dynts", "--predictor", "auto",
+                          "--budget", "32", "--local-window", "8", "--max-new-tokens", "40", "--greedy"]) == 0
+    assert "'method': 'dynts'" in capsys.readouterr().out

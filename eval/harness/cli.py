@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--greedy", action="store_true", help="greedy decoding (k must be 1)")
-    p.add_argument("--predictor", default=None, help="ImportancePredictor directory (needed by dynts)")
+    p.add_argument("--predictor", default=None, help="ImportancePredictor directory or auto (needed by dynts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None, help="results directory (default: runs/eval/<model>-<settings hash>)")
     p.add_argument("--question-field", default="question", help="JSONL benchmarks: question field")

@@ -24,7 +24,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="PRM: testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
                         "(e.g. likelihood:testbed: a full-context LM's token likelihoods) or testbed-verifier (exact step checker)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
-    p.add_argument("--predictor", default=None, help="importance predictor directory (needed by --method dynts)")
+    p.add_argument("--predictor", default=None, help="importance predictor directory or auto (needed by --method dynts)")
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--local-window", type=int, default=16)
     p.add_argument("--retention", type=float, default=0.4)
