@@ -23,8 +23,11 @@ Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finish
     B = 2k / 4k, batch 1 and 16, eager and compiled: speedup vs the full cache, t / t_full(B),
     peak KV and GPU memory (combinations in :func:`plan`'s order; what did not fit in time or
     memory is listed under ``skipped``).
-(8) ``vllm``: reserved for the vLLM plugin check (``null`` until it is added; see the marked place
-    in :func:`main`).
+(8) ``vllm``: the vLLM plugin's slot copy for FlashAttention's layout (``dynts.vllm.layouts``) on the
+    device at the R1-7B attention shape (28 layers, 4 KV heads, head 128, block 16, bf16): one eviction
+    round of 32 requests at B = 4096, exact against a reference gather, its time and peak scratch. The
+    engine itself needs vLLM, which the GPU image lacks (its wheel is far over what a call can carry):
+    ``engine`` says whether it was importable.
 
 Run it there (the device tool's ``run``, ``timeout_s=600``)::
 
@@ -378,6 +381,51 @@ def decode_bench(model, args, shape: dict, dtype, result: dict, left, save) -> N
         save()
 
 
+def vllm_check(device: torch.device, dry_run: bool) -> dict:
+    """The plugin's FlashAttention slot copy: one round, ``requests`` evicting from ``B`` to ``n_keep``."""
+    import importlib.util
+
+    from dynts.paged import copy_plan
+    from dynts.vllm.layouts import COPY_CHUNK, copy_slots_paged
+
+    layers, heads, head, block = (2, 2, 16, 16) if dry_run else (28, 4, 128, 16)
+    requests, budget, n_keep = (4, 64, 40) if dry_run else (32, 4096, 2662)
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    per_request = budget // block
+    caches = [torch.randn(requests * per_request + 1, heads, block, 2 * head, device=device, dtype=dtype)
+              for _ in range(layers)]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    order = torch.randperm(requests * per_request, generator=g) + 1  # scattered blocks, block 0 unused
+    slot = torch.arange(budget)
+    physical = torch.stack([order[r * per_request:(r + 1) * per_request][slot // block] * block + slot % block
+                            for r in range(requests)]).to(device)
+    q = min(200, n_keep // 2)  # the question: kept where it is
+    kept = torch.stack([torch.cat([torch.arange(q), torch.sort(torch.randperm(budget - q, generator=g)[: n_keep - q] + q).values])
+                        for _ in range(requests)]).to(device)
+    src, dst = copy_plan(kept, physical)
+    reference = [c.clone() for c in caches[:1]]
+    flat = reference[0].transpose(1, 2).reshape(-1, heads, 2 * head)
+    flat[dst] = flat[src].clone()
+    expected = flat.reshape(reference[0].shape[0], block, heads, 2 * head).transpose(1, 2)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    for lo in range(0, src.numel(), COPY_CHUNK):
+        for kv in caches:
+            copy_slots_paged(kv, src[lo:lo + COPY_CHUNK], dst[lo:lo + COPY_CHUNK], block)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    scratch = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
+    ok = torch.equal(caches[0], expected)
+    kv_bytes = sum(c.numel() * c.element_size() for c in caches)
+    return {"ok": ok, "layers": layers, "requests": requests, "budget": budget, "n_keep": n_keep,
+            "moved_slots": int(src.numel()), "seconds": seconds, "peak_scratch_bytes": scratch,
+            "kv_cache_bytes": kv_bytes, "engine": importlib.util.find_spec("vllm") is not None}
+
+
 def run_section(result: dict, name: str, fn, seconds: float, save) -> dict | None:
     """Run one section inside a time box; record its output, or its error, under ``result[name]``."""
     t0 = time.perf_counter()
@@ -436,13 +484,12 @@ def main(argv=None) -> int:
         save()
     model = build_model(shape, str(device), dtype)
     run_section(result, "serve", lambda: serve_check(model, args.dry_run), min(150.0, max(left() / 2, 20)), save)
-    # ---- vLLM plugin section: to be added here (result["vllm"]), between serving and the decode bench,
-    # ---- on the same random 7B-shaped model; until then result["vllm"] stays null.
+    run_section(result, "vllm", lambda: vllm_check(device, args.dry_run), 60, save)
     decode_bench(model, args, shape, dtype, result, left, save)
     save()
     print(f"\nwrote {out_file} ({result['seconds']:.0f} s; {len(result['bench'])} decode combinations run, "
           f"{len(result['skipped'])} skipped)")
-    checks = [result[k] and result[k].get("ok", "error" not in result[k]) for k in ("kernels", "logits", "serve")]
+    checks = [result[k] and result[k].get("ok", "error" not in result[k]) for k in ("kernels", "logits", "serve", "vllm")]
     tests_ok = result["tests"] is None or result["tests"]["returncode"] in (0, 5)
     return 0 if all(checks) and tests_ok else 1
 

@@ -27,7 +27,7 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     serve = result["serve"]
     assert [r["name"] for r in serve["runs"]] == ["full", "streamingllm@16"] and "error" not in serve
     assert serve["runs"][1]["peak_slots_max"] <= 16 and serve["runs"][1]["evictions"] > 0
-    assert result["vllm"] is None  # the place reserved for the vLLM plugin section
+    assert result["vllm"]["ok"] and result["vllm"]["moved_slots"] > 0  # the plugin's slot copy, exact
     assert result["tests"]["returncode"] == 0 and "test_cuda.py" in result["tests"]["output_tail"]
     assert {(c["compile"], c["batch"]) for c in result["bench"]} == {(False, 1), (False, 2), (True, 1)}
     for combo in result["bench"]:

@@ -7,7 +7,7 @@ engine runs in its own process (tests/vllm_driver.py): vLLM keeps process-wide s
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +27,12 @@ TESTBED = checkpoints_dir() / "testbed-lrm"
 PREDICTOR = checkpoints_dir() / "testbed-predictor"
 
 
-def run_engine(tmp_path: Path, model: Path, requests: list[dict], admit_all: bool = False, **engine) -> dict:
+def run_engine(tmp_path: Path, model: Path, requests: list[dict], admit_all: bool = False, env: dict | None = None,
+               **engine) -> dict:
     spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
     spec.write_text(json.dumps({"model": str(model), "engine": engine, "requests": requests, "admit_all": admit_all}))
-    proc = subprocess.run([sys.executable, str(DRIVER), str(spec)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(DRIVER), str(spec)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("DYNTS_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("DYNTS_RESULT "):])
@@ -219,3 +221,19 @@ def test_preempted_requests_fail_loudly_or_stay_exact(tmp_path, testbed):
         want = reference(model, tok, p, 400, method="streamingllm", budget=budget, local_window=window)
         assert result["outputs"][str(i)]["token_ids"] == want, f"request {i}"
     assert result["free_blocks_at_end"] == result["num_blocks"] - 1
+
+
+def test_tensor_parallel_ranks_select_the_same_slots(tmp_path, testbed):
+    """TP=2 (two worker processes on the CPU build): each rank scores and selects on its own, from replicated
+    final hidden states, with no communication; the request stays token-identical to dynts.generate."""
+    model, tok = testbed
+    budget, window = 64, 16
+    prompt = testbed_questions(1)[0]
+    engine = {"method": "streamingllm", "budget": budget, "local_window": window}
+    result = run_engine(tmp_path, TESTBED, [{"prompt_token_ids": prompt, "max_tokens": 300}],
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, additional_config={"dynts": engine},
+                        tensor_parallel_size=2, distributed_executor_backend="mp", num_gpu_blocks_override=40)
+    assert_bounded_and_freed(result, budget)
+    assert result["request_stats"]["0"]["evictions"] > 0
+    want = reference(model, tok, prompt, 300, method="streamingllm", budget=budget, local_window=window)
+    assert result["outputs"]["0"]["token_ids"] == want

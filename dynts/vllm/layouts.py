@@ -18,7 +18,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["LAYOUTS", "SlotCopy", "copy_slots_cpu_vec", "copy_slots_paged", "layout_for"]
+__all__ = ["COPY_CHUNK", "LAYOUTS", "SlotCopy", "copy_slots_cpu_vec", "copy_slots_paged", "layout_for"]
+
+COPY_CHUNK = 8192  # slots moved per layer per copy: bounds the scratch of one eviction round
 
 SlotCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 

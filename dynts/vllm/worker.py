@@ -30,11 +30,9 @@ import torch
 from ..paged import Forward, SlotTracker, copy_plan
 from ..thinking import think_end_ids
 from .config import PluginConfig
-from .layouts import SlotCopy, layout_for
+from .layouts import COPY_CHUNK, SlotCopy, layout_for
 
 __all__ = ["WorkerHooks"]
-
-COPY_CHUNK = 8192  # slots moved per layer per copy: bounds the scratch of one eviction round
 
 
 class WorkerHooks:
