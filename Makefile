@@ -64,7 +64,7 @@ $(VVENV)/.installed: pyproject.toml
 	touch $@
 
 check-vllm: $(VVENV)/.installed
-	$(VVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_layouts.py tests/test_vllm_plugin.py
+	$(VVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_layouts.py tests/test_vllm_plugin.py tests/test_vllm_server.py
 
 clean:
 	rm -rf $(VENV) $(VVENV) .pytest_cache

@@ -45,7 +45,7 @@ def test_bad_arguments(qwen2, ids, kw, words):
 
 
 def test_predictor_hidden_size_mismatch(qwen2, ids):
-    with pytest.raises(ValueError, match="hidden size 32 != model hidden size 64"):
+    with pytest.raises(ValueError, match="hidden_size 32 != 64"):
         run(qwen2, ids, method="dynts", predictor=dynts.ImportancePredictor(32))
 
 

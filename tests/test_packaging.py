@@ -76,7 +76,7 @@ DISTRIBUTIONS = {
 }
 FIRST_PARTY = {"dynts", "trainers", "eval", "data_pipeline", "scripts", "conftest"}
 # which requirement groups each package's code may rely on
-PATHS = {"dynts": ("core", "models", "kernels", "serve"), "trainers": ("core", "train"),
+PATHS = {"dynts": ("core", "models", "kernels", "serve", "vllm"), "trainers": ("core", "train"),
          "data_pipeline": ("core", "train", "vllm"), "eval": ("core", "eval")}
 
 

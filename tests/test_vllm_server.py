@@ -8,12 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -24,45 +18,25 @@ openai = pytest.importorskip("openai")
 QUESTION = [{"role": "user", "content": "a 6 b 0 c 4 d 8 e 7 find r2"}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
+    from serve_helpers import running_server
+
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    dynts_cli = Path(sys.executable).with_name("dynts")
-    command = [str(dynts_cli) if dynts_cli.exists() else shutil.which("dynts"), "serve", "testbed", "--engine", "vllm",
-               "--kv-method", "streamingllm", "--kv-budget", "96", "--kv-local-window", "16", "--port", str(port),
-               "--served-name", "testbed", "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
-               "--num-gpu-blocks-override", "64", "--enforce-eager", "--max-num-seqs", "8"]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    args = ["--engine", "vllm", "--kv-method", "streamingllm", "--kv-budget", "96", "--kv-local-window", "16",
+            "--served-name", "testbed", "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
+            "--num-gpu-blocks-override", "64", "--enforce-eager", "--max-num-seqs", "8"]
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
+    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     try:
-        deadline = time.monotonic() + 420
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail(f"the server did not come up:\n{log.read_text()[-4000:]}")
-        yield base, log
+        with running_server("testbed", args, log, timeout=420) as base:
+            yield base, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def client(base: str):
