@@ -8,8 +8,8 @@ item is recorded with its status (``kept``, ``no_delimiter``, ``no_answer``, ``n
 ``truncated``, ``incorrect``) and counted in ``dataset/stats.json``.
 
 Lightning places the model, draws progress bars and runs several devices (each rank writes its own
-shards). The optional vLLM backend (``backend: vllm``) samples the same work items with the same
-record logic, for GPU users.
+shards). The optional vLLM backend (``backend: vllm``, :mod:`data_pipeline.vllm_backend`; GPUs or
+vLLM's CPU build) samples the same work items with the same record logic.
 
 Run: ``python -m data_pipeline.traces --config configs/predictor/testbed.yaml`` (its ``traces:``
 section) or the whole chain with ``dynts pipeline --config ...``. Schema: ``docs/pipeline.md``.
