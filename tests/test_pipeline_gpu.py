@@ -110,11 +110,12 @@ def test_each_rank_loads_the_backbone_once_onto_its_own_device(tmp_path, monkeyp
 
 # ---------------------------------------------------------------- vLLM backend with a fake vllm
 class FakeVLLM(types.ModuleType):
-    """Records ``LLM(...)`` and ``SamplingParams(...)``; rejects ``top_k=0`` as vLLM < 0.9 does."""
+    """Records ``LLM(...)``, ``SamplingParams(...)`` and engine shutdowns; rejects ``top_k=0`` as vLLM
+    < 0.9 does."""
 
     def __init__(self, answer: list[int]):
         super().__init__("vllm")
-        self.llm_kwargs, self.sampling = [], []
+        self.llm_kwargs, self.sampling, self.shutdowns = [], [], []
         fake = self
 
         class SamplingParams:
@@ -127,6 +128,8 @@ class FakeVLLM(types.ModuleType):
         class LLM:
             def __init__(self, **kwargs):
                 fake.llm_kwargs.append(kwargs)
+                core = SimpleNamespace(shutdown=lambda: fake.shutdowns.append(len(fake.llm_kwargs)))
+                self.llm_engine = SimpleNamespace(engine_core=core)
 
             def generate(self, prompts, params, use_tqdm=True):
                 assert len(prompts) == len(params)
@@ -164,10 +167,13 @@ def test_vllm_backend_gets_its_settings_from_the_config(tmp_path, fake_vllm):
     assert llm["max_model_len"] == longest + 40  # not the model's whole context
     assert [p["top_k"] for p in fake_vllm.sampling] == [-1] * 10  # HF's "off" mapped to vLLM's
     assert len({p["seed"] for p in fake_vllm.sampling}) == 10
+    assert fake_vllm.shutdowns == [1]  # the engine is stopped before the next stage
 
     fake_vllm.llm_kwargs.clear()
-    generate_traces(dict(settings, output_dir=str(tmp_path / "u"), top_k=20, max_model_len=4096))
+    generate_traces(dict(settings, output_dir=str(tmp_path / "u"), top_k=20, max_model_len=4096,
+                         vllm_args={"enforce_eager": True, "block_size": 32}))
     assert fake_vllm.llm_kwargs[0]["max_model_len"] == 4096
+    assert fake_vllm.llm_kwargs[0]["enforce_eager"] is True and fake_vllm.llm_kwargs[0]["block_size"] == 32
     assert fake_vllm.sampling[-1]["top_k"] == 20
 
 
@@ -179,6 +185,13 @@ def test_vllm_backend_gets_its_settings_from_the_config(tmp_path, fake_vllm):
 def test_bad_vllm_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         TraceConfig(**{field: value, "max_new_tokens": 40})
+
+
+@pytest.mark.parametrize("value, match", [(["enforce_eager"], "vllm_args"), ({"seed": 3}, "seed"),
+                                          ({"model": "x", "dtype": "half"}, "dtype")])
+def test_bad_vllm_args_name_the_field(value, match):
+    with pytest.raises(ValueError, match=match):
+        TraceConfig(vllm_args=value)
 
 
 def test_vllm_backend_does_not_import_the_traces_module():
