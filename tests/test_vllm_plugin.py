@@ -48,15 +48,6 @@ def reference(model, tokenizer, prompt: list[int], max_tokens: int, **method) ->
     return seq[: seq.index(eos) + 1] if eos in seq else seq
 
 
-def testbed_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Testbed questions (the LRM solves them with a trace of a few hundred tokens)."""
-    from data_pipeline.testbed.task import sample_problem  # noqa: PLC0415
-
-    tok = dynts.models.load_tokenizer("testbed")
-    rng = __import__("random").Random(seed)
-    return [dynts.prompts.encode_prompt(tok, sample_problem(rng).question) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def testbed():
     return dynts.load("testbed", dtype="float32", device="cpu")
@@ -84,7 +75,7 @@ def tiny_models(tmp_path_factory):
     return dirs
 
 
-def testbed_questions(n: int) -> list[list[int]]:
+def fresh_questions(n: int) -> list[list[int]]:
     """Fresh testbed questions as token ids (the LRM answers each after a trace of 150-900 tokens)."""
     from data_pipeline.testbed.task import problem_set, question_tokens
 
@@ -144,7 +135,7 @@ def test_each_request_equals_generate_alone(tmp_path, testbed):
     model, tok = testbed
     budget, window = 96, 16  # n_keep = 56: events free the third block
     methods = ["dynts", "window", "streamingllm", "sepllm"]
-    prompts = testbed_questions(8)
+    prompts = fresh_questions(8)
     requests = [{"prompt_token_ids": p, "max_tokens": 400, "arrive_at_step": 9 * i,
                  "extra_args": {"dynts": {"method": methods[i % 4]}}} for i, p in enumerate(prompts)]
     engine = {"method": "dynts", "budget": budget, "local_window": window, "predictor": str(PREDICTOR)}
@@ -207,7 +198,7 @@ def test_preempted_requests_fail_loudly_or_stay_exact(tmp_path, testbed):
     re-prefill); every other request is still token-identical to dynts.generate alone."""
     model, tok = testbed
     budget, window = 96, 16
-    prompts = testbed_questions(6)
+    prompts = fresh_questions(6)
     requests = [{"prompt_token_ids": p, "max_tokens": 400} for p in prompts]
     engine = {"method": "streamingllm", "budget": budget, "local_window": window}
     result = run_engine(tmp_path, TESTBED, requests, admit_all=True, additional_config={"dynts": engine},
@@ -228,7 +219,7 @@ def test_tensor_parallel_ranks_select_the_same_slots(tmp_path, testbed):
     final hidden states, with no communication; the request stays token-identical to dynts.generate."""
     model, tok = testbed
     budget, window = 64, 16
-    prompt = testbed_questions(1)[0]
+    prompt = fresh_questions(1)[0]
     engine = {"method": "streamingllm", "budget": budget, "local_window": window}
     result = run_engine(tmp_path, TESTBED, [{"prompt_token_ids": prompt, "max_tokens": 300}],
                         env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, additional_config={"dynts": engine},
