@@ -88,6 +88,29 @@ def run(model, prompts, settings, args, num_blocks: int) -> dict:
     }
 
 
+def plot(runs: list[dict], requests: int, generate: int, num_blocks: int, path: str) -> None:
+    """Blocks in use over time, one line per run (PNG)."""
+    try:
+        import matplotlib
+    except ImportError:  # the vLLM venv has no matplotlib: draw from --json with the main venv
+        print(f"no matplotlib here: draw it with `python scripts/bench_serve.py --replot JSON --plot {path}`")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for r in runs:
+        ax.plot([t for t, _, _ in r["trace"]], [b for _, b, _ in r["trace"]], label=r["name"])
+    ax.axhline(num_blocks, color="gray", ls="--", lw=0.8, label="pool")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("KV blocks in use")
+    ax.set_title(f"{requests} requests x {generate} tokens, pool of {num_blocks} blocks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="dynts.load name/dir; default: a random-init Llama (--hidden/--layers)")
@@ -107,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="PNG path for blocks in use over time")
     p.add_argument("--json", default=None, help="write the numbers here")
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    p.add_argument("--replot", default=None, help="draw --plot from a --json of an earlier run, run nothing")
     args = p.parse_args(argv)
+    if args.replot:
+        saved = json.load(open(args.replot))
+        runs, a = saved["runs"], saved["args"]
+        plot(runs, a["requests"], a["generate"], runs[0]["pool_blocks"], args.plot)
+        return 0
     num_blocks = args.full_requests * math.ceil((args.prompt + args.generate) / args.page)
     print(f"engine: {args.engine}; pool: {num_blocks} blocks of {args.page} tokens (= {args.full_requests} full-length "
           f"requests); {args.requests} requests x ({args.prompt} prompt + {args.generate} generated); "
@@ -142,22 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for r in runs:
-            ax.plot([t for t, _, _ in r["trace"]], [b for _, b, _ in r["trace"]], label=r["name"])
-        ax.axhline(num_blocks, color="gray", ls="--", lw=0.8, label="pool")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("KV blocks in use")
-        ax.set_title(f"{args.requests} requests x {args.generate} tokens, pool of {num_blocks} blocks")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"plot: {args.plot}")
+        plot(runs, args.requests, args.generate, num_blocks, args.plot)
     return 0
 
 
