@@ -123,8 +123,17 @@ class SchedulerHooks:
         return self.stats_of(state) if state is not None else dict(self.finished.get(rid, {}))
 
     # ------------------------------------------------------------------ per round
+    @property
+    def _manager(self) -> Any:
+        """vLLM's manager of the one KV cache group (full attention): per-request blocks and the pool."""
+        return self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+
     def _blocks(self, rid: str) -> list:
-        return self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[rid]
+        return self._manager.req_to_blocks[rid]
+
+    def blocks_in_use(self) -> int:
+        pool = self._manager.block_pool
+        return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # block 0 is vLLM's null block
 
     def before_schedule(self) -> StepPlan:
         """Eviction events of the decoding requests due this round; their tail blocks go back to the pool."""
@@ -146,7 +155,7 @@ class SchedulerHooks:
 
     def _free_tail(self, rid: str, n_keep: int) -> int:
         """Return the blocks past ``ceil(n_keep / block_size)`` of a request to the pool; count them."""
-        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        manager = self._manager
         blocks = manager.req_to_blocks[rid]
         keep = math.ceil(n_keep / self.block_size)
         tail = blocks[keep:]
@@ -195,8 +204,7 @@ class SchedulerHooks:
                     plan.shifts[rid] = state.shift
                 state.peak_blocks = max(state.peak_blocks, len(self._blocks(rid)))
         output.dynts_plan = plan
-        pool = self.scheduler.kv_cache_manager.block_pool
-        in_use = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # block 0 is vLLM's null block
+        in_use = self.blocks_in_use()
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
         self.block_trace.append((in_use, len(self.scheduler.running)))
         if self.failed:
@@ -205,11 +213,11 @@ class SchedulerHooks:
             self.failed.clear()
 
     def engine_stats(self) -> dict[str, Any]:
-        pool = self.scheduler.kv_cache_manager.block_pool
+        pool = self._manager.block_pool
         return {
             "preemptions": self.preemptions,
             "peak_blocks_in_use": self.peak_blocks_in_use,
-            "blocks_in_use": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+            "blocks_in_use": self.blocks_in_use(),
             "free_blocks": pool.get_num_free_blocks(),
             "num_blocks": pool.num_gpu_blocks,
             "block_trace": list(self.block_trace),
