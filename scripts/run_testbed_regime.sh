@@ -1,7 +1,7 @@
 #!/bin/bash
-# Issue 16's measurements on the retrained testbed (eviction-robust LRM, helper in KV-Rescue's
-# regime), one command per number, each under the machine's CPU lock (other jobs may run between).
-# Run after configs/testbed/{lrm,lrm-robust,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
+# The measurements on the shipped testbed (the LRM trained on a mixture of kept-set shapes, helper in
+# KV-Rescue's regime), one command per number, each under the machine's CPU lock (other jobs may run between).
+# Run after configs/testbed/{lrm,lrm-robust,lrm-mix,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
 # Steps: predictor report eval rescue64 pareto rescue-budgets rescue-n8 rescue-likelihood (default: all, in this order).
 set -ex
 cd "$(dirname "$0")/.."
@@ -13,6 +13,7 @@ RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --metho
   --max-steps 96 --max-step-tokens 64 --degen-steps 24 --entropy-threshold 3.3 --compress-threshold 0.5
   --compress-window 100 --guard 12 --entropy-window 6 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 0
   --settings full,helper,evict,bon,kvr"
+EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 steps=${*:-predictor report eval rescue64 pareto rescue-budgets rescue-n8 rescue-likelihood}
 for step in $steps; do
   date
@@ -22,13 +23,17 @@ for step in $steps; do
       $LOCK $PY scripts/report_testbed_predictor.py --out reports/testbed-predictor.json ;;
     report)  # reports/testbed.json: LRM and helper accuracy, oracle vs full, attention, PRM AUROC
       $LOCK $PY -m dynts.cli testbed report --n 200 ;;
-    eval)  # every method at four budgets, 200 problems, one standard error per cell
-      $LOCK $PY -m dynts.cli eval --model testbed --benchmark testbed:n=200 --predictor checkpoints/testbed-predictor \
-        --method full,window,streamingllm,h2o,snapkv,sepllm,rkv,dynts,testbed-oracle \
-        --budget 64,96,128,192 --local-window 32 --retention 0.4 --k 1 --batch-size 100 --threads 2 \
-        --run-dir runs/eval-testbed-budgets
+    eval)  # every method, its +q variant, the random control, the ablations and the oracles at four budgets
+      # (one locked job per budget, ~15 min each; the run dir resumes, so the table gathers all four)
+      for budget in 64 96 128 192; do
+        $LOCK $PY -m dynts.cli eval --model testbed --benchmark testbed:n=200 --predictor checkpoints/testbed-predictor \
+          --method $EVAL_METHODS --budget $budget --local-window 32 --retention 0.4 --k 1 --batch-size 100 --threads 2 \
+          --no-progress --run-dir runs/eval-testbed-budgets
+      done
+      $PY -m eval.harness.testbed_errors runs/eval-testbed-budgets --degeneration > runs/eval-testbed-budgets/degeneration.md
+      $PY -m eval.harness.testbed_errors runs/eval-testbed-budgets > runs/eval-testbed-budgets/errors.md
       mkdir -p reports/eval-testbed-budgets
-      cp runs/eval-testbed-budgets/results.{md,json} runs/eval-testbed-budgets/accuracy_vs_budget.png reports/eval-testbed-budgets/ ;;
+      cp runs/eval-testbed-budgets/{results.md,results.json,accuracy_vs_budget.png,degeneration.md,errors.md} reports/eval-testbed-budgets/ ;;
     rescue64)
       $LOCK $RESCUE --budget 64 --n 4 --out reports/rescue/regime-B64-N4 ;;
     pareto)

@@ -357,3 +357,15 @@ def test_smollm2_sepllm_finds_separators_itself_and_keeps_them(smollm2):
     kept_others = [p for p in others if p in kept]
     assert len(kept_others) < len(others), "expected some non-separators evicted"
     assert kept_others == others[len(others) - len(kept_others) :]  # the oldest went first
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "rkv"])
+def test_question_protected_variant_keeps_the_prompt_and_says_so(method):
+    """``+q``: the attention baselines with DynTS's question protection; a paged engine may then share
+    the prompt's full blocks (``protected_prefix``)."""
+    plain, protected = dynts.make_evictor(method), dynts.make_evictor(method, keep_question=True)
+    assert plain.protected_prefix(14) == 0 and protected.protected_prefix(14) == 14
+    from eval.harness.methods import parse_method
+
+    spec = parse_method(f"{method}+q")
+    assert spec.label == f"{method}+q" and dict(spec.options) == {"keep_question": True}

@@ -32,7 +32,11 @@ def test_demo_runs_every_method(tmp_path, monkeypatch, capsys, one_thread, predi
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     methods = [r["method"]["name"] for r in results]
     assert methods[0] == "full" and "testbed-oracle" in methods and "window" in methods
+    labels = [r["method"]["label"] for r in results]
+    assert {"random", "h2o+q", "snapkv+q", "rkv+q", "oracle-step", "oracle-value", "oracle-token"} <= set(labels)
+    assert all(r.get("loop_rate") is not None and r.get("evictions_per_sample") is not None for r in results)
     assert ("dynts" in methods) == predictor
     if not predictor:
         assert "skipping dynts" in captured.err
     assert "| full |" in captured.out and "accuracy_vs_budget.png" in captured.out
+    assert "| tokens vs full |" in captured.out and "| loop % |" in captured.out and "| h2o+q |" in captured.out

@@ -183,3 +183,65 @@ def test_single_budget_plot_is_bars_per_method():
     assert [round(p.get_width()) for p in ax.patches] == [30, 70, 80]
     assert [line.get_xdata()[0] for line in ax.get_lines()] == [pytest.approx(90)]
     plt.close(fig)
+
+
+def test_tables_compare_with_full_and_report_loops_and_evictions(tiny_testbed, tmp_path):
+    from eval.harness.report import markdown_table
+
+    results = run(config(tiny_testbed, tmp_path, methods=["full", "window", "h2o+q", "random"], k=1, max_new_tokens=30))
+    full = results[0]
+    assert full["n_keep"] is None and full["mean_prompt_tokens"] == pytest.approx(14)
+    for r in results[1:]:
+        assert r["n_keep"] == dynts.Budget(24, 6, 0.4).n_keep(14)
+        records = [json.loads(l) for l in (tmp_path / "samples" / f"{r['key']}.jsonl").read_text().splitlines()]
+        K = 24 - r["n_keep"]
+        for rec in records:  # the cache holds 14 + tokens entries minus K per event, never more than B
+            assert 14 + rec["tokens"] - K * rec["evictions"] <= 24 < 14 + rec["tokens"] - K * (rec["evictions"] - 1)
+        assert r["evictions_per_sample"] == pytest.approx(sum(rec["evictions"] for rec in records) / len(records))
+        assert r["evictions_per_sample"] > 0
+        assert 0.0 <= r["loop_rate"] <= 1.0
+    table = markdown_table(results)
+    header = [h.strip() for h in table.splitlines()[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    col = {h: i for i, h in enumerate(header)}
+    for r, row in zip(results, rows):
+        assert float(row[col["tokens vs full"]]) == pytest.approx(r["mean_generated_tokens"] / full["mean_generated_tokens"], abs=0.006)
+        if r["budget"] is not None:
+            want = 24 / (full["mean_prompt_tokens"] + full["mean_generated_tokens"])
+            assert float(row[col["B / full seq"]]) == pytest.approx(want, abs=0.006)
+    assert rows[2][col["method"]] == "h2o+q"
+    assert dict(results[2]["method"]["options"]) == {"keep_question": True}
+
+
+def test_loop_rules():
+    from eval.harness.loops import tail_repeats, testbed_loops
+
+    assert tail_repeats([5] * 64) and not tail_repeats([5] * 63)
+    assert tail_repeats(list(range(100)) + [1, 2, 3, 4, 5, 6, 7, 8] * 9)
+    assert not tail_repeats(list(range(300)))
+    assert tail_repeats(list(range(200)) * 3)  # a 200-token pattern three times
+    from data_pipeline.testbed import task
+
+    p = task.make_problem("loop", min_think=100, max_think=100)
+    assert not testbed_loops(p.text)
+    think = p.text.split(task.END_THINK)[0]
+    steps = think.split(";")
+    assert testbed_loops(";".join(steps[:-1] + steps[1:3]) + " ;")  # a step written again
+
+
+def test_compare_states_who_leads_by_two_standard_errors(tmp_path, capsys):
+    from eval.harness.compare import compare, main, pivot
+
+    def cell(label, budget, acc, se):
+        return {"method": {"label": label}, "budget": budget, "pass@1": acc, "pass@1_se": se}
+
+    results = [cell("full", None, 0.98, 0.01), cell("dynts", 64, 0.85, 0.02), cell("random", 64, 0.25, 0.03),
+               cell("h2o+q", 64, 0.82, 0.02), cell("dynts", 96, 0.90, 0.02), cell("h2o+q", 96, 0.97, 0.01)]
+    table = compare(results)
+    assert "| random | +60.0 ± 3.6 (leads) |" in table
+    assert "| h2o+q | +3.0 ± 2.8 (within 2 SE) | -7.0 ± 2.2 (trails) |" in table
+    assert "| full (no eviction) | 98.0 ± 1.0 |" in pivot(results) and "| random | 25.0 ± 3.0 |  |" in pivot(results)
+    with pytest.raises(ValueError, match="against='snapkv'"):
+        compare(results, "snapkv")
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert main([str(tmp_path)]) == 0 and "dynts minus" in capsys.readouterr().out

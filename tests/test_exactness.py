@@ -8,7 +8,7 @@ import torch
 import dynts
 from conftest import padded_batch
 
-METHODS = ["full", "window", "streamingllm", "dynts", "h2o", "snapkv", "sepllm", "rkv"]
+METHODS = ["full", "window", "streamingllm", "dynts", "h2o", "snapkv", "sepllm", "rkv", "random"]
 
 
 def reference(model, ids, mask, new):

@@ -13,7 +13,9 @@ Two fine-tuning options start from a trained model (``init_from``):
   steps (always the asked one) and its last ``W`` tokens, which is exactly what an evicting cache
   that decides when a token leaves its local window would show it at decode time (RoPE positions
   stay absolute in dynts). The model learns to keep counting steps and to stop on time with most of
-  its context gone, so an evictor that keeps the right tokens loses little (issue 16).
+  its context gone, so an evictor that keeps the right tokens loses little. ``evict_shapes`` mixes
+  other kept-set shapes in (single tokens, values only, windows, attention-ranked subsets;
+  :mod:`trainers.eviction_masks`), so the model does not favour one shape of kept set.
 * ``slip``: traces write some step values wrong by a fixed rule (``task.SLIPS``): a helper whose
   errors are of capability (arithmetic), not of context.
 """
@@ -33,6 +35,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
+from trainers.eviction_masks import add_attention_ranked, check_shapes, draw_kept_set, draw_shape, eviction_visibility
 from trainers.schedules import cosine, linear_warmup
 
 TOKEN_ID = {t: i for i, t in enumerate(task.VOCAB)}
@@ -56,6 +59,7 @@ class DataConfig:
     evict_frac: float = 0.0  # share of trace rows trained under an eviction-shaped mask
     evict_window: tuple[int, int] = (48, 128)  # local window W, drawn per row
     evict_keep: float = 0.5  # each earlier step stays visible with probability U(0, evict_keep)
+    evict_shapes: dict[str, float] = field(default_factory=lambda: {"steps": 1.0})  # kept-set shape -> weight
 
     def __post_init__(self) -> None:
         if self.slip is not None and self.slip not in task.SLIPS:
@@ -65,6 +69,7 @@ class DataConfig:
         self.evict_window = tuple(self.evict_window)  # type: ignore[assignment]
         if len(self.evict_window) != 2 or not 1 <= self.evict_window[0] <= self.evict_window[1]:
             raise ValueError(f"data.evict_window={self.evict_window!r}: give [min, max] with 1 <= min <= max")
+        self.evict_shapes = check_shapes(self.evict_shapes)
 
 
 @dataclass
@@ -130,27 +135,6 @@ def build_model(model_cfg: dict[str, Any]) -> Qwen2ForCausalLM:
     config = Qwen2Config(**cfg)
     config._attn_implementation = "sdpa"
     return Qwen2ForCausalLM(config)
-
-
-def eviction_visibility(tokens: list[str], rng: random.Random, window: tuple[int, int], keep_max: float) -> tuple[torch.Tensor, int]:
-    """What an evicting cache keeps of one trace: ``(kept, W)``.
-
-    ``kept`` (bool, ``[len(tokens)]``) marks the keys visible to every later query: the question
-    and whole steps ``x xv op y yv gives rK= v ;`` each kept with one probability drawn from
-    ``U(0, keep_max)``, the asked step always. Every other key is visible only to the ``W``
-    queries after it (the local window).
-    """
-    kept = torch.zeros(len(tokens), dtype=torch.bool)
-    kept[: task.QUESTION_TOKENS] = True
-    asked = f"r{task.parse_question(tokens[: task.QUESTION_TOKENS])[1]}="
-    end = tokens.index(task.END_THINK) if task.END_THINK in tokens else len(tokens)
-    p_keep = rng.uniform(0.0, keep_max)
-    key_offset = 6  # rK= is the 7th of a step's STEP_TOKENS words: x xv op y yv gives rK= v ;
-    for i in range(task.QUESTION_TOKENS, end):
-        if tokens[i] in task.RESULT_KEYS and (tokens[i] == asked or rng.random() < p_keep):
-            start = i - key_offset
-            kept[max(task.QUESTION_TOKENS, start) : start + task.STEP_TOKENS] = True
-    return kept, rng.randint(*window)
 
 
 def attention_mask(lengths: list[int], T: int, visibility: list[tuple[torch.Tensor, int] | None]) -> torch.Tensor:
@@ -233,6 +217,7 @@ class TraceStream(IterableDataset):
         evict = d.evict_frac if stage.evict_frac is None else stage.evict_frac
         rows: list[tuple[list[str], list[int]]] = []
         visibility: list[tuple[torch.Tensor, int] | None] = []
+        ranked: list[tuple[int, float, torch.Tensor]] = []  # attention-shaped rows: (row, share, candidates)
         for r in range(size):
             s = f"train:{seed}:{step}:{r}"
             if rng.random() < drill:
@@ -242,8 +227,25 @@ class TraceStream(IterableDataset):
                 p = task.make_problem(s, min_think=lo, max_think=hi, early_prob=early, slip=d.slip)
                 rows.append((list(p.tokens), list(p.roles)))
                 evicted = evict > 0 and rng.random() < evict
-                visibility.append(eviction_visibility(rows[-1][0], rng, d.evict_window, d.evict_keep) if evicted else None)
-        return collate(rows, self.weights, visibility)
+                if not evicted:
+                    visibility.append(None)
+                    continue
+                shape = draw_shape(d.evict_shapes, rng)
+                kept, window, share = draw_kept_set(rows[-1][0], rng, d.evict_window, d.evict_keep, shape)
+                visibility.append((kept, window))
+                if shape == "attention":
+                    tokens = rows[-1][0]
+                    end = tokens.index(task.END_THINK) if task.END_THINK in tokens else len(tokens)
+                    candidates = ~kept & (torch.arange(len(tokens)) < end)
+                    ranked.append((r, share, candidates))
+        batch = collate(rows, self.weights, visibility)
+        if ranked:
+            T = batch["input_ids"].shape[1]
+            batch["rank_rows"] = torch.tensor([r for r, _, _ in ranked])
+            batch["rank_keep"] = torch.tensor([share for _, share, _ in ranked])
+            batch["rank_candidates"] = torch.stack([torch.nn.functional.pad(c, (0, T - len(c))) for *_, c in ranked])
+            batch["lengths"] = torch.tensor([len(t) for t, _ in rows])
+        return batch
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         step = self.start_step
@@ -287,6 +289,11 @@ class LMModule(L.LightningModule):
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Weighted loss, the answer-value probe and the operand-copy accuracy (teacher forced)."""
         ids, w = batch["input_ids"], batch["weights"]
+        if "rank_rows" in batch:
+            was_training = self.model.training
+            self.model.eval()
+            add_attention_ranked(self.model, batch)
+            self.model.train(was_training)
         logits = self.model(input_ids=ids, attention_mask=batch.get("attention_mask")).logits[:, :-1].float()
         ce = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (ce * w[:, :-1]).sum() / w[:, :-1].sum()

@@ -115,7 +115,13 @@ POLICIES = (
     ("question+recent", "window", {"keep_question": True}),
     ("oracle", "testbed-oracle", None),
     ("oracle(step)", "testbed-oracle", {"keep_step": True}),
+    ("oracle(token)", "testbed-oracle", {"keep_key": False}),
 )
+# The kept-set shape check: question + recent + the asked step (9 tokens), the asked key and value,
+# or the asked value token alone, at the eval table's budgets and local window. An LRM that reads
+# every shape alike scores them within a few points of each other.
+SHAPE_ORACLES = (("step", {"keep_step": True}), ("value", {}), ("token", {"keep_key": False}))
+SHAPE_BUDGETS, SHAPE_LOCAL_WINDOW = (64, 96, 128, 192), 32
 
 
 def eviction(model: Any, tokenizer: Any, problems: Sequence[task.Problem], budget: int, local_window: int, seed: int,
@@ -126,6 +132,19 @@ def eviction(model: Any, tokenizer: Any, problems: Sequence[task.Problem], budge
         policies[name] = run_policy(model, tokenizer, problems, method, options, budget=budget, local_window=local_window,
                                     seed=seed, min_think=min_think)[1]
     return {"budget": budget, "local_window": local_window, "min_think": min_think, "policies": policies}
+
+
+def oracle_shapes(model: Any, tokenizer: Any, problems: Sequence[task.Problem], seed: int,
+                  budgets: Sequence[int] = SHAPE_BUDGETS, local_window: int = SHAPE_LOCAL_WINDOW) -> dict[str, Any]:
+    """Accuracy of the step / value / token oracles at equal budgets (:data:`SHAPE_ORACLES`), and
+    each budget's largest gap between them in points."""
+    by_budget: dict[str, Any] = {}
+    for budget in budgets:
+        cells = {name: run_policy(model, tokenizer, problems, "testbed-oracle", options, budget=budget,
+                                  local_window=local_window, seed=seed)[1] for name, options in SHAPE_ORACLES}
+        accuracy = [c["accuracy"] for c in cells.values()]
+        by_budget[str(budget)] = {**cells, "gap_points": 100 * (max(accuracy) - min(accuracy))}
+    return {"local_window": local_window, "budgets": by_budget}
 
 
 def _write(path: Path, result: dict[str, Any]) -> None:
@@ -151,6 +170,7 @@ def update_eviction(out: str | Path = "reports/testbed.json", min_think: int = 3
     full = ev["policies"]["full"]
     result["eviction"] = eviction(lrm, tok, problems, ev["budget"], ev["local_window"], 0, full=full)
     result["eviction_min_think"] = eviction(lrm, tok, problems, ev["budget"], ev["local_window"], 0, min_think=min_think)
+    result["oracle_shapes"] = oracle_shapes(lrm, tok, problems, 0)
     _write(path, result)
     return result
 
@@ -171,6 +191,7 @@ def report(n: int = 200, budget: int | None = None, local_window: int = 64, out:
     local_window = min(local_window, budget - task.QUESTION_TOKENS - 8)
     result["eviction"] = eviction(lrm, tok, problems, budget, local_window, seed, full=full)
     result["eviction_min_think"] = eviction(lrm, tok, problems, budget, local_window, seed, min_think=min_think)
+    result["oracle_shapes"] = oracle_shapes(lrm, tok, problems, seed)
     eager, _ = load_testbed("testbed", attn_implementation="eager")
     result["attention"] = attention_ranks(eager, tok, problems, texts)
     prm, _ = load_testbed("testbed-prm")
@@ -216,6 +237,11 @@ def table(result: dict[str, Any]) -> str:
     for name, r in rows:
         lines.append(f"{name:40} {r['accuracy']:6.3f} {r['parse_rate']:6.3f} {r['mean_thinking_tokens']:6.0f} "
                      f"{r['retrieval']:6.3f} {r['operand_copy']:6.3f} {r['step_arithmetic']:6.3f}")
+    shapes = result.get("oracle_shapes")
+    if shapes:
+        for budget, cells in shapes["budgets"].items():
+            accs = " ".join(f"{name} {cells[name]['accuracy']:.3f}" for name, _ in SHAPE_ORACLES)
+            lines.append(f"oracles by kept-set shape, B={budget} W_l={shapes['local_window']}: {accs} (gap {cells['gap_points']:.1f} points)")
     a = result["attention"]
     lines.append(f"attention: critical token in top 20% of thinking: {a['top20_fraction']:.3f} (first: {a['first_fraction']:.3f}, n={a['n']})")
     lines.append(f"PRM AUROC (correct vs corrupted steps): {result['prm']['auroc']:.4f} over {result['prm']['steps']} steps")

@@ -35,8 +35,9 @@ def asked_key_ids(info: TokenInfo) -> torch.Tensor:
 
 
 def critical_mask(info: TokenInfo, key_ids: torch.Tensor, before: int = 0, after: int = 1) -> torch.Tensor:
-    """``[b, n]`` True on thinking slots holding the asked key, and on the slots up to ``before``
-    positions earlier and ``after`` positions later (``after=1``: its value)."""
+    """``[b, n]`` True on the slots from ``before`` positions before a thinking slot holding the
+    asked key to ``after`` positions after it (``(0, 1)``: the key and its value; ``(-1, 1)``: the
+    value alone)."""
     thinking = info.segments == Segment.THINKING
     is_key = thinking & (info.token_ids == key_ids[:, None])
     pos = info.positions.masked_fill(~info.valid, -(10**9))
@@ -53,15 +54,23 @@ class OracleEvictor(Evictor):
     Args:
         key_ids: optional asked ``rK=`` token id per row; read from the question when ``None``.
         keep_step: keep the whole step that wrote the asked key (``x xv op y yv gives rK= v ;``),
-            not only the key and its value.
+            not only the key and its value (the step oracle).
+        keep_key: keep the asked key with its value (the value oracle); ``False`` keeps the value
+            token alone (the token oracle: one scattered token, the shape a token-level scorer keeps).
 
     Shapes: ``info.*`` are ``[b, n]``; returns ``[b, n_keep]`` ascending slot indices.
     """
 
     key_ids: list[int] | None = None
     keep_step: bool = False
+    keep_key: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("keep_step", "keep_key"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.keep_step and not self.keep_key:
+            raise ValueError("keep_step=True keeps the asked key inside its step; keep_key=False only applies with keep_step=False")
         if self.key_ids is not None and any(k not in QUERY_TO_KEY.values() for k in self.key_ids):
             raise ValueError(f"key_ids={self.key_ids!r} must be ids of result keys r1= .. r{task.MAX_KEY}=")
 
@@ -71,7 +80,7 @@ class OracleEvictor(Evictor):
         else:
             keys = asked_key_ids(info)
         priority = torch.arange(info.shape[1], device=info.positions.device).float().expand(info.shape)
-        span = (task.STEP_TOKENS - 3, 2) if self.keep_step else (0, 1)
+        span = (task.STEP_TOKENS - 3, 2) if self.keep_step else (0, 1) if self.keep_key else (-1, 1)
         protect = (info.segments == Segment.QUESTION) | (info.segments == Segment.ANSWER) | critical_mask(info, keys, *span)
         return keep_top(priority.masked_fill(protect, float("inf")), info)
 

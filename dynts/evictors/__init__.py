@@ -1,6 +1,6 @@
 """Eviction methods. Each file registers one method; ``available_methods()`` lists them."""
 
-from . import dual_window, fixed, full, h2o, rkv, sepllm, snapkv, streamingllm, window  # noqa: F401  (registration side effects)
+from . import dual_window, fixed, full, h2o, random_control, rkv, sepllm, snapkv, streamingllm, window  # noqa: F401  (registration side effects)
 from .base import (
     EVICTORS,
     Evictor,

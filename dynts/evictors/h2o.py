@@ -38,6 +38,9 @@ class H2O(Evictor):
     def __post_init__(self) -> None:
         check_flag("keep_question", self.keep_question)
 
+    def protected_prefix(self, question_length: int) -> int:
+        return question_length if self.keep_question else 0
+
     def select(self, info: TokenInfo) -> torch.Tensor:
         if info.attention is None:
             raise RuntimeError("H2O needs accumulated attention; the cache must record 'attention'")

@@ -147,6 +147,9 @@ class RKV(Evictor):
         redundancy = key_redundancy(info.keys, info.valid, float(self.similarity_threshold))
         return self.mix_lambda * importance - (1.0 - self.mix_lambda) * redundancy
 
+    def protected_prefix(self, question_length: int) -> int:
+        return question_length if self.keep_question else 0
+
     def select(self, info: TokenInfo) -> torch.Tensor:
         protected = recent_mask(info, info.local_window)
         if self.keep_question:

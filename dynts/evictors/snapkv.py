@@ -74,6 +74,9 @@ class SnapKV(Evictor):
         check_pooling(self.kernel_size, self.pooling)
         check_flag("keep_question", self.keep_question)
 
+    def protected_prefix(self, question_length: int) -> int:
+        return question_length if self.keep_question else 0
+
     def select(self, info: TokenInfo) -> torch.Tensor:
         if info.window_attention is None:
             raise RuntimeError("SnapKV needs window attention; the cache must record 'window_attention'")

@@ -18,9 +18,11 @@ import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from data_pipeline.grading import ChoiceGrader, Grader, MathGrader, TestbedGrader
+
+from .loops import tail_repeats, testbed_loops
 
 __all__ = [
     "BUILTIN",
@@ -56,6 +58,8 @@ class Benchmark:
         instruction: appended to every question (the paper's step-by-step / ``\\boxed{}`` line);
             ``None`` sends the question as is (the testbed, whose vocabulary has no English).
         max_new_tokens: the generation cap used when the caller gives none (paper: 16,384).
+        loops: ``(text, generated ids) -> bool``, whether a trace looped (``eval.harness.loops``);
+            the default reads the token tail.
     """
 
     name: str
@@ -65,6 +69,7 @@ class Benchmark:
     max_new_tokens: int = 16384
     source: str = ""
     skipped: tuple[str, ...] = ()
+    loops: Callable[[str, Sequence[int]], bool] = lambda text, ids: tail_repeats(ids)
 
     def __post_init__(self) -> None:
         if not self.examples:
@@ -296,6 +301,7 @@ def load_testbed(options: dict[str, str] | None = None) -> Benchmark:
     return Benchmark(
         f"testbed{suffix}", examples, TestbedGrader(), instruction=None,
         max_new_tokens=opts["max_think"] + 200, source="data_pipeline.testbed.task",
+        loops=lambda text, ids: testbed_loops(text),
     )
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dynts.cli_options import add_load_arguments, load_kwargs, set_threads
 
-from .methods import ABLATIONS
+from .methods import ABLATIONS, CONTROLS, QUESTION_PROTECTED
 
 __all__ = ["main", "parse_float_list", "parse_int_list"]
 
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "testbed[:n=100,set=test] or path.jsonl (repeatable)")
     p.add_argument("--method", action="append", default=None,
                    help="comma list of method specs, e.g. full,window,dynts:selection=random (repeatable); "
-                        "'all' = every registered method (default)")
+                        "'all' = every registered method and the +q variants (default)")
     p.add_argument("--ablations", action="store_true",
                    help="add DynTS's Table 2 ablations: " + ", ".join(ABLATIONS))
     p.add_argument("--budget", default=None, help="comma list of cache budgets B, e.g. 1024,2048")
@@ -128,6 +128,7 @@ def _methods(args: argparse.Namespace) -> tuple[list[str], list[str]]:
                     notes.append(f"'all' skips {name}: it has required settings (give them as {name}:key=value)")
                     continue
                 specs.append(name)
+            specs += QUESTION_PROTECTED  # each attention baseline also with DynTS's question protection
     if args.ablations:
         specs += ["dynts", *ABLATIONS]
     return specs, notes
@@ -176,6 +177,7 @@ def _list() -> None:
     print("benchmarks:", ", ".join(available_benchmarks()), "+ any .jsonl file")
     print("methods:   ", ", ".join(dynts.available_methods()), "| plugins:", ", ".join(PLUGINS))
     print("ablations: ", ", ".join(f"{k} = {v}" for k, v in ABLATIONS.items()))
+    print("controls:  ", ", ".join(f"{k} = {v}" for k, v in CONTROLS.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

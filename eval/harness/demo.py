@@ -17,37 +17,19 @@ from dynts.cli_options import add_load_arguments, load_kwargs
 
 __all__ = ["main"]
 
-TABLE = [
-    ("method", "method", "{}"),
-    ("pass@1", "accuracy %", "{:.1f}"),
-    ("parse_rate", "parsed %", "{:.1f}"),
-    ("mean_generated_tokens", "mean tokens", "{:.0f}"),
-    ("tokens_per_second", "tokens/s", "{:.0f}"),
-    ("peak_kv_mib_per_sequence", "peak KV KiB/seq", "{:.1f}"),
-    ("peak_cache_tokens", "peak cache tokens", "{}"),
-]
-
-
-def table(results: list[dict]) -> str:
-    lines = ["| " + " | ".join(h for _, h, _ in TABLE) + " |", "|" + "---|" * len(TABLE)]
-    for r in results:
-        cells = []
-        for key, _, fmt in TABLE:
-            value = r["method"]["label"] if key == "method" else r[key]
-            if key in {"pass@1", "parse_rate"}:
-                value *= 100
-            if key == "peak_kv_mib_per_sequence":
-                value *= 1024
-            cells.append(fmt.format(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+# The columns of the demo's table (eval.harness.report.COLUMNS keys).
+TABLE = ["method", "pass@1", "pass@1_se", "parse_rate", "mean_generated_tokens", "tokens_vs_full", "truncated_rate",
+         "loop_rate", "evictions_per_sample", "tokens_per_second", "peak_kv_mib_per_sequence", "peak_cache_tokens"]
 
 
 def demo_methods(have_predictor: bool) -> tuple[list[str], list[str]]:
-    """Every registered method that runs with default settings (+ the testbed oracle as the
-    upper bound); score-based ones only with a predictor. Returns (specs, skipped notes)."""
+    """Every registered method that runs with default settings, the attention baselines also with
+    question protection (``+q``), and the testbed's ground-truth oracles by kept-set shape;
+    score-based ones only with a predictor. Returns (specs, skipped notes)."""
     import dynts
     from dynts.evictors.base import EVICTORS
+
+    from .methods import ORACLES, QUESTION_PROTECTED
 
     specs, notes = [], []
     for name in sorted(dynts.available_methods(), key=lambda n: n != "full"):
@@ -59,7 +41,7 @@ def demo_methods(have_predictor: bool) -> tuple[list[str], list[str]]:
         except ValueError:
             continue  # needs explicit settings (e.g. "fixed")
         specs.append(name)
-    return specs + ["testbed-oracle"], notes
+    return specs + QUESTION_PROTECTED + ORACLES, notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from dynts.models import checkpoints_dir
 
     from .config import EvalConfig
+    from .report import markdown_table
     from .runner import run
 
     lrm = checkpoints_dir() / "testbed-lrm"
@@ -125,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"\ntestbed toy LRM, {args.n} problems, budget B={args.budget} (local window {args.local_window}, "
           f"retention {args.retention}), sampling T=0.6 top-p 0.95 top-k 20, k=1")
-    print(table(results))
+    print(markdown_table(results, TABLE))
     if not have_predictor:
         print("(dynts not shown: its trained predictor checkpoints/testbed-predictor is not there yet)")
     print(f"\nplot: {run_dir / 'accuracy_vs_budget.png'}\nall numbers: {run_dir / 'results.md'}")

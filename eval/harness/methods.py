@@ -17,7 +17,7 @@ import dynts
 from dynts.cli_options import parse_option_value
 from dynts.evictors.base import EVICTORS, Evictor
 
-__all__ = ["ABLATIONS", "MethodSpec", "parse_method", "parse_methods"]
+__all__ = ["ABLATIONS", "CONTROLS", "ORACLES", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods"]
 
 # Paper Table 2 under the equal-n_keep contract of C.3 (every method keeps the same count, so
 # "without X" gives X's slots to the next candidates instead of shrinking the cache).
@@ -28,6 +28,21 @@ ABLATIONS: dict[str, str] = {
     "t-random": "dynts:selection=random",  # thinking tokens chosen at random
     "t-bottom": "dynts:selection=bottom",  # thinking tokens with the LOWEST predicted importance
 }
+
+# Controls that isolate what a selection adds: each attention baseline with the question protection
+# DynTS gets ("+q"), and the testbed's ground-truth oracles by kept-set shape (data_pipeline.testbed.oracle).
+CONTROLS: dict[str, str] = {
+    "h2o+q": "h2o:keep_question=true",
+    "snapkv+q": "snapkv:keep_question=true",
+    "rkv+q": "rkv:keep_question=true",
+    "oracle-step": "testbed-oracle:keep_step=true",  # question + the asked step (9 tokens) + recent
+    "oracle-value": "testbed-oracle",  # question + the asked key and its value + recent
+    "oracle-token": "testbed-oracle:keep_key=false",  # question + the asked value token alone + recent
+}
+
+PRESETS: dict[str, str] = {**ABLATIONS, **CONTROLS}
+QUESTION_PROTECTED = [name for name in CONTROLS if name.endswith("+q")]
+ORACLES = [name for name in CONTROLS if name.startswith("oracle-")]
 
 # Methods registered by a module outside the library (imported on first use).
 PLUGINS: dict[str, str] = {"testbed-oracle": "data_pipeline.testbed.oracle"}
@@ -66,12 +81,12 @@ class MethodSpec:
 
 
 def parse_method(spec: str) -> MethodSpec:
-    """One spec (``name`` or ``name:key=value,...``, or a preset from :data:`ABLATIONS`)."""
+    """One spec (``name`` or ``name:key=value,...``, or a preset from :data:`PRESETS`)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"method spec {spec!r} must be a non-empty string like 'dynts' or 'dynts:selection=random'")
     spec = spec.strip()
-    if spec in ABLATIONS:
-        parsed = parse_method(ABLATIONS[spec])
+    if spec in PRESETS:
+        parsed = parse_method(PRESETS[spec])
         return MethodSpec(parsed.name, parsed.options, label=spec)
     name, _, rest = spec.partition(":")
     options = []
@@ -83,7 +98,7 @@ def parse_method(spec: str) -> MethodSpec:
     if name not in EVICTORS and name not in PLUGINS:
         raise ValueError(
             f"method {name!r} is unknown; choose one of {dynts.available_methods()}, "
-            f"a plugin {sorted(PLUGINS)} or an ablation preset {sorted(ABLATIONS)}"
+            f"a plugin {sorted(PLUGINS)} or a preset {sorted(PRESETS)}"
         )
     return MethodSpec(name, tuple(options))
 

@@ -21,19 +21,41 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("budget", "budget", "{}"),
     ("local_window", "local window", "{}"),
     ("retention", "retention", "{}"),
+    ("n_keep", "kept/event", "{}"),
+    ("budget_vs_full", "B / full seq", "{:.2f}"),
     ("pass@1", "pass@1 %", "{:.1f}"),
     ("pass@1_se", "± 1 SE", "{:.1f}"),
     ("pass@1_std", "± (k runs)", "{:.1f}"),
     ("parse_rate", "parsed %", "{:.1f}"),
     ("mean_generated_tokens", "mean gen tokens", "{:.0f}"),
+    ("tokens_vs_full", "tokens vs full", "{:.2f}"),
     ("truncated_rate", "truncated %", "{:.1f}"),
+    ("loop_rate", "loop %", "{:.1f}"),
+    ("evictions_per_sample", "evictions/sample", "{:.1f}"),
     ("tokens_per_second", "tokens/s", "{:.1f}"),
     ("peak_kv_mib_per_sequence", "peak KV MiB/seq", "{:.3f}"),
     ("peak_cache_tokens", "peak cache tokens", "{}"),
     ("questions", "questions", "{}"),
     ("k", "k", "{}"),
 ]
-PERCENT = {"pass@1", "pass@1_se", "pass@1_std", "parse_rate", "truncated_rate"}
+PERCENT = {"pass@1", "pass@1_se", "pass@1_std", "parse_rate", "truncated_rate", "loop_rate"}
+
+
+def against_full(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells with two ratios to the full-cache cell of their benchmark (when the run has one):
+    ``tokens_vs_full`` (mean generated tokens / full's) and ``budget_vs_full`` (``B`` / full's mean
+    sequence, prompt included: kvpress's ``1 - compression_ratio``)."""
+    full = {r["benchmark"]: r for r in results if r.get("budget") is None and r.get("mean_generated_tokens")}
+    out = []
+    for r in results:
+        ref = full.get(r["benchmark"])
+        extra: dict[str, Any] = {}
+        if ref is not None:
+            extra["tokens_vs_full"] = r["mean_generated_tokens"] / ref["mean_generated_tokens"]
+            if r.get("budget") is not None and ref.get("mean_prompt_tokens") is not None:
+                extra["budget_vs_full"] = r["budget"] / (ref["mean_prompt_tokens"] + ref["mean_generated_tokens"])
+        out.append({**r, **extra})
+    return out
 
 
 def row_values(result: dict[str, Any]) -> dict[str, Any]:
@@ -45,13 +67,15 @@ def row_values(result: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def markdown_table(results: Sequence[dict[str, Any]]) -> str:
-    """One row per cell, in the given order; percentages as percent."""
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for result in results:
+def markdown_table(results: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> str:
+    """One row per cell, in the given order; percentages as percent. ``keys``: a subset of
+    :data:`COLUMNS` (default all)."""
+    columns = COLUMNS if keys is None else [c for k in keys for c in COLUMNS if c[0] == k]
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for result in against_full(results):
         row = row_values(result)
         cells = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             value = row[key]
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = fmt.format(100 * value if key in PERCENT else value)
@@ -65,7 +89,7 @@ def _csv(results: Sequence[dict[str, Any]]) -> str:
     extra = ["seconds", "evictions", "evicted_tokens", "samples", "max_new_tokens", "key"]
     writer = csv.DictWriter(buf, fieldnames=[k for k, _, _ in COLUMNS] + extra, lineterminator="\n")
     writer.writeheader()
-    for result in results:
+    for result in against_full(results):
         writer.writerow({**row_values(result), **{k: result.get(k) for k in extra}})
     return buf.getvalue()
 

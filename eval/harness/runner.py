@@ -178,14 +178,16 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
     finished = torch.isin(result.sequences.cpu(), eos).any(1).tolist()
     records = []
     grade_on = resolve_grade_on(config.grade_on, ctx.tokenizer, config.think_end)
+    events = row_events(cell, input_ids.shape[1])
     for (i, s), ids, text, length, done in zip(pairs, result.sequences.tolist(), result.texts, stats["lengths"], finished):
         example = ctx.bench.examples[i]
+        ids = ids[:length]
         answer = answer_after_delimiter(ids, ctx.tokenizer, config.think_end)
         grade = grade_text(ctx.bench.grader, example.answer, text, answer, grade_on)
         records.append({
             "question": i, "sample": s, "id": example.id, "correct": grade.correct, "extracted": grade.extracted,
             "source": grade.source, "tokens": length, "truncated": not done, "answered": answer is not None,
-            "grade_on": grade_on, "text": text,
+            "grade_on": grade_on, "looped": ctx.bench.loops(text, ids), "evictions": events(length), "text": text,
         })
     return {
         "batch": index, "pairs": [list(p) for p in pairs], "rows": len(pairs), "seconds": stats["seconds"],
@@ -193,6 +195,18 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
         "peak_kv_bytes": stats["peak_kv_bytes"], "evictions": stats["evictions"],
         "evicted_tokens": stats["evicted_tokens"], "records": records,
     }
+
+
+def row_events(cell: Cell, width: int) -> Callable[[int], int]:
+    """Eviction events a row of ``width`` padded prompt slots went through while generating ``length``
+    tokens: the cache holds ``width + length`` entries minus ``K = B - n_keep`` per event and never
+    more than ``B``, so ``ceil((width + length - B) / K)`` (0 for the full cache). The cell's measured
+    ``evictions`` count events per batch; this is the share each sample lived through."""
+    if cell.budget is None:
+        return lambda length: 0
+    budget = dynts.Budget(cell.budget, cell.local_window, cell.retention)
+    K = budget.eviction_volume(width)
+    return lambda length: max(0, -(-(width + length - cell.budget) // K))
 
 
 def summarize(batches: Sequence[dict], n_questions: int, k: int) -> dict[str, Any]:
@@ -224,12 +238,14 @@ def summarize(batches: Sequence[dict], n_questions: int, k: int) -> dict[str, An
         "pass@1_se": statistics.pstdev(scores) / math.sqrt(len(scores)),
         "parse_rate": sum(r["extracted"] is not None for r in records) / len(records),
         "truncated_rate": sum(r["truncated"] for r in records) / len(records),
+        "loop_rate": sum(r.get("looped", False) for r in records) / len(records),
         "mean_generated_tokens": statistics.mean(r["tokens"] for r in records),
         "tokens_per_second": new_tokens / seconds if seconds > 0 else math.inf,
         "seconds": seconds,
         "peak_cache_tokens": max(b["peak_cache_tokens"] for b in batches),
         "peak_kv_mib_per_sequence": max(b["peak_kv_bytes"] / b["rows"] for b in batches) / 2**20,
         "evictions": sum(b["evictions"] for b in batches),
+        "evictions_per_sample": statistics.mean(r.get("evictions", 0) for r in records),
         "evicted_tokens": sum(b["evicted_tokens"] for b in batches),
     }
 
@@ -266,9 +282,12 @@ def run_cell(ctx: _Context, cell: Cell, config: EvalConfig, bar: Callable | None
     batches = [done[j] for j in range(len(plan))]
     records = sorted((r for b in batches for r in b["records"]), key=lambda r: (r["question"], r["sample"]))
     write_atomic(config.run_dir / "samples" / f"{cell.key}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    prompt = statistics.mean(len(ids) for ids in ctx.prompt_ids)
+    n_keep = None if cell.budget is None else dynts.Budget(cell.budget, cell.local_window, cell.retention).n_keep(round(prompt))
     result = {
         "key": cell.key, **cell.as_dict(), "benchmark_size": len(ctx.prompt_ids),
-        "max_new_tokens": ctx.max_new_tokens, **summarize(batches, len(ctx.prompt_ids), config.k),
+        "max_new_tokens": ctx.max_new_tokens, "mean_prompt_tokens": prompt, "n_keep": n_keep,
+        **summarize(batches, len(ctx.prompt_ids), config.k),
     }
     write_atomic(cells_dir / f"{cell.key}.json", json.dumps(result, indent=2))  # the cell is finished once this exists
     partial_path.unlink(missing_ok=True)

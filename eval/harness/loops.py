@@ -1,0 +1,39 @@
+"""Did a generated trace loop? One rule per benchmark, reported as ``loop %`` in every eval table.
+
+- Any benchmark (:func:`tail_repeats`): the trace ends in one pattern of ``1..max_pattern`` tokens
+  repeated back to back over at least ``min_span`` tokens (and at least ``min_count`` times) -- the
+  shape vLLM's ``repetition_detection`` (``min_pattern_size`` / ``max_pattern_size`` /
+  ``min_count``) stops generation on. A model that loops after an eviction runs to the token limit in
+  such a tail.
+- The testbed (:func:`testbed_loops`): the thinking writes a step key it already wrote (it restarted
+  or repeats itself), the ``loops`` class of ``eval.harness.testbed_errors``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["tail_repeats", "testbed_loops"]
+
+
+def tail_repeats(ids: Sequence[int], max_pattern: int = 256, min_count: int = 3, min_span: int = 64) -> bool:
+    """True if ``ids`` ends in ``p`` tokens repeated over ``max(min_count * p, min_span)`` tokens, for
+    some period ``1 <= p <= max_pattern``."""
+    ids = list(ids)
+    n = len(ids)
+    for p in range(1, max_pattern + 1):
+        span = max(min_count * p, min_span)
+        if span > n:
+            break
+        tail = ids[n - span :]
+        if tail[p:] == tail[:-p]:
+            return True
+    return False
+
+
+def testbed_loops(text: str) -> bool:
+    """True if the testbed trace ``text`` writes some step key twice."""
+    from data_pipeline.testbed import task
+
+    keys = [k for *_, k, _v in task.parse_steps(text)]
+    return len(set(keys)) < len(keys)
