@@ -54,6 +54,10 @@ def missing_internals() -> list[str]:
     need(processor, "prepare_next_batch")
     need(processor, "update_batch")
     need(processor, "reset")
+    init_source = inspect.getsource(processor.__init__)
+    for name in ("max_batch_tokens", "cb_config", "config", "model_dtype", "model_device"):  # size the hidden buffer
+        if f"self.{name} =" not in init_source:
+            missing.append(f"ContinuousBatchProcessor.{name}")
     manager = continuous_api.ContinuousBatchingManager
     need(manager, "_create_batch_processor")
     need(manager, "__init__", ("model", "generation_config", "continuous_batching_config", "workload_hints"))
