@@ -60,8 +60,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import dynts  # noqa: E402
 import dynts.attention  # noqa: E402
 from dynts.compiled import compiled_decode  # noqa: E402
-from dynts.hf_compat import cache_keyword  # noqa: E402
 from dynts.cost import ModelShape, decode_flops, predictor_flops, selection_flops  # noqa: E402
+from dynts.hf_compat import cache_keyword  # noqa: E402
 from dynts.kernels import backend_for  # noqa: E402
 from dynts.models import checkpoints_dir  # noqa: E402
 from decode_report import plot, print_run, print_stats_before_after, write_json  # noqa: E402
