@@ -85,4 +85,7 @@ def missing_internals() -> list[str]:
     for name in ("requests_in_batch", "position_ids"):
         if name not in io_source:
             missing.append(f"ContinuousBatchingIOs.{name}")
+    io_class = getattr(continuous_api, "ContinuousBatchingIOs", None)
+    if io_class is None or "self.compute_stream =" not in inspect.getsource(io_class.__init__):
+        missing.append("ContinuousBatchingIOs.compute_stream")
     return missing

@@ -210,7 +210,17 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
                 self.sampler.prepare(self.inputs_and_outputs.requests_in_batch)
                 self.sampler.forget(set(self.scheduler.active_requests))
         self.batch_in_flight = ready
+        if ready:
+            self._order_before_forward()
         return ready
+
+    def _order_before_forward(self) -> None:
+        """The engine computes on its own stream; what this processor queued on the current stream since
+        the last forward (eviction copies, the predictor reading the hidden-state buffer, the shifted
+        position ids) must finish before the next forward reads or overwrites those tensors."""
+        stream = self.inputs_and_outputs.compute_stream
+        if stream is not None:
+            stream.wait_stream(torch.get_device_module(stream.device).current_stream(stream.device))
 
     def update_batch(self) -> None:
         if self.predictor is not None:  # the forward (or its graph replay) is done: score its new tokens
