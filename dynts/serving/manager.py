@@ -155,7 +155,7 @@ def init_evicting_batching(
 
     ``per_request_sampling``: each request decodes with the :class:`~dynts.serving.sampling.SamplingParams`
     given to ``add_request(sampling=...)`` (default: the generation config's own sampling) instead of the
-    engine's one batch-wide mode; the sampling step then runs outside CUDA graphs.
+    engine's one batch-wide mode; the engine then runs without CUDA graphs (:func:`engine_config` says why).
 
     ``continuous_batching_config`` sizes the paged cache (``num_blocks``, ``page_size``,
     ``max_batch_tokens``; set them on CPU). Async batching and (when evicting) prefix block
