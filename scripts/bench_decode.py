@@ -42,7 +42,6 @@ warm-up step before the timed phases.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import platform
 import statistics
@@ -62,6 +61,7 @@ import dynts  # noqa: E402
 import dynts.attention  # noqa: E402
 from dynts.compiled import compiled_decode  # noqa: E402
 from dynts.cost import ModelShape, decode_flops, predictor_flops, selection_flops  # noqa: E402
+from dynts.hf_compat import cache_keyword  # noqa: E402
 from dynts.kernels import backend_for  # noqa: E402
 from dynts.models import checkpoints_dir  # noqa: E402
 from decode_report import plot, print_run, print_stats_before_after, write_json  # noqa: E402
@@ -153,7 +153,7 @@ class Driver:
         self.compile = compile
         self.vocab = vocab
         self.generator = torch.Generator().manual_seed(seed)
-        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_kw = cache_keyword(model)
         self.device = next(model.parameters()).device
 
     def random_ids(self, batch: int, length: int) -> torch.Tensor:

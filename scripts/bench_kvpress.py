@@ -38,12 +38,12 @@ PROMPT = (
 
 
 # ------------------------------------------------------------------------------------------ shared
-def timed_generate(model, ids, new_tokens: int, cache=None, **kwargs) -> tuple[float, object]:
-    import inspect
-
+def timed_generate(model, ids, new_tokens: int, cache=None, cache_kw: str = "past_key_values",
+                   **kwargs) -> tuple[float, object]:
+    """``model.generate`` timed; ``cache`` goes under ``cache_kw`` (dynts side: ``dynts.hf_compat.cache_keyword``;
+    the kvpress worker's transformers 5.2 takes ``past_key_values``, and dynts is not importable there)."""
     import torch
 
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.2
     with torch.no_grad():
         start = time.perf_counter()
         out = model.generate(
@@ -111,10 +111,10 @@ def worker(args) -> dict:
         lengths, stamps, handle = track_steps(model, cache)
         try:
             if p is None:
-                seconds, out = timed_generate(model, ids, spec["new_tokens"], cache)
+                seconds, out = timed_generate(model, ids, spec["new_tokens"], cache, cache_keyword(model))
             else:
                 with p(model):
-                    seconds, out = timed_generate(model, ids, spec["new_tokens"], cache)
+                    seconds, out = timed_generate(model, ids, spec["new_tokens"], cache, cache_keyword(model))
         finally:
             handle.remove()
         new = out.shape[1] - ids.shape[1]
@@ -153,13 +153,14 @@ def dynts_side(model, ids, spec: dict, args) -> dict:
     from transformers import DynamicCache
 
     import dynts
+    from dynts.hf_compat import cache_keyword
 
     per_token = kv_bytes_per_token(model, ids.shape[0])
     results = {}
     cache = DynamicCache(config=model.config)
     lengths, stamps, handle = track_steps(model, cache)
     try:
-        seconds, out = timed_generate(model, ids, spec["new_tokens"], cache)
+        seconds, out = timed_generate(model, ids, spec["new_tokens"], cache, cache_keyword(model))
     finally:
         handle.remove()
     new = out.shape[1] - ids.shape[1]

@@ -4,10 +4,11 @@ serving and decode speed at 7B shapes, one JSON.
 Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finishes):
 
 (1) ``versions``: python, torch, CUDA, triton, transformers, huggingface-hub, checked against the
-    ranges in ``pyproject.toml`` (core and ``serve`` extra) and against ``import dynts`` /
-    ``import dynts.serving`` (which refuse an unsupported transformers). An unsupported release stops
-    the script before any test or timing (exit 2; the JSON says why): timings of a cache that
-    computes wrong tokens are worth nothing.
+    ranges in ``pyproject.toml`` and against ``import dynts`` (which refuses an unsupported
+    transformers). A release outside the core range stops the script before any test or timing
+    (exit 2; the JSON says why): timings of a cache that computes wrong tokens are worth nothing. The
+    ``serve`` extra's narrower range (``import dynts.serving``) only gates the serving sections (6)
+    and (7), which are then skipped with the reason under ``serving_refused``.
 (2) ``kernels``: Triton compaction and keep-top selection vs the torch reference at the real layout,
     K/V ``[16, 4, 8192, 128]`` bf16 (bitwise: they only move data), with their times.
 (3) ``attention_stats``: H2O/SnapKV/R-KV statistics of one decode step (``attention_rows``, 28 query /
@@ -19,11 +20,14 @@ Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finish
 (6) ``serve``: ``scripts/bench_serve.py`` on a RANDOM-INIT model of DeepSeek-R1-Distill-Qwen-7B's
     shape in bf16 (28 layers, hidden 3584, 28 query / 4 KV heads, head dim 128; speed does not
     depend on the weights): stock continuous batching vs per-request eviction at one block pool.
-(7) ``decode``: ``scripts/bench_decode.py``'s measurement on the same model at L = 8k / 16k / 32k,
+(7) ``serve_graphs``: DynTS in continuous batching with the engine's CUDA graphs on vs off (a
+    random-init model, float32, a random predictor): the same tokens and kept sets at every event,
+    graph replays counted, seconds of both runs.
+(8) ``decode``: ``scripts/bench_decode.py``'s measurement on the same model at L = 8k / 16k / 32k,
     B = 2k / 4k, batch 1 and 16, eager and compiled: speedup vs the full cache, t / t_full(B),
     peak KV and GPU memory (combinations in :func:`plan`'s order; what did not fit in time or
     memory is listed under ``skipped``).
-(8) ``vllm``: the vLLM plugin's slot copy for FlashAttention's layout (``dynts.vllm.layouts``) on the
+(9) ``vllm``: the vLLM plugin's slot copy for FlashAttention's layout (``dynts.vllm.layouts``) on the
     device at the R1-7B attention shape (28 layers, 4 KV heads, head 128, block 16, bf16): one eviction
     round of 32 requests at B = 4096, exact against a reference gather, its time and peak scratch. The
     engine itself needs vLLM, which the GPU image lacks (its wheel is far over what a call can carry):
@@ -33,11 +37,12 @@ Run it there (the device tool's ``run``, ``timeout_s=600``)::
 
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT
 
-When the image's transformers lies outside the supported range, the script refuses; carry wheels
-of a supported release (here: ``pip download --no-deps --only-binary=:all: --python-version 3.12
---platform manylinux_2_28_x86_64 -d .whl transformers==X huggingface-hub==Y``, ``carry=[".whl"]``)
-and put them first on the path there (``pip install --no-index --no-deps --target /tmp/site
-.whl/*.whl; export PYTHONPATH=/tmp/site:$PWD``).
+dynts supports transformers ``>=5.17,<5.25`` (``dynts/hf_compat.py``), so the image's own release
+runs every section but the serving ones; those need ``dynts.serving``'s ``>=5.24,<5.25``. To run them
+on an older image, carry wheels of transformers 5.24 and its huggingface-hub (``pip download --no-deps
+--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl transformers==5.24.0
+huggingface-hub==Y``, ``carry=[".whl"]``) and put them first on the path there (``pip install
+--no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD``).
 
 On CPU every section runs at tiny shapes (tests collected only), so the script is known to run
 (tests/test_gpu_check.py)::
@@ -50,8 +55,8 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import inspect
 import json
+import math
 import platform
 import signal
 import subprocess
@@ -187,30 +192,36 @@ def print_combo(record: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- sections
 def check_versions() -> dict:
-    """Installed versions vs ``pyproject.toml`` (core dependencies and the ``serve`` extra) and vs
-    dynts's own import-time checks; ``refused`` lists every reason not to run."""
+    """Installed versions vs ``pyproject.toml`` and vs dynts's own import-time checks: ``refused`` lists
+    every reason not to run at all (core dependencies, ``import dynts``), ``serving_refused`` every reason
+    to skip the serving sections (the ``serve`` extra, ``import dynts.serving``)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"].get("serve", [])]
-    found, refused = {"python": platform.python_version(), "cuda": torch.version.cuda}, []
+    core = [Requirement(r) for r in project["dependencies"]]
+    serve = [Requirement(r) for r in project["optional-dependencies"].get("serve", [])]
+    found = {"python": platform.python_version(), "cuda": torch.version.cuda}
     for dist in PACKAGES:
         try:
             found[dist] = version(dist)
         except PackageNotFoundError:
             found[dist] = getattr(sys.modules.get(PACKAGES[dist]) or _try_import(PACKAGES[dist]), "__version__", None)
-    for req in wanted:
-        have = found.get(req.name)
-        if req.name in PACKAGES and have is not None and not req.specifier.contains(have.split("+")[0], prereleases=True):
-            refused.append(f"{req.name} {have} is outside the supported {req} (pyproject.toml)")
-    for module in ("dynts", "dynts.serving"):  # their own checks (an ImportError naming the release and the fix)
+
+    def outside(wanted: list) -> list[str]:
+        return [f"{req.name} {found[req.name]} is outside the supported {req} (pyproject.toml)" for req in wanted
+                if req.name in PACKAGES and found.get(req.name) is not None
+                and not req.specifier.contains(found[req.name].split("+")[0], prereleases=True)]
+
+    refused, serving_refused = outside(core), outside(serve)
+    for module, reasons in (("dynts", refused), ("dynts.serving", serving_refused)):  # their own checks
         try:
             importlib.import_module(module)
-        except ImportError as err:
-            refused.append(f"import {module}: {err}")
-    return dict(found=found, required=[str(r) for r in wanted if r.name in PACKAGES], refused=refused)
+        except ImportError as err:  # names the release and the fix
+            reasons.append(f"import {module}: {err}")
+    return dict(found=found, required=[str(r) for r in core + serve if r.name in PACKAGES], refused=refused,
+                serving_refused=serving_refused)
 
 
 def _try_import(name: str):
@@ -279,10 +290,11 @@ def attention_stats_check(device: torch.device, dry_run: bool) -> dict:
 def _cached_decode(model, ids: torch.Tensor, steps: int):
     """Greedy tokens and per-step logits ``[b, steps, V]`` through a bounded cache that never evicts."""
     import dynts
+    from dynts.hf_compat import cache_keyword
 
     budget = ids.shape[1] + steps + 8
     cache = dynts.build_cache(model, dynts.make_evictor("window"), dynts.Budget(budget, 4, 0.5))
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_keyword(model)
     logits, token = [], ids
     with torch.no_grad(), dynts.attach(model, cache):
         for _ in range(steps):
@@ -345,6 +357,59 @@ def serve_check(model, dry_run: bool) -> dict:
     return dict(**cfg, pool_blocks=num_blocks, runs=runs,
                 tokens_per_s_ratio=runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"],
                 in_flight_mean_ratio=runs[1]["in_flight_mean"] / runs[0]["in_flight_mean"])
+
+
+def serve_graphs_check(device: torch.device, dry_run: bool) -> dict:
+    """DynTS in continuous batching, the engine's CUDA graphs on vs off: tokens and kept sets must agree
+    (the captured forward only fills the hidden-state buffer; the predictor runs after each replay)."""
+    from transformers import ContinuousBatchingConfig
+
+    import dynts
+
+    shape, requests, prompt, new, budget, window, page = ((TINY, 4, 8, 24, 16, 4, 8) if dry_run
+                                                          else (MID, 16, 64, 192, 128, 16, 32))
+    model = build_model(shape, str(device), torch.float32)
+    torch.manual_seed(1)
+    predictor = dynts.ImportancePredictor(shape["hidden_size"]).to(device)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, shape["vocab_size"], (prompt,), generator=g).tolist() for _ in range(requests)]
+    evictor_cls, graph_cls = type(dynts.make_evictor("dynts")), torch.cuda.CUDAGraph
+    select, replay = evictor_cls.__call__, graph_cls.replay
+    runs, kept, replays = {}, [], [0]
+
+    def recording(self, info):
+        out = select(self, info)
+        kept.append(out.cpu())
+        return out
+
+    def counting(self, *args, **kwargs):
+        replays[0] += 1
+        return replay(self, *args, **kwargs)
+
+    attn = model.config._attn_implementation
+    evictor_cls.__call__, graph_cls.replay = recording, counting
+    try:
+        for graphs in (False, True):
+            kept.clear()
+            replays[0] = 0
+            cb = ContinuousBatchingConfig(num_blocks=requests * math.ceil(budget / page) + 4, page_size=page,
+                                          max_batch_tokens=requests * 8, use_cuda_graph=graphs)
+            t0 = time.perf_counter()
+            results = dynts.generate_batch(model, None, prompts, method="dynts", budget=budget, local_window=window,
+                                           predictor=predictor, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                           think_end=None, continuous_batching_config=cb)
+            runs[graphs] = dict(seconds=time.perf_counter() - t0, tokens=[r.sequence for r in results],
+                                kept=list(kept), replays=replays[0])
+    finally:
+        evictor_cls.__call__, graph_cls.replay = select, replay
+        model.set_attn_implementation(attn)  # continuous batching switches the model to paged attention
+    off, on = runs[False], runs[True]
+    tokens_same = off["tokens"] == on["tokens"]
+    kept_same = len(off["kept"]) == len(on["kept"]) and all(torch.equal(a, b) for a, b in zip(off["kept"], on["kept"]))
+    ok = tokens_same and kept_same and len(on["kept"]) > 0 and (dry_run or on["replays"] > 0)
+    return dict(shape=shape, requests=requests, prompt=prompt, new_tokens=new, budget=budget, events=len(on["kept"]),
+                tokens_identical=tokens_same, kept_identical=kept_same, graph_replays=on["replays"],
+                seconds_graphs_off=off["seconds"], seconds_graphs_on=on["seconds"], ok=ok)
 
 
 def decode_bench(model, args, shape: dict, dtype, result: dict, left, save) -> None:
@@ -455,7 +520,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     out_file = args.out / "gpu_check.json"
     result = dict(dry_run=args.dry_run, budget_seconds=budget, versions=None, kernels=None, attention_stats=None,
-                  logits=None, tests=None, serve=None, bench=[], skipped=[], vllm=None)
+                  logits=None, tests=None, serve=None, serve_graphs=None, bench=[], skipped=[], vllm=None)
 
     def save() -> None:
         result["seconds"] = time.perf_counter() - started
@@ -483,13 +548,20 @@ def main(argv=None) -> int:
               f"{result['tests']['output_tail'][-1500:]}", flush=True)
         save()
     model = build_model(shape, str(device), dtype)
-    run_section(result, "serve", lambda: serve_check(model, args.dry_run), min(150.0, max(left() / 2, 20)), save)
+    if result["versions"]["serving_refused"]:
+        for name in ("serve", "serve_graphs"):
+            result[name] = dict(skipped=result["versions"]["serving_refused"])
+        print("serving sections skipped:\n  " + "\n  ".join(result["versions"]["serving_refused"]), flush=True)
+    else:
+        run_section(result, "serve", lambda: serve_check(model, args.dry_run), min(150.0, max(left() / 2, 20)), save)
+        run_section(result, "serve_graphs", lambda: serve_graphs_check(device, args.dry_run), 90, save)
     run_section(result, "vllm", lambda: vllm_check(device, args.dry_run), 60, save)
     decode_bench(model, args, shape, dtype, result, left, save)
     save()
     print(f"\nwrote {out_file} ({result['seconds']:.0f} s; {len(result['bench'])} decode combinations run, "
           f"{len(result['skipped'])} skipped)")
-    checks = [result[k] and result[k].get("ok", "error" not in result[k]) for k in ("kernels", "logits", "serve", "vllm")]
+    checks = [result[k] and result[k].get("ok", "error" not in result[k])
+              for k in ("kernels", "logits", "serve", "serve_graphs", "vllm")]
     tests_ok = result["tests"] is None or result["tests"]["returncode"] in (0, 5)
     return 0 if all(checks) and tests_ok else 1
 

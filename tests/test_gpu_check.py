@@ -27,6 +27,8 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     serve = result["serve"]
     assert [r["name"] for r in serve["runs"]] == ["full", "streamingllm@16"] and "error" not in serve
     assert serve["runs"][1]["peak_slots_max"] <= 16 and serve["runs"][1]["evictions"] > 0
+    graphs = result["serve_graphs"]  # on CPU the engine has no graphs: both runs eager, still compared
+    assert graphs["ok"] and graphs["tokens_identical"] and graphs["kept_identical"] and graphs["events"] > 0
     assert result["vllm"]["ok"] and result["vllm"]["moved_slots"] > 0  # the plugin's slot copy, exact
     assert result["tests"]["returncode"] == 0 and "test_cuda.py" in result["tests"]["output_tail"]
     assert {(c["compile"], c["batch"]) for c in result["bench"]} == {(False, 1), (False, 2), (True, 1)}
@@ -45,8 +47,24 @@ def test_gpu_check_refuses_an_unsupported_release_before_anything_runs(tmp_path,
     import gpu_check
 
     real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.0" if name == "transformers" else real(name))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.16.0" if name == "transformers" else real(name))
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 2
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert any("transformers 5.17.0 is outside" in r for r in result["versions"]["refused"])
+    assert any("transformers 5.16.0 is outside" in r for r in result["versions"]["refused"])
     assert result["kernels"] is None and result["tests"] is None and result["bench"] == []
+
+
+def test_gpu_check_runs_the_core_on_any_supported_release(monkeypatch):
+    """transformers 5.17 (the GPU image's) is inside the core range: nothing is refused, only the serving
+    sections (``dynts.serving`` pins 5.24) are gated."""
+    import importlib.metadata
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gpu_check
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.0" if name == "transformers" else real(name))
+    versions = gpu_check.check_versions()
+    assert versions["refused"] == []
+    assert any("transformers 5.17.0 is outside the supported transformers<5.25,>=5.24" in r
+               for r in versions["serving_refused"]), versions["serving_refused"]

@@ -260,3 +260,23 @@ def test_bench_memory_script_runs(tmp_path):
     rows = json.loads((tmp_path / "bench_memory.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["plain", "window", "rkv"]
     assert all(r["peak_bytes"] > 0 for r in rows) and rows[2]["evictions"] == 1
+
+
+def test_bench_memory_serving_round_runs(tmp_path):
+    """``bench_memory.py --serving --quick``: the real eviction round moves only the rows that change and
+    leaves the same kept K/V as the all-rows reference gather."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_memory.py"
+    done = subprocess.run([sys.executable, str(script), "--serving", "--quick", "--threads", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "serving_eviction.json").read_text())
+    before, after = result["rows"]
+    assert result["identical"] and before["digest"] == after["digest"]
+    assert before["path"] == "before" and before["rows"] == before["requests"] * before["n_keep"]
+    assert 0 < after["rows"] < before["rows"]  # the question's slots stay where they are
+    assert before["evictions"] == after["evictions"] == before["requests"]

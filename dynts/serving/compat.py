@@ -54,6 +54,10 @@ def missing_internals() -> list[str]:
     need(processor, "prepare_next_batch")
     need(processor, "update_batch")
     need(processor, "reset")
+    init_source = inspect.getsource(processor.__init__)
+    for name in ("max_batch_tokens", "cb_config", "config", "model_dtype", "model_device"):  # size the hidden buffer
+        if f"self.{name} =" not in init_source:
+            missing.append(f"ContinuousBatchProcessor.{name}")
     manager = continuous_api.ContinuousBatchingManager
     need(manager, "_create_batch_processor")
     need(manager, "__init__", ("model", "generation_config", "continuous_batching_config", "workload_hints"))
@@ -81,4 +85,7 @@ def missing_internals() -> list[str]:
     for name in ("requests_in_batch", "position_ids"):
         if name not in io_source:
             missing.append(f"ContinuousBatchingIOs.{name}")
+    io_class = getattr(continuous_api, "ContinuousBatchingIOs", None)
+    if io_class is None or "self.compute_stream =" not in inspect.getsource(io_class.__init__):
+        missing.append("ContinuousBatchingIOs.compute_stream")
     return missing

@@ -3,8 +3,10 @@
 :class:`EvictingBatchingManager` is transformers' ``ContinuousBatchingManager`` whose batch processor
 is an :class:`~dynts.serving.processor.EvictingBatchProcessor`. Use it like the stock manager
 (``start`` / ``add_request`` / ``get_result`` / ``stop``); :func:`init_evicting_batching` builds one
-for a model. DynTS scores come from a forward hook on the model's final norm: the packed batch's
-hidden states ``[1, T, h]`` go through the predictor, one score per new token.
+for a model. DynTS scores come from a forward hook on the model's final norm: it copies the packed
+batch's hidden states ``[1, T, h]`` into the processor's static buffer, and the predictor scores them
+after the forward, one score per new token. Nothing in the forward depends on the batch's slots, so the
+engine's CUDA graphs stay on (:func:`engine_config`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .processor import EvictingBatchProcessor
 from .sampling import PerRequestSampler, SamplingParams, neutral_generation_config
 from ..paged import EvictionSettings
 
-__all__ = ["EvictingBatchingManager", "check_model", "init_evicting_batching"]
+__all__ = ["EvictingBatchingManager", "check_model", "engine_config", "init_evicting_batching"]
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -64,6 +66,8 @@ class EvictingBatchingManager(ContinuousBatchingManager):
             processor.attach_eviction(self.eviction, self.think_end_ids, self.finished_stats)
             if self.sampling is not None:
                 processor.attach_sampler(PerRequestSampler(self.sampling.get, self.default_sampling))
+            if self.predictor is not None:
+                processor.attach_predictor(self.predictor)
         self.last_processor = processor
         return processor
 
@@ -123,12 +127,12 @@ class EvictingBatchingManager(ContinuousBatchingManager):
             "block_trace": list(p.block_trace),
         }
 
-    def _score(self, module, args, output) -> None:
-        processor = self.batch_processor
-        if isinstance(processor, EvictingBatchProcessor) and self.predictor is not None:
-            hidden = output[0] if isinstance(output, tuple) else output
-            with torch.no_grad():
-                processor.write_scores(hidden, self.predictor)
+    def _stash_hidden(self, module, args, output) -> None:
+        """Forward hook on the final norm: copy its output into the processor's static buffer (captured
+        into the engine's CUDA graphs; the predictor runs after the forward, in ``update_batch``)."""
+        processor = self.last_processor
+        if isinstance(processor, EvictingBatchProcessor) and processor.hidden_buffer is not None:
+            processor.stash_hidden(output[0] if isinstance(output, tuple) else output)
 
     def destroy(self) -> None:
         hook = getattr(self, "_score_hook", None)
@@ -151,7 +155,7 @@ def init_evicting_batching(
 
     ``per_request_sampling``: each request decodes with the :class:`~dynts.serving.sampling.SamplingParams`
     given to ``add_request(sampling=...)`` (default: the generation config's own sampling) instead of the
-    engine's one batch-wide mode; the sampling step then runs outside CUDA graphs.
+    engine's one batch-wide mode; the engine then runs without CUDA graphs (:func:`engine_config` says why).
 
     ``continuous_batching_config`` sizes the paged cache (``num_blocks``, ``page_size``,
     ``max_batch_tokens``; set them on CPU). Async batching and (when evicting) prefix block
@@ -162,12 +166,7 @@ def init_evicting_batching(
         raise ValueError(f"settings must be an EvictionSettings, got {type(settings).__name__}")
     if tokenizer is not None:
         settings.evictor.bind(tokenizer)
-    cb_config = copy.deepcopy(continuous_batching_config) if continuous_batching_config else ContinuousBatchingConfig()
-    cb_config.use_async_batching = False
-    if settings.bounded:
-        cb_config.allow_block_sharing = False
-    if settings.needs_scores:  # the predictor hook indexes this batch's slots: never replay it from a graph
-        cb_config.use_cuda_graph = False
+    cb_config = engine_config(continuous_batching_config, settings, per_request_sampling)
     gen_config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     if gen_config.eos_token_id is None:
         gen_config.eos_token_id = -1
@@ -175,7 +174,6 @@ def init_evicting_batching(
     if per_request_sampling:
         default_sampling = SamplingParams.from_generation_config(gen_config)
         gen_config = neutral_generation_config(gen_config)
-        cb_config.use_cuda_graph = False  # the per-request sampling step is host logic: never replay it from a graph
     manager = EvictingBatchingManager(model=model, generation_config=gen_config, continuous_batching_config=cb_config)
     manager.eviction = settings
     manager.think_end_ids = think_end_ids(tokenizer, settings.think_end)
@@ -187,5 +185,25 @@ def init_evicting_batching(
     manager.default_sampling = default_sampling
     if settings.needs_scores:
         manager.predictor = load_predictor(settings.predictor, model)
-        manager._score_hook = final_norm(model).register_forward_hook(manager._score)
+        manager._score_hook = final_norm(model).register_forward_hook(manager._stash_hidden)
     return manager
+
+
+def engine_config(config: ContinuousBatchingConfig | None, settings: EvictionSettings,
+                  per_request_sampling: bool) -> ContinuousBatchingConfig:
+    """The engine's configuration for ``settings`` (a copy of ``config``; the caller's is left as it was).
+
+    Off: async batching (it prepares batch N+1 before N's eviction) and, when evicting, prefix block
+    sharing (it assumes a request's cache only grows). CUDA graphs stay as configured (``None``: the
+    engine decides), DynTS included (its forward only fills a static buffer), except with
+    ``per_request_sampling``: :class:`~dynts.serving.sampling.PerRequestSampler` replaces the sampling
+    step inside the captured forward and decides on the host which rows are greedy, seeded or penalised
+    (Python lists rebuilt every batch, one ``torch.Generator`` per seeded request); a replay would
+    repeat the first capture's rows and generators, so that step runs eagerly."""
+    cb_config = copy.deepcopy(config) if config is not None else ContinuousBatchingConfig()
+    cb_config.use_async_batching = False
+    if settings.bounded:
+        cb_config.allow_block_sharing = False
+    if per_request_sampling:
+        cb_config.use_cuda_graph = False
+    return cb_config

@@ -8,10 +8,15 @@ absolute while the keys of the kept tokens sit contiguously at the front of the 
 
 At the end of every round (:meth:`EvictingBatchProcessor.update_batch`) each decoding request whose
 next token would overflow the budget (``stored + 1 > B``, the rule of :class:`dynts.BoundedCache`)
-has an eviction event: its :class:`~dynts.TokenInfo` goes to the evictor, the kept slots are
-gathered to the front of the request's pages -- one ``index_select``/``index_copy_`` over all layers
-and all evicting requests of the round -- its tail blocks go back to the pool, and its row of the
-:class:`~dynts.paged.SlotTable` is compacted the same way.
+has an eviction event: its :class:`~dynts.TokenInfo` goes to the evictor, the kept slots that move
+(:func:`~dynts.paged.copy_plan`) are copied to the front of the request's pages in every layer, a
+bounded chunk of rows at a time (:meth:`EvictingBatchProcessor._gather_rows`), its tail blocks go back
+to the pool, and its row of the :class:`~dynts.paged.SlotTable` is compacted the same way.
+
+DynTS scores are graph-safe: the forward (captured in a CUDA graph or not) only copies the final-norm
+output into a static buffer (:meth:`EvictingBatchProcessor.stash_hidden`, called by the manager's
+forward hook); the predictor and the slot bookkeeping run after the forward or graph replay, at the
+start of :meth:`EvictingBatchProcessor.update_batch`, outside any graph.
 
 Memory: a request is admitted only when the pool can cover its reservation (``ceil(min(B, prompt +
 max_new) / page)`` blocks) on top of what the requests in flight may still claim, so an evicting
@@ -96,6 +101,8 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
 
         self.offloading_manager.offload_requests = guarded_offload
         self.sampler = None
+        self.predictor = None
+        self.hidden_buffer: torch.Tensor | None = None
         self.batch_in_flight = False  # a batch was prepared and not yet updated (dynts.serving.admission)
 
     def attach_sampler(self, sampler) -> None:
@@ -103,6 +110,24 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         replaces the engine's batch-wide sampling step)."""
         self.sampler = sampler
         self.model_runner._sample = sampler
+
+    def attach_predictor(self, predictor: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Score every forward's new tokens with ``predictor`` (DynTS). Allocates the static buffer
+        ``[rows, hidden]`` (model dtype) the forward hook writes into: ``rows`` covers the largest padded
+        batch the engine runs (``max_batch_tokens``, or ``max_requests_per_batch`` on the decode path)."""
+        rows = max(self.max_batch_tokens, self.cb_config.max_requests_per_batch or 0)
+        self.predictor = predictor
+        self.hidden_buffer = torch.empty(rows, self.config.hidden_size, dtype=self.model_dtype,
+                                         device=self.model_device)
+
+    def stash_hidden(self, hidden_states: torch.Tensor) -> None:
+        """Copy the final-norm output ``[1, T, h]`` (``T``: padded batch tokens) into the static buffer.
+        Graph-safe: one copy between fixed addresses, no host reads, shapes fixed by the graph."""
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if hidden.shape[0] > self.hidden_buffer.shape[0]:
+            raise RuntimeError(f"forward of {hidden.shape[0]} tokens; the hidden-state buffer holds "
+                               f"{self.hidden_buffer.shape[0]}")
+        self.hidden_buffer[: hidden.shape[0]].copy_(hidden)
 
     def _flat_view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The allocator's cache as ``[rows, kv_heads, head_dim]`` and, per layer and K/V, the offset
@@ -185,9 +210,21 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
                 self.sampler.prepare(self.inputs_and_outputs.requests_in_batch)
                 self.sampler.forget(set(self.scheduler.active_requests))
         self.batch_in_flight = ready
+        if ready:
+            self._order_before_forward()
         return ready
 
+    def _order_before_forward(self) -> None:
+        """The engine computes on its own stream; what this processor queued on the current stream since
+        the last forward (eviction copies, the predictor reading the hidden-state buffer, the shifted
+        position ids) must finish before the next forward reads or overwrites those tensors."""
+        stream = self.inputs_and_outputs.compute_stream
+        if stream is not None:
+            stream.wait_stream(torch.get_device_module(stream.device).current_stream(stream.device))
+
     def update_batch(self) -> None:
+        if self.predictor is not None:  # the forward (or its graph replay) is done: score its new tokens
+            self.write_scores(self.hidden_buffer, self.predictor)
         super().update_batch()
         self._release_finished()
         if self.settings.bounded:
@@ -234,8 +271,9 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
             ids[: len(shifts)] += torch.tensor(shifts, dtype=ids.dtype, device=ids.device)
 
     def write_scores(self, hidden_states: torch.Tensor, predictor: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Score the new tokens of the forward in flight from the final-norm output ``[1, T, h]``."""
-        self.tracker.write_scores(hidden_states, predictor)
+        """Score the new tokens of the last forward from its final-norm output ``[T', h]`` (``T' >= T``)."""
+        with torch.no_grad():
+            self.tracker.write_scores(hidden_states, predictor)
 
     def request_stats(self, rid: str) -> dict[str, int]:
         """Statistics of a request in flight or finished (empty if unknown)."""

@@ -17,7 +17,6 @@ the retained tokens as a fresh, contiguous prompt (the paper's vLLM procedure).
 from __future__ import annotations
 
 import csv
-import inspect
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dynts.evictors.fixed import FixedPositions, fixed_budget
+from dynts.hf_compat import cache_keyword
 from dynts.generate import attach, build_cache, generate
 from dynts.io import write_atomic
 from dynts.prompts import pad_id
@@ -148,7 +148,7 @@ def answer_from_kept(
     kept = sizes.pop()
     budget = fixed_budget(kept, question_len, length + len(cue) + max_new_tokens)
     cache = build_cache(model, FixedPositions([sorted(set(row)) for row in keep]), budget)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_keyword(model)
     full = torch.cat([ids, cue_t], 1)
     with attach(model, cache):
         model(input_ids=ids[:, :question_len], logits_to_keep=1, **{cache_kw: cache})
