@@ -125,7 +125,8 @@ def test_statistics_ride_beside_a_kv_connector_and_leave_the_response():
     from dynts.vllm.metrics import attach, move_to_usage, pass_on, request_stats
 
     connector = {"do_remote_decode": True, "remote_block_ids": [3]}
-    one, other = {"peak_slots": 90, "evictions": 2, "evicted_tokens": 80, "freed_blocks": 2}, {"peak_slots": 96, "evictions": 1}
+    one = {"peak_slots": 90, "evictions": 2, "evicted_tokens": 80, "freed_blocks": 2}
+    other = {"peak_slots": 96, "evictions": 1}
     params = attach(connector, one)
     assert connector == {"do_remote_decode": True, "remote_block_ids": [3]} and request_stats(params) == [one]
     assert request_stats(connector) is None and request_stats(None) is None

@@ -88,8 +88,9 @@ def missing_internals() -> list[str]:
     need(frontend, "process_outputs", ("engine_core_outputs",))
     source_has(frontend, "__init__", "self.request_states")
     source_has(frontend, "process_outputs", "engine_core_output.kv_transfer_params", "engine_core_output.finish_reason")
-    source_has(output_processor.RequestState, "__init__", "self.parent_req")
-    source_has(output_processor.RequestState, "make_request_output", "self.parent_req.get_outputs", "kv_transfer_params")
+    state = output_processor.RequestState
+    source_has(state, "__init__", "self.parent_req")
+    source_has(state, "make_request_output", "self.parent_req.get_outputs", "kv_transfer_params")
     completion = completion_serving.OpenAIServingCompletion
     need(completion, "request_output_to_completion_response", ("final_res_batch",))
     source_has(completion, "request_output_to_completion_response", "usage=usage",
