@@ -48,6 +48,7 @@ def one_engine(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     from dynts.models import resolve_path
+    from dynts.vllm.metrics import request_stats
 
     extra = {"additional_config": {"dynts": spec["dynts"]}} if spec["dynts"] else {}
     llm = LLM(model=str(resolve_path(spec["model"])), dtype="float32", block_size=spec["block_size"],
@@ -71,15 +72,15 @@ def one_engine(spec: dict) -> dict:
         prompt = torch.randint(4, vocab, (spec["prompt"],), generator=g).tolist()
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     pool = scheduler.kv_cache_manager.block_pool
-    trace, tokens, start = [], 0, time.perf_counter()
+    trace, tokens, evictions, start = [], 0, 0, time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
+                evictions += sum(s["evictions"] for s in request_stats(out.kv_transfer_params) or ())
         trace.append((time.perf_counter() - start, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
                       len(scheduler.running)))
     seconds = time.perf_counter() - start
-    hooks = getattr(scheduler, "_dynts", None)
     flight = [a for _, _, a in trace]
     d = spec["dynts"]
     return {
@@ -87,7 +88,7 @@ def one_engine(spec: dict) -> dict:
         "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
         "in_flight_max": max(flight), "in_flight_mean": sum(flight) / len(flight),
         "preemptions": preemptions[0], "peak_blocks": max(b for _, b, _ in trace), "pool_blocks": spec["num_blocks"],
-        "evictions": sum(s["evictions"] for s in hooks.finished.values()) if hooks else 0,
+        "evictions": evictions,
         "trace": trace,
     }
 

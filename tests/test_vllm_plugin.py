@@ -117,6 +117,37 @@ def test_bad_request_fields_are_validation_errors():
         PluginConfig({"method": "window", "budgte": 64})
 
 
+def test_statistics_ride_beside_a_kv_connector_and_leave_the_response():
+    """A request's statistics join what a KV connector returns and leave it as it was in the response."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponse
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    from dynts.vllm.metrics import attach, move_to_usage, pass_on, request_stats
+
+    connector = {"do_remote_decode": True, "remote_block_ids": [3]}
+    one = {"peak_slots": 90, "evictions": 2, "evicted_tokens": 80, "freed_blocks": 2}
+    other = {"peak_slots": 96, "evictions": 1}
+    params = attach(connector, one)
+    assert connector == {"do_remote_decode": True, "remote_block_ids": [3]} and request_stats(params) == [one]
+    assert request_stats(connector) is None and request_stats(None) is None
+
+    class Output:  # an n = 2 request's children, as the API server's output processor sees them
+        def __init__(self, kv):
+            self.kv_transfer_params = kv
+
+    parent, first, last = type("Parent", (), {})(), Output(params), Output(attach(connector, other))
+    pass_on(parent, first)
+    pass_on(parent, last)
+    assert request_stats(last.kv_transfer_params) == [one, other]
+
+    response = CompletionResponse(model="m", choices=[], usage=UsageInfo(), kv_transfer_params=last.kv_transfer_params)
+    body = move_to_usage(response, [last]).model_dump()
+    assert body["usage"]["dynts"] == {"peak_slots": 96, "evictions": 3, "evicted_tokens": 80, "freed_blocks": 2}
+    assert body["kv_transfer_params"] == connector
+    stock = CompletionResponse(model="m", choices=[], usage=UsageInfo())
+    assert "dynts" not in move_to_usage(stock, [Output(None)]).model_dump()["usage"]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_budget_above_every_length_is_stock_vllm(tmp_path, tiny_models, family):
     torch.manual_seed(1)
@@ -126,7 +157,11 @@ def test_budget_above_every_length_is_stock_vllm(tmp_path, tiny_models, family):
     bounded = run_engine(tmp_path, tiny_models[family], requests,
                          additional_config={"dynts": {"method": "streamingllm", "budget": 1000, "local_window": 32}})
     assert {k: v["token_ids"] for k, v in bounded["outputs"].items()} == {k: v["token_ids"] for k, v in stock["outputs"].items()}
-    assert all(s["evictions"] == 0 for s in bounded["request_stats"].values())
+    assert stock["request_stats"] == {}  # a stock engine's outputs carry nothing of the plugin
+    assert set(bounded["request_stats"]) == set(stock["outputs"])
+    for rid, s in bounded["request_stats"].items():  # budget above every length: no eviction, the full cache
+        assert s["evictions"] == s["evicted_tokens"] == s["freed_blocks"] == 0
+        assert bounded["max_stored"][rid] <= s["peak_slots"] <= len(requests[int(rid)]["prompt_token_ids"]) + 96
 
 
 def test_each_request_equals_generate_alone(tmp_path, testbed):
@@ -149,7 +184,9 @@ def test_each_request_equals_generate_alone(tmp_path, testbed):
         got = result["outputs"][str(i)]["token_ids"]
         assert got == want, f"request {i} ({method}) differs from dynts.generate at token " \
             f"{next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"
-        assert result["request_stats"][str(i)]["evictions"] > 0
+        stats = result["request_stats"][str(i)]
+        assert stats["evictions"] > 0 and stats["evicted_tokens"] >= stats["evictions"]
+        assert result["max_stored"][str(i)] <= stats["peak_slots"] <= budget
 
 
 def test_chunked_prefill(tmp_path, tiny_models):

@@ -1,7 +1,8 @@
 """vLLM's OpenAI server with the dynts plugin (``dynts serve MODEL --engine vllm``) on 127.0.0.1.
 
 Concurrent chat requests, streaming and not, with per-request sampling and per-request dynts fields;
-bad dynts fields get HTTP 400 and the server keeps serving. Runs in the vLLM venv; skipped elsewhere.
+bad dynts fields get HTTP 400 and the server keeps serving; ``GET /metrics`` has the ``dynts_*`` counters
+(parsed by ``prometheus_client``) and they move with ``usage.dynts``. Runs in the vLLM venv; skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 QUESTION = [{"role": "user", "content": "a 6 b 0 c 4 d 8 e 7 find r2"}]
+PROMPT = "<bos> a 1 b 2 c 3 d 4 e 5 find r1 <think>"
+BUDGET = 96
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +26,7 @@ def server(tmp_path_factory):
     from serve_helpers import running_server
 
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    args = ["--engine", "vllm", "--kv-method", "streamingllm", "--kv-budget", "96", "--kv-local-window", "16",
+    args = ["--engine", "vllm", "--kv-method", "streamingllm", "--kv-budget", str(BUDGET), "--kv-local-window", "16",
             "--served-name", "testbed", "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
             "--num-gpu-blocks-override", "64", "--enforce-eager", "--max-num-seqs", "8"]
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
@@ -87,4 +90,64 @@ def test_per_request_dynts_fields_and_bad_ones_get_400(server):
     again = httpx.post(f"{base}/v1/completions", timeout=300, json={
         "model": "testbed", "prompt": "<bos> a 1 b 2 c 3 d 4 e 5 find r1 <think>", "max_tokens": 50, "temperature": 0})
     assert again.status_code == 200, again.text
+    assert "Traceback" not in log.read_text()
+
+
+def scrape(base: str) -> dict[str, float]:
+    """Every sample of ``GET /metrics`` by name, parsed by ``prometheus_client`` (the served model's only)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.labels.get("model", s.labels.get("model_name")) == "testbed"}
+
+
+def post(base: str, path: str, **body) -> dict:
+    reply = httpx.post(f"{base}{path}", timeout=300, json={"model": "testbed", "temperature": 0, **body})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+COUNTERS = ("dynts_evictions_total", "dynts_evicted_tokens_total", "dynts_freed_blocks_total")
+
+
+def test_metrics_and_usage_report_evictions(server):
+    from dynts.paged.metrics import USAGE_FIELDS
+    from dynts.vllm.metrics import EXPORTED
+
+    base, log = server
+    before = scrape(base)
+    assert {f"dynts_{key}_total" for key in EXPORTED} <= set(before)  # there from the start
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert name in before, name  # the engine's own series, which dynts does not duplicate
+    replies = [post(base, "/v1/completions", prompt=PROMPT, max_tokens=300, ignore_eos=True),
+               post(base, "/v1/chat/completions", messages=QUESTION, max_tokens=300, ignore_eos=True)]
+    for reply in replies:
+        usage = reply["usage"]["dynts"]
+        assert set(usage) == set(USAGE_FIELDS)
+        assert usage["evictions"] > 0 and usage["evicted_tokens"] >= usage["evictions"]
+        assert usage["freed_blocks"] > 0  # B = 96, W_l = 16, blocks of 32: every event frees the third block
+        assert 0 < usage["peak_slots"] <= BUDGET
+        assert reply.get("kv_transfer_params") is None  # the statistics' carrier stays internal
+    after = scrape(base)
+    for name in COUNTERS:
+        key = name[len("dynts_"):-len("_total")]
+        assert after[name] - before[name] == sum(r["usage"]["dynts"][key] for r in replies), name
+    assert after["dynts_requests_failed_total"] == before["dynts_requests_failed_total"]
+
+    # n = 2: one usage over both choices (peak the larger, the rest summed), as the counters count them
+    two = post(base, "/v1/completions", prompt=PROMPT, max_tokens=200, ignore_eos=True, n=2, temperature=1.0, seed=3)
+    assert len(two["choices"]) == 2
+    later = scrape(base)
+    for name in COUNTERS:
+        key = name[len("dynts_"):-len("_total")]
+        assert later[name] - after[name] == two["usage"]["dynts"][key] > 0, name
+
+    # a request without eviction (per-request method full): usage.dynts all zeros but its peak, the full cache
+    full = post(base, "/v1/completions", prompt=PROMPT, max_tokens=150, ignore_eos=True,
+                vllm_xargs={"dynts_method": "full"})
+    usage = full["usage"]["dynts"]
+    assert usage["evictions"] == usage["evicted_tokens"] == usage["freed_blocks"] == 0
+    assert usage["peak_slots"] > BUDGET
     assert "Traceback" not in log.read_text()

@@ -4,7 +4,8 @@
 [{"prompt_token_ids", "max_tokens", "extra_args", "arrive_at_step"}]}``. Requests arrive at their step
 (``arrive_at_step``: 0 = before the first step), so later ones join while others decode. Prints
 ``"admit_all": true`` switches the plugin's admission control off (vLLM then preempts under a tight pool).
-``{"outputs": {rid: {"token_ids", "finish_reason"}}, "max_stored": {rid: n}, "stats": ..., "request_stats": ...}``.
+``{"outputs": {rid: {"token_ids", "finish_reason"}}, "max_stored": {rid: n}, "stats": ..., "request_stats": ...}``
+(``request_stats``: what each finished ``RequestOutput`` carries, :func:`dynts.vllm.metrics.request_stats`).
 Used by tests/test_vllm_plugin.py (an engine per process: vLLM keeps process-wide state).
 """
 
@@ -22,6 +23,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this proc
 def main(spec_path: str) -> None:  # noqa: C901
     from vllm import LLM, SamplingParams
 
+    from dynts.vllm.metrics import request_stats
+
     spec = json.load(open(spec_path))
     engine = dict(dtype="float32", block_size=32, enforce_eager=True, async_scheduling=False, seed=0,
                   max_num_seqs=16, max_model_len=1024)
@@ -33,7 +36,7 @@ def main(spec_path: str) -> None:  # noqa: C901
     if spec.get("admit_all"):  # switch admission control off: let vLLM preempt
         hooks.admissible = lambda waiting: len(waiting)
     pending = sorted(enumerate(spec["requests"]), key=lambda p: p[1].get("arrive_at_step", 0))
-    outputs, max_stored, step = {}, {}, 0
+    outputs, max_stored, per_request, step = {}, {}, {}, 0
     shared_blocks = 0
     while pending or llm.llm_engine.has_unfinished_requests():
         while pending and pending[0][1].get("arrive_at_step", 0) <= step:
@@ -45,6 +48,9 @@ def main(spec_path: str) -> None:  # noqa: C901
             if out.finished:
                 outputs[out.request_id] = {"token_ids": list(out.outputs[0].token_ids),
                                            "finish_reason": out.outputs[0].finish_reason}
+                stats = request_stats(out.kv_transfer_params)
+                if stats is not None:
+                    per_request[out.request_id] = stats[0]
         manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
         for request in scheduler.running:
             shift = hooks.shift(request) if hooks is not None else 0
@@ -66,7 +72,7 @@ def main(spec_path: str) -> None:  # noqa: C901
         "num_blocks": pool.num_gpu_blocks,
         "steps": step,
         "stats": hooks.engine_stats() if hooks is not None else None,
-        "request_stats": {external(k): v for k, v in hooks.finished.items()} if hooks is not None else None,
+        "request_stats": per_request,
     }
     print("DYNTS_RESULT " + json.dumps(result))
 

@@ -43,9 +43,12 @@ def check_vllm_version(found: str | None = None) -> None:
 
 def missing_internals() -> list[str]:
     """Names of the vLLM internals the plugin relies on that this vLLM lacks."""
+    from vllm.entrypoints.openai.chat_completion import serving as chat_serving
+    from vllm.entrypoints.openai.completion import serving as completion_serving
+    from vllm.entrypoints.serve.engine import protocol
     from vllm.v1.core import kv_cache_manager, single_type_kv_cache_manager
     from vllm.v1.core.sched import output, scheduler
-    from vllm.v1.engine import input_processor
+    from vllm.v1.engine import input_processor, output_processor
     from vllm.v1.worker import block_table, gpu_input_batch, gpu_model_runner
 
     missing: list[str] = []
@@ -66,8 +69,11 @@ def missing_internals() -> list[str]:
     need(sched, "schedule")
     need(sched, "_preempt_request", ("request",))
     need(sched, "_free_request", ("request",))
-    source_has(sched, "__init__", "self.block_size", "self.kv_cache_manager", "self.encoder_cache_mismatch_reqs")
-    source_has(sched, "update_from_output", "encoder_cache_mismatch_reqs", "FINISHED_ERROR")
+    source_has(sched, "__init__", "self.block_size", "self.kv_cache_manager", "self.encoder_cache_mismatch_reqs",
+               "self.requests")
+    source_has(sched, "update_from_output", "encoder_cache_mismatch_reqs", "FINISHED_ERROR",
+               "kv_transfer_params, ec_transfer_params = self._free_request(request)",
+               "kv_transfer_params=kv_transfer_params")  # a request's statistics ride on what _free_request returns
     manager = kv_cache_manager.KVCacheManager
     need(manager, "allocate_slots", ("request", "num_new_tokens"))
     need(manager, "prefix_cache_lookup_enabled", ("request",))
@@ -77,6 +83,23 @@ def missing_internals() -> list[str]:
     if "dynts_plan" in output.SchedulerOutput.__dataclass_fields__:
         missing.append("SchedulerOutput.dynts_plan (now a vLLM field: the plugin's attribute would clash)")
     source_has(input_processor.InputProcessor, "process_inputs", "sampling_params")
+    source_has(input_processor.InputProcessor, "__init__", "self.vllm_config")
+    frontend = output_processor.OutputProcessor
+    need(frontend, "process_outputs", ("engine_core_outputs",))
+    source_has(frontend, "__init__", "self.request_states")
+    source_has(frontend, "process_outputs", "engine_core_output.kv_transfer_params", "engine_core_output.finish_reason")
+    state = output_processor.RequestState
+    source_has(state, "__init__", "self.parent_req")
+    source_has(state, "make_request_output", "self.parent_req.get_outputs", "kv_transfer_params")
+    completion = completion_serving.OpenAIServingCompletion
+    need(completion, "request_output_to_completion_response", ("final_res_batch",))
+    source_has(completion, "request_output_to_completion_response", "usage=usage",
+               "kv_transfer_params = final_res_batch[0].kv_transfer_params")
+    chat = chat_serving.OpenAIServingChat
+    need(chat, "chat_completion_full_generator")
+    source_has(chat, "chat_completion_full_generator", "usage=usage", "kv_transfer_params=final_res.kv_transfer_params")
+    if protocol.UsageInfo.model_config.get("extra") != "allow":
+        missing.append("UsageInfo accepts extra fields (usage.dynts)")
     runner = gpu_model_runner.GPUModelRunner
     need(runner, "execute_model", ("scheduler_output",))
     need(runner, "_prepare_inputs", ("scheduler_output", "num_scheduled_tokens"))

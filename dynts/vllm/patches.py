@@ -7,10 +7,14 @@ The methods wrapped (checked to exist by :func:`dynts.vllm.compat.missing_intern
 |---|---|---|
 | engine core | ``Scheduler.__init__`` | builds :class:`~dynts.vllm.scheduler.SchedulerHooks`; refuses configurations it has not been tested with |
 | engine core | ``Scheduler.schedule`` | eviction events and freed blocks before the round, admission by bounded footprint, the plan on the output |
-| engine core | ``Scheduler._preempt_request`` / ``_free_request`` | a preempted evicted request fails loudly; per-request state is dropped |
+| engine core | ``Scheduler._preempt_request`` | a preempted evicted request fails loudly |
+| engine core | ``Scheduler._free_request`` | per-request state is dropped; its statistics join the request's ``kv_transfer_params`` (:mod:`dynts.vllm.metrics`) |
 | engine core | ``KVCacheManager.allocate_slots`` (per instance) | blocks follow ``stored = num_computed_tokens - shift`` |
 | engine core | ``KVCacheCoordinator.cache_blocks``, ``KVCacheManager.prefix_cache_lookup_enabled`` (per instance) | only blocks that never move are hashed and shared |
+| front end | ``InputProcessor.__init__`` | a dynts engine: the ``dynts_*`` Prometheus counters and the response wrappers below |
 | front end | ``InputProcessor.process_inputs`` | per-request ``dynts`` fields and the prompt checked against the budget (HTTP 400) |
+| front end | ``OutputProcessor.process_outputs`` | finished requests' statistics counted; ``n > 1`` children's merged |
+| front end | ``OpenAIServingCompletion.request_output_to_completion_response``, ``OpenAIServingChat.chat_completion_full_generator`` | ``usage.dynts`` |
 | worker | ``GPUModelRunner.execute_model`` / ``_prepare_inputs`` / ``_model_forward`` | :class:`~dynts.vllm.worker.WorkerHooks` |
 """
 
@@ -20,12 +24,15 @@ import functools
 from typing import Any, Callable
 
 from .config import PluginConfig
+from .metrics import Counters, attach, move_to_usage, pass_on, request_stats
 from .scheduler import SchedulerHooks
 from .worker import WorkerHooks
 
 __all__ = ["install"]
 
 _INSTALLED = False
+_RESPONSES = False
+_COUNTERS: Counters | None = None  # the front end of a dynts engine in this process
 
 
 def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -121,9 +128,11 @@ def _install_scheduler() -> None:
     def free(original):
         def _free_request(self, request, *args, **kwargs):
             out = original(self, request, *args, **kwargs)
-            if getattr(self, "_dynts", None) is not None:
-                self._dynts.forget(request.request_id)
-            return out
+            hooks = getattr(self, "_dynts", None)
+            if hooks is None:
+                return out
+            kv_transfer_params, ec_transfer_params = out
+            return attach(kv_transfer_params, hooks.forget(request.request_id)), ec_transfer_params
         return _free_request
 
     _wrap(Scheduler, "__init__", init)
@@ -133,21 +142,77 @@ def _install_scheduler() -> None:
 
 
 def _install_frontend() -> None:
+    from vllm.v1.engine import FinishReason
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    def init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self._dynts_config = PluginConfig.from_vllm(self.vllm_config)
+            if self._dynts_config is not None:
+                _serve_statistics(self.vllm_config)
+        return __init__
 
     def process(original):
         def process_inputs(self, *args, **kwargs):
             request = original(self, *args, **kwargs)
-            config = getattr(self, "_dynts_config", False)
-            if config is False:
-                config = self._dynts_config = PluginConfig.from_vllm(self.vllm_config)
+            config = getattr(self, "_dynts_config", None)
             params = getattr(request, "sampling_params", None)
             if config is not None and params is not None:
                 check_request(config, params.extra_args, len(request.prompt_token_ids or ()))
             return request
         return process_inputs
 
+    def outputs(original):
+        def process_outputs(self, engine_core_outputs, *args, **kwargs):
+            if _COUNTERS is not None:
+                for output in engine_core_outputs:
+                    state = self.request_states.get(output.request_id)
+                    if output.finish_reason is None or state is None:  # running, or aborted already
+                        continue
+                    _COUNTERS.finished(request_stats(output.kv_transfer_params),
+                                       failed=output.finish_reason == FinishReason.ERROR)
+                    if state.parent_req is not None:
+                        pass_on(state.parent_req, output)
+            return original(self, engine_core_outputs, *args, **kwargs)
+        return process_outputs
+
+    _wrap(InputProcessor, "__init__", init)
     _wrap(InputProcessor, "process_inputs", process)
+    _wrap(OutputProcessor, "process_outputs", outputs)
+
+
+def _serve_statistics(vllm_config: Any) -> None:
+    """A dynts engine's front end: the Prometheus counters of its model, ``usage.dynts`` in responses."""
+    global _COUNTERS
+    name = vllm_config.model_config.served_model_name
+    _COUNTERS = Counters(name[0] if isinstance(name, (list, tuple)) else str(name))
+    _install_responses()
+
+
+def _install_responses() -> None:
+    """``usage.dynts`` in the non-streaming completion and chat responses (once per process)."""
+    global _RESPONSES
+    if _RESPONSES:
+        return
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    def completion(original):
+        def request_output_to_completion_response(self, final_res_batch, *args, **kwargs):
+            return move_to_usage(original(self, final_res_batch, *args, **kwargs), final_res_batch)
+        return request_output_to_completion_response
+
+    def chat(original):
+        async def chat_completion_full_generator(self, *args, **kwargs):
+            response = await original(self, *args, **kwargs)
+            return move_to_usage(response, [response])  # it carries its final output's kv_transfer_params
+        return chat_completion_full_generator
+
+    _wrap(OpenAIServingCompletion, "request_output_to_completion_response", completion)
+    _wrap(OpenAIServingChat, "chat_completion_full_generator", chat)
+    _RESPONSES = True
 
 
 def check_request(config: PluginConfig, extra_args: Any, prompt_length: int) -> None:

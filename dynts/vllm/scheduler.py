@@ -17,6 +17,10 @@ checks, the token budget). Per request the plugin keeps ``shift`` = tokens evict
    one that already evicted anyway, it finishes with ``finish_reason="error"`` instead of continuing on
    a wrong cache.
 
+Per request the hooks count what :func:`dynts.paged.metrics.usage_dynts` reports (peak stored slots,
+events, evicted tokens, freed blocks); :meth:`SchedulerHooks.forget` hands them over when the request
+finishes (they ride on its ``kv_transfer_params``: :mod:`dynts.vllm.metrics`).
+
 Prefix caching stays on: a bounded request caches (and reuses) only full blocks inside the prefix its
 method never moves (:meth:`dynts.evictors.Evictor.protected_prefix`; DynTS: the whole question), so
 shared prompt blocks stay hashed and shared while decode-side slots are compacted. (The worker records
@@ -61,7 +65,6 @@ class RequestBudget:
     evictions: int = 0
     evicted_tokens: int = 0
     freed_blocks: int = 0
-    peak_blocks: int = 0
 
 
 class SchedulerHooks:
@@ -72,7 +75,7 @@ class SchedulerHooks:
         self.config = config
         self.block_size = scheduler.block_size
         self.requests: dict[str, RequestBudget | None] = {}
-        self.finished: dict[str, dict[str, int]] = {}
+        self.peaks: dict[str, list[int]] = {}  # every scheduled request: [peak stored slots, peak blocks]
         self.failed: set[str] = set()
         self.preemptions = 0
         self.peak_blocks_in_use = 0
@@ -107,20 +110,17 @@ class SchedulerHooks:
         state = self.budget_of(request)
         return None if state is None else state.protected
 
-    def forget(self, rid: str) -> None:
+    def forget(self, rid: str) -> dict[str, int]:
+        """Drop a finished request's state; its statistics (``peak_slots``, ``evictions``, ``evicted_tokens``,
+        ``freed_blocks``, ``peak_blocks``, and ``reserved_blocks`` for a bounded request; zeros without eviction)."""
         state = self.requests.pop(rid, None)
+        peak_slots, peak_blocks = self.peaks.pop(rid, (0, 0))
+        stats = {"peak_slots": peak_slots, "evictions": 0, "evicted_tokens": 0, "freed_blocks": 0,
+                 "peak_blocks": peak_blocks}
         if state is not None:
-            self.finished[rid] = self.stats_of(state)
-
-    @staticmethod
-    def stats_of(state: RequestBudget) -> dict[str, int]:
-        return {"evictions": state.evictions, "evicted_tokens": state.evicted_tokens,
-                "freed_blocks": state.freed_blocks, "peak_blocks": state.peak_blocks,
-                "reserved_blocks": state.reserved_blocks}
-
-    def request_stats(self, rid: str) -> dict[str, int]:
-        state = self.requests.get(rid)
-        return self.stats_of(state) if state is not None else dict(self.finished.get(rid, {}))
+            stats.update(evictions=state.evictions, evicted_tokens=state.evicted_tokens,
+                         freed_blocks=state.freed_blocks, reserved_blocks=state.reserved_blocks)
+        return stats
 
     # ------------------------------------------------------------------ per round
     @property
@@ -199,10 +199,13 @@ class SchedulerHooks:
     def after_schedule(self, output: Any, plan: StepPlan) -> None:
         for rid in output.num_scheduled_tokens:
             state = self.requests.get(rid)
-            if state is not None:
-                if state.shift:
-                    plan.shifts[rid] = state.shift
-                state.peak_blocks = max(state.peak_blocks, len(self._blocks(rid)))
+            shift = state.shift if state is not None else 0
+            if shift:
+                plan.shifts[rid] = shift
+            peak = self.peaks.setdefault(rid, [0, 0])
+            # num_computed_tokens already counts this round's tokens: the slots stored after its forward
+            peak[0] = max(peak[0], self.scheduler.requests[rid].num_computed_tokens - shift)
+            peak[1] = max(peak[1], len(self._blocks(rid)))
         output.dynts_plan = plan
         in_use = self.blocks_in_use()
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)

@@ -1,9 +1,11 @@
-"""Serving statistics in one vocabulary for every engine: Prometheus text and ``usage.dynts``.
+"""Serving statistics in one vocabulary for every engine: Prometheus names and ``usage.dynts``.
 
-Engine-neutral on purpose (no transformers or vLLM import): an engine adapter fills a plain dict
-keyed by the ``key`` column of :data:`METRICS` and :func:`render_prometheus` writes the text format
-(version 0.0.4) that ``GET /metrics`` serves; :func:`usage_dynts` builds the ``dynts`` object of a
-response's ``usage`` from one request's statistics. The metric names live here and nowhere else.
+Engine-neutral on purpose (no transformers or vLLM import): :data:`METRICS` names every exported
+series. The transformers server fills a plain dict keyed by its ``key`` column and
+:func:`render_prometheus` writes the text format (version 0.0.4) that ``GET /metrics`` serves; the
+vLLM plugin registers ``prometheus_client`` counters under the same names (:mod:`dynts.vllm.metrics`).
+:func:`usage_dynts` builds the ``dynts`` object of a response's ``usage`` from its engine requests'
+statistics. The metric names live here and nowhere else.
 """
 
 from __future__ import annotations
