@@ -30,6 +30,7 @@ from ..predictor import ImportancePredictor
 from ..thinking import think_end_ids
 from .detector import DegenerationDetector
 from .engine import Candidate, Policy, State
+from .loops import StepHistory
 from .prm import StepRequest, StepScorer, load_prm
 from .results import ProblemResult, RescueResult, Step, summarize
 from .sampling import Sampler, candidate_generator
@@ -46,6 +47,7 @@ class _Problem:
     helper: State | None = None
     steps: list[Step] = field(default_factory=list)
     end: str | None = None
+    history: StepHistory | None = None  # committed steps as the cross-step loop screen sees them
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
 
     @property
@@ -55,7 +57,7 @@ class _Problem:
 
 _COUNTERS = (
     "base_tokens", "helper_tokens", "base_candidates", "helper_candidates", "early_exits", "exit_entropy",
-    "exit_compression", "base_encoded_tokens", "helper_encoded_tokens", "scored_candidates",
+    "exit_compression", "exit_repeat", "exit_pattern", "base_encoded_tokens", "helper_encoded_tokens", "scored_candidates",
 )
 
 _DELIMITERS: dict[tuple[int, str], frozenset[int]] = {}
@@ -142,7 +144,8 @@ def rescue_generate(
         :class:`RescueResult`. Per-problem ``stats``: ``committed_steps``, ``output_tokens``,
         ``base_tokens`` / ``helper_tokens`` (every token sampled by that model's candidates, losers
         and aborted ones included), ``base_candidates``, ``early_exits`` (aborted base candidates,
-        split into ``exit_entropy`` / ``exit_compression``), ``helper_steps``, ``helper_share``,
+        split by signal into ``exit_entropy`` / ``exit_compression`` / ``exit_repeat`` / ``exit_pattern``,
+        the last two from the cross-step loop screen ``detector.loop``), ``helper_steps``, ``helper_share``,
         ``base_encoded_tokens`` (helper steps the base absorbed), ``end``.
     """
     for name, value, low in (("n_base", n_base, 0), ("n_helper", n_helper, 0), ("max_steps", max_steps, 1),
@@ -213,7 +216,8 @@ def rescue_generate(
         prompt_ids = ids[0][mask[0].bool()].tolist()
         if bounds is not None:
             bounds.check_question(len(prompt_ids))
-        problems.append(_Problem(i, _question(prompt), prompt_ids))
+        history = detector.loop.history(stop_ids) if detector is not None and detector.loop is not None and n_base else None
+        problems.append(_Problem(i, _question(prompt), prompt_ids, history=history))
     width = max(n_base, n_helper)
     in_flight = max(1, max_rows // width)
 
@@ -268,6 +272,10 @@ def _round(active, base_policy, helper_policy, scorer, sampler, detector, tokeni
             counters = c.owner.counters
             counters[f"{source}_tokens"] += len(c.tokens)
             counters[f"{source}_candidates"] += 1
+            if c.status in ("delimiter", "cap") and source == "base" and c.owner.history is not None:
+                reason = c.owner.history.check(c.tokens)  # cross-step loop screen, before PRM scoring
+                if reason:
+                    c.status, c.abort_reason = "aborted", reason
             if c.status == "aborted":
                 counters["early_exits"] += 1
                 counters[f"exit_{c.abort_reason}"] += 1
@@ -300,6 +308,8 @@ def _round(active, base_policy, helper_policy, scorer, sampler, detector, tokeni
         win = options[best]
         text = tokenizer.decode(win.tokens, skip_special_tokens=True)
         p.steps.append(Step(list(win.tokens), text, win.source, win.score, win.index))
+        if p.history is not None:
+            p.history.commit(win.tokens)
         if win.status == "eos":
             p.end = "eos"
         elif p.output_tokens >= max_tokens:

@@ -37,6 +37,7 @@ import torch
 
 from dynts.io import write_atomic
 from dynts.predictor import find_predictor
+from dynts.rescue.results import EXIT_SIGNALS
 from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
 
 __all__ = ["RescueEvalConfig", "SETTINGS", "calibrate", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
@@ -252,6 +253,8 @@ def metrics(records: Sequence[dict[str, Any]], degen_steps: int) -> dict[str, An
         "base_tokens": mean("base_tokens"),
         "helper_tokens": mean("helper_tokens"),
         "early_exit": sum(r.get("early_exits", 0) for r in records) / candidates if candidates else None,
+        "exit_by_signal": {k: sum(r.get(f"exit_{k}", 0) for r in records) / candidates if candidates else None
+                           for k in EXIT_SIGNALS},
         "helper_share": sum(r.get("helper_steps", 0) for r in records) / steps if steps else 0.0,
     }
 
@@ -327,7 +330,8 @@ def compare(cells: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str
         row = {"A_evict(bon)": bon["accuracy"], "A_kvr": kvr["accuracy"],
                "base_tokens_bon": bon["base_tokens"], "base_tokens_kvr": kvr["base_tokens"],
                "base_token_reduction": 1 - kvr["base_tokens"] / bon["base_tokens"] if bon["base_tokens"] else None,
-               "helper_share": kvr["helper_share"], "detector_firing_rate": kvr["early_exit"]}
+               "helper_share": kvr["helper_share"], "detector_firing_rate": kvr["early_exit"],
+               "firing_by_signal": kvr.get("exit_by_signal", {})}
         if full:
             gap = full["accuracy"] - bon["accuracy"]
             row["A_full"] = full["accuracy"]
@@ -344,24 +348,33 @@ def _fmt(v: Any, pct: bool = False) -> str:
     return str(v)
 
 
+def _by_signal(rates: dict[str, Any] | None) -> str:
+    """Firing rates per detector signal as ``a / b / c / d`` (percent of base candidates)."""
+    rates = rates or {}
+    return " / ".join(_fmt(rates.get(k), True) for k in EXIT_SIGNALS)
+
+
 def summary_table(summary: dict[str, Any]) -> str:
     """Markdown: one row per cell (accuracy and decode cost), then the recovery comparison."""
-    lines = ["| setting | base method | pass@1 % | degen. % | capped % | steps | out. len | base tok | helper tok | early exit % | helper share % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    signals = "/".join(EXIT_SIGNALS)
+    lines = [f"| setting | base method | pass@1 % | degen. % | capped % | steps | out. len | base tok | helper tok | early exit % | exit {signals} % | helper share % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in summary["cells"]:
         m = c["metrics"]
         lines.append(f"| {c['setting']} | {c['method'] or '–'} | {_fmt(m['accuracy'], True)} | {_fmt(m['degeneration'], True)} | "
                      f"{_fmt(m['length_capped'], True)} | {_fmt(m['committed_steps'])} | {_fmt(m['output_tokens'])} | "
-                     f"{_fmt(m['base_tokens'])} | {_fmt(m['helper_tokens'])} | {_fmt(m['early_exit'], True)} | {_fmt(m['helper_share'], True)} |")
+                     f"{_fmt(m['base_tokens'])} | {_fmt(m['helper_tokens'])} | {_fmt(m['early_exit'], True)} | "
+                     f"{_by_signal(m.get('exit_by_signal'))} | {_fmt(m['helper_share'], True)} |")
     comp = summary.get("comparison") or {}
     if comp:
-        lines += ["", "| base method | A_full % | A_evict (BoN) % | A_KVR % | recovered | base tok BoN | base tok KVR | reduction % | helper share % | detector firing % |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"| base method | A_full % | A_evict (BoN) % | A_KVR % | recovered | base tok BoN | base tok KVR | reduction % | helper share % | detector firing % | firing {signals} % |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, r in comp.items():
             rec = r.get("recovered_fraction")
             lines.append(f"| {m} | {_fmt(r.get('A_full'), True)} | {_fmt(r['A_evict(bon)'], True)} | {_fmt(r['A_kvr'], True)} | "
                          f"{'–' if rec is None else f'{rec:.2f}'} | {_fmt(r['base_tokens_bon'])} | {_fmt(r['base_tokens_kvr'])} | "
-                         f"{_fmt(r['base_token_reduction'], True)} | {_fmt(r['helper_share'], True)} | {_fmt(r['detector_firing_rate'], True)} |")
+                         f"{_fmt(r['base_token_reduction'], True)} | {_fmt(r['helper_share'], True)} | {_fmt(r['detector_firing_rate'], True)} | "
+                         f"{_by_signal(r.get('firing_by_signal'))} |")
     if summary.get("oracle_choice"):
         lines += ["", "Oracle choice between the evicted base (one sample) and the helper (one sample), KV-Rescue Fig. 1a:", "",
                   oracle_choice_table(summary["oracle_choice"]).rstrip("\n")]

@@ -39,6 +39,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guard", type=int, default=24)
     p.add_argument("--entropy-window", type=int, default=12)
     p.add_argument("--include-context", action="store_true", help="let the gzip window reach into committed text")
+    p.add_argument("--loop-ngram", type=int, default=0,
+                   help="cross-step loop screen: abort a base candidate sharing this many consecutive tokens with a committed step (0: off)")
+    p.add_argument("--loop-pattern", default="0",
+                   help="cross-step loop screen, vLLM repetition_detection over steps: MIN,MAX,COUNT "
+                        "(min_pattern_size, max_pattern_size, min_count; e.g. 1,4,2) or 0 (off)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=20)
@@ -47,13 +52,34 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_load_arguments(p, trust_remote_code=False)
 
 
+def _loop(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``StepLoopDetector`` fields of ``--loop-ngram`` / ``--loop-pattern`` (``None``: both off)."""
+    ngram = args.loop_ngram if args.loop_ngram > 0 else None
+    if args.loop_pattern.strip() in ("", "0"):
+        pattern = (1, 0, 2)
+    else:
+        try:
+            pattern = tuple(int(v) for v in args.loop_pattern.split(","))
+        except ValueError:
+            pattern = ()
+        if len(pattern) != 3:
+            raise SystemExit(f"--loop-pattern {args.loop_pattern!r}: give MIN,MAX,COUNT (e.g. 1,4,2) or 0")
+    if ngram is None and not pattern[1]:
+        return None
+    return {"repeat_ngram": ngram, "min_pattern_size": pattern[0], "max_pattern_size": pattern[1], "min_count": pattern[2]}
+
+
 def _detector(args: argparse.Namespace) -> dict[str, Any]:
-    return {
+    options = {
         "entropy_threshold": args.entropy_threshold if args.entropy_threshold > 0 else None,
         "compress_threshold": args.compress_threshold if args.compress_threshold > 0 else None,
         "compress_window": args.compress_window, "guard": args.guard, "entropy_window": args.entropy_window,
         "include_context": args.include_context,
     }
+    loop = _loop(args)
+    if loop is not None:  # only when on: cells of runs without the loop screen stay reusable
+        options["loop"] = loop
+    return options
 
 
 def _parser() -> argparse.ArgumentParser:
