@@ -27,7 +27,7 @@ def test_a_repeated_committed_step_is_screened():
     assert h.check(C) is None
     assert h.check([10, 11, 20, 21, 3]) is None  # two short pieces of two steps: no 4-token run
     assert history(A, repeat_ngram=3).check([5, 11, 12, 13, 9, 3]) == "repeat"  # a step redone under a new label
-    assert history(A, repeat_ngram=5).check(A) is None  # the 4-token step is shorter than the n-gram
+    assert history(A, repeat_ngram=5, max_pattern_size=0).check(A) is None  # the 4-token step is shorter than the n-gram
 
 
 def test_step_patterns_follow_vllms_schema():
