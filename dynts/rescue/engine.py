@@ -29,6 +29,7 @@ from .detector import CandidateScreen
 from .detok import TextTail
 from .rows import RaggedCache
 from .sampling import Sampler, entropy
+from .shared import ForkCache, PrefixKV, fork_forward
 
 __all__ = ["Candidate", "Policy", "State"]
 
@@ -37,7 +38,7 @@ __all__ = ["Candidate", "Policy", "State"]
 class State:
     """A committed state: row ``row`` of ``cache`` and its next-token ``logits`` ``[V]``."""
 
-    cache: RaggedCache
+    cache: RaggedCache | ForkCache
     row: int
     logits: torch.Tensor
 
@@ -96,6 +97,11 @@ class Policy:
         self.forwards = 0
         self.decode_steps = 0  # iterations of the decode loop (one sampled token per live row)
 
+    @property
+    def shared(self) -> bool:
+        """Full-context policies fork by reference (:mod:`dynts.rescue.shared`); evicted ones copy rows."""
+        return not self.bounded
+
     def new_cache(self) -> RaggedCache:
         return RaggedCache(self.num_layers, self.evictor, self.budget, think_end_token_id=self.think_end_token_id)
 
@@ -104,8 +110,12 @@ class Policy:
         """Feed ``ids`` ``[r, q]`` (``valid`` marks real tokens; others are padding; ``counts``: real
         tokens per row, host ints, default read from ``valid`` on the host) and return the logits
         ``[r, V]`` at the last position."""
-        cache.incoming = list(counts) if counts is not None else valid.sum(1).tolist()
+        counts = list(counts) if counts is not None else valid.sum(1).tolist()
         ids, valid = ids.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
+        if isinstance(cache, ForkCache):
+            self.forwards += 1
+            return fork_forward(self.model, cache, ids, valid, counts, self._cache_kw)
+        cache.incoming = counts
         positions = cache.position_ids(valid)
         with attach(self.model, cache, self.predictor):
             out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
@@ -115,23 +125,30 @@ class Policy:
 
     def prefill(self, prompt_ids: Sequence[int]) -> State:
         """Encode one prompt into a fresh one-row cache."""
-        cache = self.new_cache()
+        cache = ForkCache(self.num_layers, [(PrefixKV(self.num_layers), 0)]) if self.shared else self.new_cache()
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
         logits = self.forward(cache, ids, torch.ones_like(ids, dtype=torch.bool))
         return State(cache, 0, logits[0])
 
     def fork(self, states: Sequence[State], copies: int) -> tuple[RaggedCache, torch.Tensor]:
-        """One batch holding ``copies`` rows of each state, in order, and their logits ``[r, V]``."""
-        parts = _group_rows([(s.cache, s.row) for s in states for _ in range(copies)])
-        cache = RaggedCache.stack(parts)
+        """One batch holding ``copies`` rows of each state, in order, and their logits ``[r, V]``:
+        references to each state's committed prefix (full context) or copies of its row (evicted)."""
         logits = torch.stack([s.logits for s in states for _ in range(copies)])
-        return cache, logits
+        if self.shared:
+            refs = [s.cache.commit(s.row) for s in states]
+            return ForkCache(self.num_layers, [r for r in refs for _ in range(copies)]), logits
+        parts = _group_rows([(s.cache, s.row) for s in states for _ in range(copies)])
+        return RaggedCache.stack(parts), logits
 
     def append(self, states: Sequence[State], tokens: Sequence[Sequence[int]]) -> list[State]:
         """Encode ``tokens[i]`` after ``states[i]`` in ONE batched forward (left-padded), then apply
         the evictor to every row over budget; no history is re-encoded. Returns the new states."""
-        cache = RaggedCache.stack(_group_rows([(s.cache, s.row) for s in states]))
         ids, valid = pad_rows(tokens, self.pad_token_id)
+        if self.shared:  # the tokens become the rows' tails; the next fork commits them to the prefix
+            cache = ForkCache(self.num_layers, [s.cache.commit(s.row) for s in states])
+            logits = self.forward(cache, ids, valid.bool(), [len(t) for t in tokens])
+            return [State(cache, i, logits[i] if len(t) else s.logits) for i, (s, t) in enumerate(zip(states, tokens))]
+        cache = RaggedCache.stack(_group_rows([(s.cache, s.row) for s in states]))
         logits = self.forward(cache, ids, valid.bool(), [len(t) for t in tokens])
         if self.bounded:
             cache.evict()  # rows over n_keep after the step are evicted now (paper: "then applies eviction")
@@ -206,10 +223,10 @@ class Policy:
         """Move finished rows into their own cache and keep only ``live`` rows in the batch."""
         done = [r for r, c in enumerate(batch) if c is not None and c.status != "live" and c.state is not None]
         if done:
-            parked = RaggedCache.stack([(cache, done)])
+            parked = cache.select(done)
             for i, r in enumerate(done):
                 batch[r].state = State(parked, i, batch[r].state.logits)
-        new_cache = RaggedCache.stack([(cache, live)])
+        new_cache = cache.select(live)
         return new_cache, logits[torch.tensor(live).to(logits.device)], [batch[r] for r in live]
 
 

@@ -183,6 +183,10 @@ class RaggedCache(BoundedCache):
         self.length = width
 
     # ------------------------------------------------------------------ rows
+    def select(self, rows: Sequence[int]) -> "RaggedCache":
+        """A new cache holding copies of ``rows`` (:meth:`stack` of this cache alone)."""
+        return RaggedCache.stack([(self, rows)])
+
     @classmethod
     def stack(cls, parts: Sequence[tuple["RaggedCache", Sequence[int] | torch.Tensor]]) -> "RaggedCache":
         """A new cache holding, in order, the given rows of each part (repeats allowed).
