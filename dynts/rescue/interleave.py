@@ -95,7 +95,7 @@ def rescue_generate(
     *,
     helper_tokenizer: Any = None,
     base_method: str = "dynts",
-    budget: int | None = None,
+    budget: int | Budget | None = None,
     local_window: int | None = None,
     retention: float = 0.4,
     predictor: ImportancePredictor | str | Path | None = None,
@@ -127,7 +127,10 @@ def rescue_generate(
             models extend one token trajectory).
         prompts: a string, strings, or chat message lists (the chat template is applied).
         base_method, budget, local_window, retention, predictor, method_options: the base's eviction
-            (as in :func:`dynts.generate`; ``dynts`` needs ``predictor``).
+            (as in :func:`dynts.generate`; ``dynts`` needs ``predictor``). ``budget`` is the physical
+            bound ``B`` or a :class:`~dynts.budget.Budget`, e.g. the paper's
+            ``Budget.from_paper(score_selected=64, headroom=128, local_window=16)`` (64 entries kept
+            at each event, at most 192 held).
         n_base, n_helper: candidates per step from each model (``n_base + n_helper >= 1``).
         step_delimiter: text ending a step (paper: ``"\\n\\n"``; the testbed: ``";"``).
         max_steps, max_step_tokens, max_tokens: caps on committed steps, tokens per candidate and
@@ -198,9 +201,12 @@ def rescue_generate(
         evictor.bind(tokenizer)
     bounds = None
     if getattr(evictor, "bounded", True):
-        if budget is None or local_window is None:
+        if isinstance(budget, Budget):  # e.g. Budget.from_paper(score_selected=64, headroom=128)
+            bounds = budget
+        elif budget is None or local_window is None:
             raise ValueError(f"base_method={evictor.name!r} needs budget=... and local_window=... (e.g. 64 and 16)")
-        bounds = Budget(budget, local_window, retention)
+        else:
+            bounds = Budget(budget, local_window, retention)
     if "scores" in evictor.requires:
         if predictor is None:
             raise ValueError(f"base_method={evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
@@ -242,7 +248,8 @@ def rescue_generate(
     ordered = [results[i] for i in range(len(problems))]
     stats = summarize(ordered)
     stats.update({"seconds": seconds, "n_base": n_base, "n_helper": n_helper, "base_method": evictor.name,
-                  "budget": budget if bounds else None, "base_forwards": base_policy.forwards,
+                  "budget": bounds.budget if bounds else None,
+                  "n_keep_sizing": bounds.sizing if bounds else None, "base_forwards": base_policy.forwards,
                   "helper_forwards": helper_policy.forwards if helper_policy else 0})
     return RescueResult(ordered, stats)
 

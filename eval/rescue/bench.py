@@ -64,6 +64,8 @@ class RescueEvalConfig:
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     predictor: str | None = None
     budget: int = 64
+    paper_budget: bool = False  # budget = score-selected entries + headroom (KV-Rescue Appendix C)
+    headroom: int = 128
     local_window: int = 16
     retention: float = 0.4
     n: int = 4
@@ -94,6 +96,16 @@ class RescueEvalConfig:
             raise ValueError(f"n={self.n!r} must be an int >= 1 (candidates per model per step)")
         if self.degen_steps is None:
             self.degen_steps = max(1, self.max_steps // 4)
+        self.bounds()  # validates budget / headroom / local_window
+
+    def bounds(self):
+        """The base's :class:`~dynts.budget.Budget`: ``budget`` is the physical bound ``B``, or with
+        ``paper_budget`` the paper's score-selected entries (``B' = budget + headroom`` held)."""
+        from dynts.budget import Budget
+
+        if self.paper_budget:
+            return Budget.from_paper(self.budget, self.headroom, self.local_window)
+        return Budget(self.budget, self.local_window, self.retention)
 
     def cell_settings(self, setting: str, method: str | None) -> dict[str, Any]:
         """What a cell's result depends on (its file is reused only when these match)."""
@@ -102,6 +114,9 @@ class RescueEvalConfig:
         keep = {k: v for k, v in asdict(self).items() if k not in ("out", "settings", "methods", "max_rows", "method_options")}
         if not keep["load_options"]:
             keep.pop("load_options")  # default loading: cells of earlier runs stay reusable
+        if not keep["paper_budget"]:  # the physical budget: cells of earlier runs stay reusable
+            keep.pop("paper_budget")
+            keep.pop("headroom")
         keep.update(setting=setting, method=method, method_options=self.method_options.get(method or "", {}))
         # the weights, so that a retrained model, PRM or predictor never reuses an old cell
         keep["weights"] = {"base": fingerprint(self.base), "helper": fingerprint(self.helper),
@@ -118,8 +133,9 @@ class RescueEvalConfig:
         if setting == "bon":
             keep["weights"].pop("helper")
         if setting in ("full", "helper"):
-            for k in ("budget", "local_window", "retention", "predictor", "prm", "n", "detector", "method_options"):
-                keep.pop(k)
+            for k in ("budget", "local_window", "retention", "predictor", "prm", "n", "detector", "method_options",
+                      "paper_budget", "headroom"):
+                keep.pop(k, None)
             keep["weights"] = {k: keep["weights"][k] for k in (("base",) if setting == "full" else ("helper",))}
         return keep
 
@@ -185,7 +201,7 @@ def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, bou
 
     texts, lengths, seconds = [], [], 0.0
     pad = pad_id(tokenizer)
-    kw = dict(budget=config.budget, local_window=config.local_window, retention=config.retention,
+    kw = dict(budget=config.bounds(), local_window=config.local_window, retention=config.retention,
               predictor=config.predictor, method_options=config.method_options.get(method)) if bounded else {}
     for start in range(0, len(prompts), 32):
         torch.manual_seed(config.seed * 1_000_003 + start)
@@ -220,7 +236,7 @@ def _cell(config: RescueEvalConfig, setting: str, method: str | None, models: di
         detector = None if setting in ("bon", "kvr-noexit") else (config.detector or True)
         chats = [[{"role": "user", "content": p}] for p in models["messages"]]
         result = rescue_generate(
-            base, helper, models["prm"], tokenizer, chats, base_method=method, budget=config.budget,
+            base, helper, models["prm"], tokenizer, chats, base_method=method, budget=config.bounds(),
             local_window=config.local_window, retention=config.retention, predictor=config.predictor,
             method_options=config.method_options.get(method), n_base=config.n, n_helper=0 if setting == "bon" else config.n,
             step_delimiter=config.delimiter, max_steps=config.max_steps, max_step_tokens=config.max_step_tokens,
@@ -421,7 +437,7 @@ def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = F
             judged.append((c.score, int(testbed_step_verifier(c.owner.question, steps))))
 
     chats = [[{"role": "user", "content": user_message(e, bench)}] for e in bench.examples]
-    rescue_generate(base, None, prm, tokenizer, chats, base_method=method, budget=config.budget,
+    rescue_generate(base, None, prm, tokenizer, chats, base_method=method, budget=config.bounds(),
                     local_window=config.local_window, retention=config.retention, predictor=config.predictor,
                     method_options=config.method_options.get(method), n_base=config.n, n_helper=0,
                     step_delimiter=config.delimiter, max_steps=config.max_steps, max_step_tokens=config.max_step_tokens,
