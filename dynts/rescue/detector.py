@@ -127,7 +127,8 @@ class CandidateScreen:
         self.fired: str | None = None
 
     def update(self, entropy: float, text: str | None = None) -> str | None:
-        """Add one position (its entropy and the candidate text so far); return ``"entropy"`` or
+        """Add one position (its entropy and the candidate text so far -- its last ``compress_window``
+        characters suffice, :class:`~dynts.rescue.detok.TextTail`); return ``"entropy"`` or
         ``"compression"`` the first time the detector fires, else ``None``."""
         d = self.detector
         self.tokens += 1
