@@ -7,9 +7,11 @@ and neither within-step signal can see that. :class:`StepLoopDetector` compares 
 candidate with the steps already committed to its trajectory and screens it before PRM scoring:
 
 * **repeated span** (``repeat_ngram = n``): the candidate shares a run of ``n`` consecutive tokens
-  with one earlier committed step (the step delimiter excluded). With ``n`` at least the length of
-  a step's content this is "the candidate repeats a committed step"; shorter ``n`` also catches a
-  step redone under a new label (the testbed's ``d 9 plus c 5 gives r3=`` after ``... r2=``).
+  with one earlier committed step (the step delimiter excluded): "the candidate repeats a committed
+  step", or a long piece of one. ``n`` must exceed what correct trajectories legitimately repeat:
+  on the testbed a step's 6-token computation (``b 4 minus e 1 gives``) recurs under a new key in
+  44 of 99 full-cache trajectories, so ``n = 8`` (the default) is the shortest span that never
+  fired on them (``docs/rescue.md``).
 * **step pattern** (vLLM's ``repetition_detection`` schema, applied to steps instead of tokens):
   the committed steps followed by the candidate end with a pattern of ``L`` steps,
   ``min_pattern_size <= L <= max_pattern_size``, repeated ``min_count`` times in a row. Steps are
@@ -38,7 +40,7 @@ class StepLoopDetector:
         min_count: how many times in a row the pattern must occur (the candidate's occurrence included).
     """
 
-    repeat_ngram: int | None = 6
+    repeat_ngram: int | None = 8
     min_pattern_size: int = 1
     max_pattern_size: int = 4
     min_count: int = 2
