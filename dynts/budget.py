@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SIZINGS = ("paper", "official")
+SIZINGS = ("paper", "official", "headroom")
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,21 @@ class Budget:
               the question counted inside the ``int(retention * (B - W_l))`` kept non-local tokens
               (it needs ``W_q <= int(retention * (B - W_l))``).
 
+            - ``"headroom"`` (the KV-Rescue paper, Appendix C, after R-KV): ``keep`` score-selected
+              entries (question and local window included) survive an event and the cache may grow
+              by a headroom buffer before the next one, so ``budget = keep + headroom`` is the
+              physical bound; build it with :meth:`from_paper`.
+
             Either way the eviction volume is ``K = B - n_keep`` (at least 1) and events fire every
             ``K`` decoded tokens.
+        keep: ``n_keep`` of the ``"headroom"`` sizing (unused otherwise).
     """
 
     budget: int
     local_window: int
     retention: float = 0.4
     sizing: str = "paper"
+    keep: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget <= 0:
@@ -43,6 +50,23 @@ class Budget:
             raise ValueError(f"retention={self.retention!r} must lie in (0, 1] (e.g. retention=0.4)")
         if self.sizing not in SIZINGS:
             raise ValueError(f"sizing={self.sizing!r} must be one of {SIZINGS} (the paper's formula or the reference code's)")
+        if self.sizing == "headroom":
+            if isinstance(self.keep, bool) or not isinstance(self.keep, int) or not self.local_window < self.keep < self.budget:
+                raise ValueError(f"keep={self.keep!r} must be an int with local_window ({self.local_window}) < keep < budget "
+                                 f"({self.budget}) for sizing='headroom'; use Budget.from_paper(score_selected=B, headroom=128)")
+        elif self.keep is not None:
+            raise ValueError(f"keep={self.keep!r} is only used with sizing='headroom'")
+
+    @classmethod
+    def from_paper(cls, score_selected: int, headroom: int = 128, local_window: int = 0) -> "Budget":
+        """The KV-Rescue paper's budget (Appendix C): ``B = score_selected`` entries kept at every
+        event, a ``headroom`` buffer ``w`` on top, so the physical cache holds at most ``B' = B + w``
+        entries; the evictor re-selects ``B`` every ``w`` tokens. ``local_window`` recent tokens are
+        protected inside the ``B``."""
+        for name, value, low in (("score_selected", score_selected, 1), ("headroom", headroom, 1), ("local_window", local_window, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        return cls(score_selected + headroom, local_window, sizing="headroom", keep=score_selected)
 
     def check_question(self, question_length: int) -> None:
         """Raise unless the prompt, the local window and at least one selection slot fit in ``B``."""
@@ -51,6 +75,12 @@ class Budget:
             raise ValueError(
                 f"budget={self.budget} is smaller than question ({question_length} tokens) + local_window "
                 f"({self.local_window}) + 1; raise budget to at least {need} or shrink local_window"
+            )
+        if self.sizing == "headroom" and question_length + self.local_window + 1 > self.keep:
+            need = question_length + self.local_window + 1
+            raise ValueError(
+                f"the paper budget keeps {self.keep} entries, fewer than question ({question_length} tokens) + "
+                f"local_window ({self.local_window}) + 1; raise score_selected to at least {need}"
             )
         if self.sizing == "official" and question_length > self._official_kept():
             need = math.ceil(question_length / float(self.retention)) + self.local_window
@@ -71,6 +101,8 @@ class Budget:
     def n_keep(self, question_length: int) -> int:
         """Entries kept by every method at an eviction event (see ``sizing``)."""
         ws = self.selection_window(question_length)
+        if self.sizing == "headroom":
+            return self.keep
         if self.sizing == "official":
             return min(self._official_kept() + self.local_window, self.budget - 1)
         kept = math.floor(self.retention * ws)

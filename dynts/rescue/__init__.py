@@ -12,6 +12,7 @@ can be the base's.
 from .detector import CandidateScreen, DegenerationDetector, gzip_ratio
 from .interleave import delimiter_token_ids, rescue_generate
 from .likelihood import LikelihoodPRM
+from .loops import StepHistory, StepLoopDetector
 from .results import ProblemResult, RescueResult, Step, summarize
 from .prm import CallablePRM, QwenMathPRM, StepRequest, StepScorer, TokenClassificationPRM, load_prm
 from .rows import RaggedCache
@@ -28,6 +29,8 @@ __all__ = [
     "RescueResult",
     "Sampler",
     "Step",
+    "StepHistory",
+    "StepLoopDetector",
     "StepRequest",
     "StepScorer",
     "TokenClassificationPRM",

@@ -18,6 +18,10 @@ that test. Both thresholds depend on the vocabulary and on how text looks: the p
 for Qwen2.5-Math (152k tokens, natural-language math); recalibrate for other models (``ln V`` caps
 the entropy: a 75-word vocabulary never reaches 7 nats).
 
+``loop`` (an extension, off in the paper) adds the cross-step loop screen of
+:mod:`dynts.rescue.loops`: a finished base candidate that repeats a committed step (or closes a
+repeating pattern of steps) is screened before PRM scoring.
+
 ``include_context=True`` (an extension, off in the paper) lets the gzip window reach back into the
 committed trajectory before the candidate, for tasks whose steps are shorter than the window.
 """
@@ -27,6 +31,8 @@ from __future__ import annotations
 import gzip
 from collections import deque
 from dataclasses import dataclass
+
+from .loops import StepLoopDetector
 
 __all__ = ["CandidateScreen", "DegenerationDetector", "gzip_ratio"]
 
@@ -50,6 +56,8 @@ class DegenerationDetector:
         compress_threshold: ``tau_cmp``; ``None`` disables the gzip test.
         compress_window: ``w_cmp``, characters in the gzip window.
         include_context: let the gzip window include committed text before the candidate.
+        loop: the cross-step loop screen: a :class:`~dynts.rescue.loops.StepLoopDetector`, a dict of
+            its fields, ``True`` (its defaults) or ``None`` (off, as in the paper).
     """
 
     entropy_threshold: float | None = 7.0
@@ -58,8 +66,19 @@ class DegenerationDetector:
     compress_threshold: float | None = 0.18
     compress_window: int = 800
     include_context: bool = False
+    loop: StepLoopDetector | dict | bool | None = None
 
     def __post_init__(self) -> None:
+        if self.loop is True:
+            self.loop = StepLoopDetector()
+        elif isinstance(self.loop, dict):
+            self.loop = StepLoopDetector(**self.loop)
+        elif self.loop is False:
+            self.loop = None
+        if self.loop is not None and not isinstance(self.loop, StepLoopDetector):
+            raise ValueError(f"loop={self.loop!r} must be a StepLoopDetector, a dict of its fields, True or None")
+        if self.loop is not None and not self.loop.enabled:
+            self.loop = None
         if self.entropy_threshold is not None and not self.entropy_threshold > 0:
             raise ValueError(f"entropy_threshold={self.entropy_threshold!r} must be > 0 nats, or None to disable")
         if not isinstance(self.entropy_window, int) or self.entropy_window < 1:
@@ -73,6 +92,7 @@ class DegenerationDetector:
 
     @property
     def enabled(self) -> bool:
+        """Whether the within-step tests (entropy, gzip) run (the loop screen is :attr:`loop`)."""
         return self.entropy_threshold is not None or self.compress_threshold is not None
 
     @property
@@ -107,7 +127,8 @@ class CandidateScreen:
         self.fired: str | None = None
 
     def update(self, entropy: float, text: str | None = None) -> str | None:
-        """Add one position (its entropy and the candidate text so far); return ``"entropy"`` or
+        """Add one position (its entropy and the candidate text so far -- its last ``compress_window``
+        characters suffice, :class:`~dynts.rescue.detok.TextTail`); return ``"entropy"`` or
         ``"compression"`` the first time the detector fires, else ``None``."""
         d = self.detector
         self.tokens += 1

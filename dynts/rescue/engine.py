@@ -12,6 +12,7 @@ for its next token. Forking a state is :meth:`RaggedCache.stack` with that row r
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -25,8 +26,10 @@ from ..hf_compat import cache_keyword
 from ..predictor import ImportancePredictor
 from ..prompts import pad_rows
 from .detector import CandidateScreen
+from .detok import TextTail
 from .rows import RaggedCache
 from .sampling import Sampler, entropy
+from .shared import ForkCache, PrefixKV, fork_forward
 
 __all__ = ["Candidate", "Policy", "State"]
 
@@ -35,7 +38,7 @@ __all__ = ["Candidate", "Policy", "State"]
 class State:
     """A committed state: row ``row`` of ``cache`` and its next-token ``logits`` ``[V]``."""
 
-    cache: RaggedCache
+    cache: RaggedCache | ForkCache
     row: int
     logits: torch.Tensor
 
@@ -51,7 +54,7 @@ class Candidate:
     owner: Any
     source: str
     index: int
-    generator: torch.Generator
+    generator: random.Random
     limit: int
     screen: CandidateScreen | None = None
     tokens: list[int] = field(default_factory=list)
@@ -59,6 +62,7 @@ class Candidate:
     abort_reason: str | None = None
     state: State | None = None
     score: float | None = None
+    tail: TextTail | None = None  # the last compress_window characters (for the gzip test)
 
     @property
     def complete(self) -> bool:
@@ -91,15 +95,27 @@ class Policy:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self._cache_kw = cache_keyword(model)
         self.forwards = 0
+        self.decode_steps = 0  # iterations of the decode loop (one sampled token per live row)
+
+    @property
+    def shared(self) -> bool:
+        """Full-context policies fork by reference (:mod:`dynts.rescue.shared`); evicted ones copy rows."""
+        return not self.bounded
 
     def new_cache(self) -> RaggedCache:
         return RaggedCache(self.num_layers, self.evictor, self.budget, think_end_token_id=self.think_end_token_id)
 
     @torch.no_grad()
-    def forward(self, cache: RaggedCache, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Feed ``ids`` ``[r, q]`` (``valid`` marks real tokens; others are padding) and return the
-        logits ``[r, V]`` at the last position."""
-        ids, valid = ids.to(self.device), valid.to(self.device)
+    def forward(self, cache: RaggedCache, ids: torch.Tensor, valid: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
+        """Feed ``ids`` ``[r, q]`` (``valid`` marks real tokens; others are padding; ``counts``: real
+        tokens per row, host ints, default read from ``valid`` on the host) and return the logits
+        ``[r, V]`` at the last position."""
+        counts = list(counts) if counts is not None else valid.sum(1).tolist()
+        ids, valid = ids.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
+        if isinstance(cache, ForkCache):
+            self.forwards += 1
+            return fork_forward(self.model, cache, ids, valid, counts, self._cache_kw)
+        cache.incoming = counts
         positions = cache.position_ids(valid)
         with attach(self.model, cache, self.predictor):
             out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
@@ -109,24 +125,31 @@ class Policy:
 
     def prefill(self, prompt_ids: Sequence[int]) -> State:
         """Encode one prompt into a fresh one-row cache."""
-        cache = self.new_cache()
+        cache = ForkCache(self.num_layers, [(PrefixKV(self.num_layers), 0)]) if self.shared else self.new_cache()
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
         logits = self.forward(cache, ids, torch.ones_like(ids, dtype=torch.bool))
         return State(cache, 0, logits[0])
 
     def fork(self, states: Sequence[State], copies: int) -> tuple[RaggedCache, torch.Tensor]:
-        """One batch holding ``copies`` rows of each state, in order, and their logits ``[r, V]``."""
-        parts = _group_rows([(s.cache, s.row) for s in states for _ in range(copies)])
-        cache = RaggedCache.stack(parts)
+        """One batch holding ``copies`` rows of each state, in order, and their logits ``[r, V]``:
+        references to each state's committed prefix (full context) or copies of its row (evicted)."""
         logits = torch.stack([s.logits for s in states for _ in range(copies)])
-        return cache, logits
+        if self.shared:
+            refs = [s.cache.commit(s.row) for s in states]
+            return ForkCache(self.num_layers, [r for r in refs for _ in range(copies)]), logits
+        parts = _group_rows([(s.cache, s.row) for s in states for _ in range(copies)])
+        return RaggedCache.stack(parts), logits
 
     def append(self, states: Sequence[State], tokens: Sequence[Sequence[int]]) -> list[State]:
         """Encode ``tokens[i]`` after ``states[i]`` in ONE batched forward (left-padded), then apply
         the evictor to every row over budget; no history is re-encoded. Returns the new states."""
-        cache = RaggedCache.stack(_group_rows([(s.cache, s.row) for s in states]))
         ids, valid = pad_rows(tokens, self.pad_token_id)
-        logits = self.forward(cache, ids, valid.bool())
+        if self.shared:  # the tokens become the rows' tails; the next fork commits them to the prefix
+            cache = ForkCache(self.num_layers, [s.cache.commit(s.row) for s in states])
+            logits = self.forward(cache, ids, valid.bool(), [len(t) for t in tokens])
+            return [State(cache, i, logits[i] if len(t) else s.logits) for i, (s, t) in enumerate(zip(states, tokens))]
+        cache = RaggedCache.stack(_group_rows([(s.cache, s.row) for s in states]))
+        logits = self.forward(cache, ids, valid.bool(), [len(t) for t in tokens])
         if self.bounded:
             cache.evict()  # rows over n_keep after the step are evicted now (paper: "then applies eviction")
         cache = RaggedCache.stack([(cache, range(len(states)))])  # squeeze the padding out of each row
@@ -136,7 +159,8 @@ class Policy:
                *, stop_ids: frozenset[int], eos_ids: frozenset[int], decode_text, squeeze_below: float = 0.5) -> int:
         """Decode every candidate (row ``i`` of ``cache`` is ``candidates[i]``) to completion.
 
-        Each candidate samples from its own generator; a token in ``eos_ids`` ends it unfed, a token
+        Each candidate samples from its own generator (one host read per step: the sampler's
+        ``[rows, k]`` draw, entropies packed in); a token in ``eos_ids`` ends it unfed, a token
         in ``stop_ids`` (the step delimiter) or reaching ``limit`` ends it after feeding the token (so
         its state holds the whole step); a detector firing aborts it. Completed candidates get their
         :class:`State`. When fewer than ``squeeze_below`` of the rows are live, finished rows are
@@ -144,24 +168,29 @@ class Policy:
         """
         batch = list(candidates)  # batch[r]: candidate in row r
         sampled = 0
+        device = logits.device
         while True:
             live = [r for r, c in enumerate(batch) if c is not None and c.status == "live"]
             if not live:
                 break
-            idx = torch.tensor(live)
-            row_logits = logits[idx]
-            tokens = sampler(row_logits, [batch[r].generator for r in live]).tolist()
-            needs_entropy = [r for r in live if batch[r].screen is not None]
-            ent = entropy(logits[torch.tensor(needs_entropy)]).tolist() if needs_entropy else []
-            ent_of = dict(zip(needs_entropy, ent))
+            self.decode_steps += 1
+            row_logits = logits[torch.tensor(live).to(device, non_blocking=True)]
+            screened = any(batch[r].screen is not None for r in live)
+            # the step's one host read: [live, k] probabilities and ids, plus entropies if screened
+            tokens, extras = sampler.draw(row_logits, [batch[r].generator for r in live],
+                                          entropy(row_logits)[:, None] if screened else None)
             feed = []
-            for r, tok in zip(live, tokens):
+            for r, tok, extra in zip(live, tokens, extras):
                 c = batch[r]
                 c.tokens.append(tok)
                 sampled += 1
                 if c.screen is not None:
-                    text = decode_text(c.tokens) if c.screen.detector.needs_text else None
-                    reason = c.screen.update(ent_of[r], text)
+                    text = None
+                    if c.screen.detector.needs_text:
+                        if c.tail is None:
+                            c.tail = TextTail(decode_text, c.screen.detector.compress_window)
+                        text = c.tail.push(c.tokens)
+                    reason = c.screen.update(extra[0], text)
                     if reason:
                         c.status, c.abort_reason = "aborted", reason
                         continue
@@ -175,14 +204,12 @@ class Policy:
                 feed.append(r)
             if not feed:
                 break
-            ids = torch.full((len(batch), 1), self.pad_token_id, dtype=torch.long)
-            valid = torch.zeros(len(batch), 1, dtype=torch.bool)
-            for r in feed:
-                ids[r, 0] = batch[r].tokens[-1]
-                valid[r, 0] = True
-            new_logits = self.forward(cache, ids, valid)
-            fed = torch.tensor(feed)
-            logits[fed] = new_logits[fed]
+            fed = set(feed)
+            ids = torch.tensor([[batch[r].tokens[-1] if r in fed else self.pad_token_id] for r in range(len(batch))])
+            valid = torch.tensor([[r in fed] for r in range(len(batch))])
+            new_logits = self.forward(cache, ids, valid, [int(r in fed) for r in range(len(batch))])
+            index = torch.tensor(feed).to(device, non_blocking=True)
+            logits[index] = new_logits[index]
             for r in feed:
                 if batch[r].status != "live":
                     batch[r].state = State(cache, r, logits[r].clone())
@@ -196,11 +223,11 @@ class Policy:
         """Move finished rows into their own cache and keep only ``live`` rows in the batch."""
         done = [r for r, c in enumerate(batch) if c is not None and c.status != "live" and c.state is not None]
         if done:
-            parked = RaggedCache.stack([(cache, done)])
+            parked = cache.select(done)
             for i, r in enumerate(done):
                 batch[r].state = State(parked, i, batch[r].state.logits)
-        new_cache = RaggedCache.stack([(cache, live)])
-        return new_cache, logits[torch.tensor(live)], [batch[r] for r in live]
+        new_cache = cache.select(live)
+        return new_cache, logits[torch.tensor(live).to(logits.device)], [batch[r] for r in live]
 
 
 def _group_rows(rows: Sequence[tuple[RaggedCache, int]]) -> list[tuple[RaggedCache, list[int]]]:

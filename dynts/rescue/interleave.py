@@ -30,6 +30,7 @@ from ..predictor import ImportancePredictor
 from ..thinking import think_end_ids
 from .detector import DegenerationDetector
 from .engine import Candidate, Policy, State
+from .loops import StepHistory
 from .prm import StepRequest, StepScorer, load_prm
 from .results import ProblemResult, RescueResult, Step, summarize
 from .sampling import Sampler, candidate_generator
@@ -46,6 +47,7 @@ class _Problem:
     helper: State | None = None
     steps: list[Step] = field(default_factory=list)
     end: str | None = None
+    history: StepHistory | None = None  # committed steps as the cross-step loop screen sees them
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
 
     @property
@@ -55,7 +57,7 @@ class _Problem:
 
 _COUNTERS = (
     "base_tokens", "helper_tokens", "base_candidates", "helper_candidates", "early_exits", "exit_entropy",
-    "exit_compression", "base_encoded_tokens", "helper_encoded_tokens", "scored_candidates",
+    "exit_compression", "exit_repeat", "exit_pattern", "base_encoded_tokens", "helper_encoded_tokens", "scored_candidates",
 )
 
 _DELIMITERS: dict[tuple[int, str], frozenset[int]] = {}
@@ -93,7 +95,7 @@ def rescue_generate(
     *,
     helper_tokenizer: Any = None,
     base_method: str = "dynts",
-    budget: int | None = None,
+    budget: int | Budget | None = None,
     local_window: int | None = None,
     retention: float = 0.4,
     predictor: ImportancePredictor | str | Path | None = None,
@@ -125,7 +127,10 @@ def rescue_generate(
             models extend one token trajectory).
         prompts: a string, strings, or chat message lists (the chat template is applied).
         base_method, budget, local_window, retention, predictor, method_options: the base's eviction
-            (as in :func:`dynts.generate`; ``dynts`` needs ``predictor``).
+            (as in :func:`dynts.generate`; ``dynts`` needs ``predictor``). ``budget`` is the physical
+            bound ``B`` or a :class:`~dynts.budget.Budget`, e.g. the paper's
+            ``Budget.from_paper(score_selected=64, headroom=128, local_window=16)`` (64 entries kept
+            at each event, at most 192 held).
         n_base, n_helper: candidates per step from each model (``n_base + n_helper >= 1``).
         step_delimiter: text ending a step (paper: ``"\\n\\n"``; the testbed: ``";"``).
         max_steps, max_step_tokens, max_tokens: caps on committed steps, tokens per candidate and
@@ -142,7 +147,8 @@ def rescue_generate(
         :class:`RescueResult`. Per-problem ``stats``: ``committed_steps``, ``output_tokens``,
         ``base_tokens`` / ``helper_tokens`` (every token sampled by that model's candidates, losers
         and aborted ones included), ``base_candidates``, ``early_exits`` (aborted base candidates,
-        split into ``exit_entropy`` / ``exit_compression``), ``helper_steps``, ``helper_share``,
+        split by signal into ``exit_entropy`` / ``exit_compression`` / ``exit_repeat`` / ``exit_pattern``,
+        the last two from the cross-step loop screen ``detector.loop``), ``helper_steps``, ``helper_share``,
         ``base_encoded_tokens`` (helper steps the base absorbed), ``end``.
     """
     for name, value, low in (("n_base", n_base, 0), ("n_helper", n_helper, 0), ("max_steps", max_steps, 1),
@@ -195,9 +201,12 @@ def rescue_generate(
         evictor.bind(tokenizer)
     bounds = None
     if getattr(evictor, "bounded", True):
-        if budget is None or local_window is None:
+        if isinstance(budget, Budget):  # e.g. Budget.from_paper(score_selected=64, headroom=128)
+            bounds = budget
+        elif budget is None or local_window is None:
             raise ValueError(f"base_method={evictor.name!r} needs budget=... and local_window=... (e.g. 64 and 16)")
-        bounds = Budget(budget, local_window, retention)
+        else:
+            bounds = Budget(budget, local_window, retention)
     if "scores" in evictor.requires:
         if predictor is None:
             raise ValueError(f"base_method={evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
@@ -213,7 +222,8 @@ def rescue_generate(
         prompt_ids = ids[0][mask[0].bool()].tolist()
         if bounds is not None:
             bounds.check_question(len(prompt_ids))
-        problems.append(_Problem(i, _question(prompt), prompt_ids))
+        history = detector.loop.history(stop_ids) if detector is not None and detector.loop is not None and n_base else None
+        problems.append(_Problem(i, _question(prompt), prompt_ids, history=history))
     width = max(n_base, n_helper)
     in_flight = max(1, max_rows // width)
 
@@ -238,7 +248,8 @@ def rescue_generate(
     ordered = [results[i] for i in range(len(problems))]
     stats = summarize(ordered)
     stats.update({"seconds": seconds, "n_base": n_base, "n_helper": n_helper, "base_method": evictor.name,
-                  "budget": budget if bounds else None, "base_forwards": base_policy.forwards,
+                  "budget": bounds.budget if bounds else None,
+                  "n_keep_sizing": bounds.sizing if bounds else None, "base_forwards": base_policy.forwards,
                   "helper_forwards": helper_policy.forwards if helper_policy else 0})
     return RescueResult(ordered, stats)
 
@@ -268,6 +279,10 @@ def _round(active, base_policy, helper_policy, scorer, sampler, detector, tokeni
             counters = c.owner.counters
             counters[f"{source}_tokens"] += len(c.tokens)
             counters[f"{source}_candidates"] += 1
+            if c.status in ("delimiter", "cap") and source == "base" and c.owner.history is not None:
+                reason = c.owner.history.check(c.tokens)  # cross-step loop screen, before PRM scoring
+                if reason:
+                    c.status, c.abort_reason = "aborted", reason
             if c.status == "aborted":
                 counters["early_exits"] += 1
                 counters[f"exit_{c.abort_reason}"] += 1
@@ -300,6 +315,8 @@ def _round(active, base_policy, helper_policy, scorer, sampler, detector, tokeni
         win = options[best]
         text = tokenizer.decode(win.tokens, skip_special_tokens=True)
         p.steps.append(Step(list(win.tokens), text, win.source, win.score, win.index))
+        if p.history is not None:
+            p.history.commit(win.tokens)
         if win.status == "eos":
             p.end = "eos"
         elif p.output_tokens >= max_tokens:

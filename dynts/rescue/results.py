@@ -7,7 +7,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["ProblemResult", "RescueResult", "Step", "summarize"]
+__all__ = ["EXIT_SIGNALS", "ProblemResult", "RescueResult", "Step", "summarize"]
+
+EXIT_SIGNALS = ("entropy", "compression", "repeat", "pattern")  # detector signals that abort base candidates
 
 
 @dataclass
@@ -74,6 +76,8 @@ def summarize(results: Sequence[ProblemResult]) -> dict[str, Any]:
         "base_tokens": mean("base_tokens"),
         "helper_tokens": mean("helper_tokens"),
         "early_exit_fraction": sum(r.stats["early_exits"] for r in results) / base_candidates if base_candidates else 0.0,
+        "exit_fraction_by_signal": {k: sum(r.stats.get(f"exit_{k}", 0) for r in results) / base_candidates if base_candidates else 0.0
+                                    for k in EXIT_SIGNALS},
         "helper_share": sum(r.stats["helper_steps"] for r in results) / committed if committed else 0.0,
         "ends": {e: sum(r.end == e for r in results) for e in sorted({r.end for r in results})},
     }

@@ -51,11 +51,14 @@ class RaggedCache(BoundedCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.row_seen: torch.Tensor | None = None  # [b] tokens seen per row = next position id
-        self.row_question: torch.Tensor | None = None  # [b] prompt tokens per row
-        self.row_keep: torch.Tensor | None = None  # [b] n_keep per row (bounded caches)
-        self._new_counts: torch.Tensor | None = None
-        self.row_evictions: torch.Tensor | None = None  # [b] eviction events per row
+        # per-row bookkeeping, kept on the host (Python ints): a decode step reads nothing back
+        self.row_seen: list[int] | None = None  # tokens seen per row = next position id
+        self.row_question: list[int] | None = None  # prompt tokens per row
+        self.row_keep: list[int] | None = None  # n_keep per row (bounded caches)
+        self.row_real: list[int] | None = None  # real (non-padding) tokens stored per row
+        self.row_evictions: list[int] | None = None  # eviction events per row
+        self.incoming: list[int] | None = None  # real tokens per row of the next forward (set by the caller)
+        self._new_counts: list[int] | None = None
 
     # ------------------------------------------------------------------ per-row views
     @property
@@ -63,84 +66,97 @@ class RaggedCache(BoundedCache):
         return 0 if self.positions is None else self.positions.shape[0]
 
     def real_counts(self) -> torch.Tensor:
-        """``[b]`` real (non-padding) tokens stored per row."""
+        """``[b]`` real (non-padding) tokens stored per row, counted on the device (for checks; the
+        cache itself uses the host copy :attr:`row_real`)."""
         return (self.segments[:, : self.length] != Segment.PAD).sum(1)
 
     def position_ids(self, valid: torch.Tensor) -> torch.Tensor:
         """Position ids ``[b, q]`` of the next forward's tokens; ``valid`` ``[b, q]`` marks real ones
         (pads get the position of the next real token; they are masked anyway)."""
-        seen = self.row_seen if self.row_seen is not None else torch.zeros(valid.shape[0], dtype=torch.long, device=valid.device)
+        seen = self.row_seen if self.row_seen is not None else [0] * valid.shape[0]
+        seen = torch.tensor(seen, dtype=torch.long).to(valid.device, non_blocking=True)
         return seen[:, None] + (valid.long().cumsum(1) - 1).clamp(min=0)
 
     # ------------------------------------------------------------------ forward protocol
     def begin_forward(self, input_ids, attention_mask, batch_size, query_length, device):
         q = query_length
         input_ids, new_valid = incoming_tokens(input_ids, attention_mask, batch_size, q, device)
+        counts = self.incoming if self.incoming is not None else new_valid.sum(1).tolist()  # prefills may read
+        self.incoming = None
         if self.positions is None:
             self._allocate(batch_size, q, device)
-            counts = new_valid.sum(1)
-            self.row_question = counts
-            self.row_seen = torch.zeros(batch_size, dtype=torch.long, device=device)
-            self.row_evictions = torch.zeros(batch_size, dtype=torch.long, device=device)
+            self.row_question = list(counts)
+            self.row_seen = [0] * batch_size
+            self.row_real = [0] * batch_size
+            self.row_evictions = [0] * batch_size
             if self.bounded:
-                keep = [self.budget.n_keep(int(c)) for c in counts.tolist()]
-                self.row_keep = torch.tensor(keep, dtype=torch.long, device=device)
+                self.row_keep = [self.budget.n_keep(int(c)) for c in counts]
             segments = torch.where(new_valid, int(Segment.QUESTION), int(Segment.PAD))
         else:
             if self.bounded:
-                real = self.real_counts()
-                due = (real + new_valid.sum(1) > self.budget.budget) & (real > self.row_keep)
-                if bool(due.any()):
+                B = self.budget.budget
+                due = [r + n > B and r > k for r, n, k in zip(self.row_real, counts, self.row_keep)]
+                if any(due):
                     self.evict_rows(due)
             # padding never closes the thinking segment, whatever its id
             segments = self._generated_segments(input_ids.masked_fill(~new_valid, -1), new_valid)
         self._record_incoming(self.position_ids(new_valid), segments, input_ids)
-        self._new_counts = new_valid.sum(1)
-        mask = self._slot_mask()
-        return None if bool(mask.all()) else mask
+        self._new_counts = list(counts)
+        stored = self.length + q
+        dense = all(r + n == stored for r, n in zip(self.row_real, counts))
+        return None if dense else self._slot_mask_4d(q)
+
+    def _slot_mask_4d(self, q: int) -> torch.Tensor:
+        """The ``[b, 1, q, length + q]`` boolean mask over the stored and pending slots (real ones,
+        causal among the ``q`` new ones), built on the device. A 4-D mask reaches attention as it is,
+        so the model never inspects it on the host (a 2-D one is checked with ``.all()``)."""
+        n = self.length + q
+        mask = (self.segments[:, :n] != Segment.PAD)[:, None, None, :]
+        causal = torch.arange(n, device=mask.device)[None, :] <= torch.arange(n - q, n, device=mask.device)[:, None]
+        return mask & causal
 
     def end_forward(self) -> None:
         super().end_forward()
-        self.row_seen = self.row_seen + self._new_counts
-        self.seen = max(self.seen, int(self.row_seen.max()))
+        self.row_seen = [s + n for s, n in zip(self.row_seen, self._new_counts)]
+        self.row_real = [r + n for r, n in zip(self.row_real, self._new_counts)]
+        self.seen = max(self.seen, max(self.row_seen))
 
     # ------------------------------------------------------------------ eviction
-    def evict(self) -> torch.Tensor:
+    def evict(self) -> list[bool]:
         """Evict every row holding more real tokens than the budget (e.g. after a multi-token forward)
-        down to its ``n_keep``; returns ``[b]`` bool, the rows evicted."""
+        down to its ``n_keep``; returns the rows evicted (host list)."""
         if not self.bounded:
-            return torch.zeros(self.batch_size, dtype=torch.bool)
-        due = self.real_counts() > self.budget.budget
-        if bool(due.any()):
+            return [False] * self.batch_size
+        due = [r > self.budget.budget for r in self.row_real]
+        if any(due):
             self.evict_rows(due)
         return due
 
-    def evict_rows(self, due: torch.Tensor) -> None:
-        """One eviction event for the rows where ``due`` ``[b]`` is True; other rows keep all real slots."""
+    def evict_rows(self, due: Sequence[bool]) -> None:
+        """One eviction event for the rows where ``due`` (host bools) is True; other rows keep all real
+        slots. Evicted rows end with exactly their ``n_keep`` real slots (pads go first, and a row is
+        evicted only while it holds more real tokens than that). A score-based evictor always has
+        scores here: :func:`dynts.attach` refuses it without a predictor."""
         info = self.token_info()
-        rows = due.nonzero().flatten()
-        if "scores" in self.requires:
-            stale = info.scores[rows].isnan() & (info.segments[rows] == Segment.THINKING)
-            if bool(stale.any()):
-                raise RuntimeError(
-                    f"method={self.evictor.name!r} needs predictor scores but some thinking tokens have none; "
-                    "pass predictor=..."
-                )
+        picked = [i for i, d in enumerate(due) if d]
         keep = info.valid.clone()
-        groups = torch.stack([self.row_keep[rows], self.row_question[rows]], 1)
-        for n_keep, question in torch.unique(groups, dim=0).tolist():
-            members = rows[(groups[:, 0] == n_keep) & (groups[:, 1] == question)]
-            kept = self.evictor(_subset(info, members, n_keep, question))
+        groups: dict[tuple[int, int], list[int]] = {}
+        for r in picked:
+            groups.setdefault((self.row_keep[r], self.row_question[r]), []).append(r)
+        for (n_keep, question), members in groups.items():
+            index = torch.tensor(members, dtype=torch.long).to(keep.device, non_blocking=True)
+            kept = self.evictor(_subset(info, index, n_keep, question))
             row_keep = torch.zeros(len(members), info.shape[1], dtype=torch.bool, device=kept.device)
-            keep[members] = row_keep.scatter_(1, kept, True)
-        before = self.real_counts()
-        self._squeeze(keep)
+            keep[index] = row_keep.scatter_(1, kept, True)
+        after = [self.row_keep[r] if d else real for r, (d, real) in enumerate(zip(due, self.row_real))]
+        self._squeeze(keep, max(after, default=0))
         self.stats.evictions += 1
-        self.stats.evicted_tokens += int((before - self.real_counts()).sum())
+        self.stats.evicted_tokens += sum(self.row_real) - sum(after)
         self.stats.event_steps.append(self.seen)
-        self.row_evictions = self.row_evictions + due.long()
+        self.row_real = after
+        self.row_evictions = [e + int(d) for e, d in zip(self.row_evictions, due)]
 
-    def _squeeze(self, keep: torch.Tensor) -> None:
+    def _squeeze(self, keep: torch.Tensor, width: int) -> None:
         """Compact every row to its ``keep`` ``[b, n]`` slots, right-aligned, fillers marked PAD.
 
         The ragged twin of :meth:`dynts.cache.BoundedCache.apply_kept`: there every row keeps the
@@ -150,8 +166,7 @@ class RaggedCache(BoundedCache):
         kernel needs ascending indices to compact in place).
         """
         n = self.length
-        counts = keep.sum(1)
-        width = int(counts.max()) if keep.numel() else 0
+        counts = keep.sum(1)  # [b] on the device; ``width`` (their max) comes from the host
         order = torch.sort(keep.long(), dim=1, stable=True).indices[:, n - width :]  # fillers, then kept (ascending)
         filler = torch.arange(width, device=keep.device)[None, :] < (width - counts)[:, None]
         compact_torch_([t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)], order, n)
@@ -168,6 +183,10 @@ class RaggedCache(BoundedCache):
         self.length = width
 
     # ------------------------------------------------------------------ rows
+    def select(self, rows: Sequence[int]) -> "RaggedCache":
+        """A new cache holding copies of ``rows`` (:meth:`stack` of this cache alone)."""
+        return RaggedCache.stack([(self, rows)])
+
     @classmethod
     def stack(cls, parts: Sequence[tuple["RaggedCache", Sequence[int] | torch.Tensor]]) -> "RaggedCache":
         """A new cache holding, in order, the given rows of each part (repeats allowed).
@@ -175,8 +194,8 @@ class RaggedCache(BoundedCache):
         Only live real entries are copied (right-aligned to the longest selected row); statistics
         counters start fresh. Call between forwards only.
         """
-        parts = [(c, torch.as_tensor(rows, dtype=torch.long).flatten()) for c, rows in parts]
-        parts = [(c, rows) for c, rows in parts if rows.numel()]
+        parts = [(c, [int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)]) for c, rows in parts]
+        parts = [(c, rows) for c, rows in parts if rows]
         if not parts:
             raise ValueError("stack() needs at least one row")
         first = parts[0][0]
@@ -185,12 +204,13 @@ class RaggedCache(BoundedCache):
                 raise RuntimeError("stack() needs caches that have run a forward and have none in flight")
             if c.evictor is not first.evictor or c.budget != first.budget or len(c.layers) != len(first.layers):
                 raise ValueError("stack() parts must share one evictor, budget and model")
-            if int(rows.min()) < 0 or int(rows.max()) >= c.batch_size:
-                raise ValueError(f"rows {rows.tolist()} out of range for a cache of {c.batch_size} rows")
+            if min(rows) < 0 or max(rows) >= c.batch_size:
+                raise ValueError(f"rows {rows} out of range for a cache of {c.batch_size} rows")
         device = first.positions.device
-        parts = [(c, rows.to(device)) for c, rows in parts]
-        counts = [c.real_counts()[rows] for c, rows in parts]
-        width = int(torch.cat(counts).max())
+        counts = [[c.row_real[r] for r in rows] for c, rows in parts]
+        width = max(max(cs) for cs in counts)
+        hosts = parts
+        parts = [(c, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)) for c, rows in parts]
         total = sum(len(rows) for _, rows in parts)
         capacity = max(max(c.capacity for c, _ in parts), width + 1)
 
@@ -218,6 +238,7 @@ class RaggedCache(BoundedCache):
             w = min(width, n)
             valid = c.segments[rows, :n] != Segment.PAD
             order = torch.sort(valid.long(), dim=1, stable=True).indices[:, n - w :]  # [g, w]
+            count = torch.tensor(count, dtype=torch.long).to(device, non_blocking=True)
             filler = torch.arange(w, device=device)[None, :] < (w - count)[:, None]
             out = slice(start, start + g)
             for name in _TABLES:
@@ -241,10 +262,14 @@ class RaggedCache(BoundedCache):
             values = [getattr(c, name) for c, _ in parts]
             return None if values[0] is None else torch.cat([v[rows] for v, (_, rows) in zip(values, parts)])
 
-        new.row_seen, new.row_question, new.row_keep = cat("row_seen"), cat("row_question"), cat("row_keep")
-        new.row_evictions = cat("row_evictions")
+        def join(name: str) -> list[int] | None:
+            values = [getattr(c, name) for c, _ in hosts]
+            return None if values[0] is None else [v[r] for v, (_, rows) in zip(values, hosts) for r in rows]
+
+        new.row_seen, new.row_question, new.row_keep = join("row_seen"), join("row_question"), join("row_keep")
+        new.row_evictions, new.row_real = join("row_evictions"), [n for cs in counts for n in cs]
         new.in_answer, new.think_match = cat("in_answer"), cat("think_match")
-        new.seen = max(width, int(new.row_seen.max()))
+        new.seen = max(width, max(new.row_seen))
         new.stats = CacheStats()
         return new
 

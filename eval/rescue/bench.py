@@ -37,6 +37,7 @@ import torch
 
 from dynts.io import write_atomic
 from dynts.predictor import find_predictor
+from dynts.rescue.results import EXIT_SIGNALS
 from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
 
 __all__ = ["RescueEvalConfig", "SETTINGS", "calibrate", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
@@ -63,6 +64,8 @@ class RescueEvalConfig:
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     predictor: str | None = None
     budget: int = 64
+    paper_budget: bool = False  # budget = score-selected entries + headroom (KV-Rescue Appendix C)
+    headroom: int = 128
     local_window: int = 16
     retention: float = 0.4
     n: int = 4
@@ -93,6 +96,16 @@ class RescueEvalConfig:
             raise ValueError(f"n={self.n!r} must be an int >= 1 (candidates per model per step)")
         if self.degen_steps is None:
             self.degen_steps = max(1, self.max_steps // 4)
+        self.bounds()  # validates budget / headroom / local_window
+
+    def bounds(self):
+        """The base's :class:`~dynts.budget.Budget`: ``budget`` is the physical bound ``B``, or with
+        ``paper_budget`` the paper's score-selected entries (``B' = budget + headroom`` held)."""
+        from dynts.budget import Budget
+
+        if self.paper_budget:
+            return Budget.from_paper(self.budget, self.headroom, self.local_window)
+        return Budget(self.budget, self.local_window, self.retention)
 
     def cell_settings(self, setting: str, method: str | None) -> dict[str, Any]:
         """What a cell's result depends on (its file is reused only when these match)."""
@@ -101,6 +114,9 @@ class RescueEvalConfig:
         keep = {k: v for k, v in asdict(self).items() if k not in ("out", "settings", "methods", "max_rows", "method_options")}
         if not keep["load_options"]:
             keep.pop("load_options")  # default loading: cells of earlier runs stay reusable
+        if not keep["paper_budget"]:  # the physical budget: cells of earlier runs stay reusable
+            keep.pop("paper_budget")
+            keep.pop("headroom")
         keep.update(setting=setting, method=method, method_options=self.method_options.get(method or "", {}))
         # the weights, so that a retrained model, PRM or predictor never reuses an old cell
         keep["weights"] = {"base": fingerprint(self.base), "helper": fingerprint(self.helper),
@@ -117,8 +133,9 @@ class RescueEvalConfig:
         if setting == "bon":
             keep["weights"].pop("helper")
         if setting in ("full", "helper"):
-            for k in ("budget", "local_window", "retention", "predictor", "prm", "n", "detector", "method_options"):
-                keep.pop(k)
+            for k in ("budget", "local_window", "retention", "predictor", "prm", "n", "detector", "method_options",
+                      "paper_budget", "headroom"):
+                keep.pop(k, None)
             keep["weights"] = {k: keep["weights"][k] for k in (("base",) if setting == "full" else ("helper",))}
         return keep
 
@@ -184,7 +201,7 @@ def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, bou
 
     texts, lengths, seconds = [], [], 0.0
     pad = pad_id(tokenizer)
-    kw = dict(budget=config.budget, local_window=config.local_window, retention=config.retention,
+    kw = dict(budget=config.bounds(), local_window=config.local_window, retention=config.retention,
               predictor=config.predictor, method_options=config.method_options.get(method)) if bounded else {}
     for start in range(0, len(prompts), 32):
         torch.manual_seed(config.seed * 1_000_003 + start)
@@ -219,7 +236,7 @@ def _cell(config: RescueEvalConfig, setting: str, method: str | None, models: di
         detector = None if setting in ("bon", "kvr-noexit") else (config.detector or True)
         chats = [[{"role": "user", "content": p}] for p in models["messages"]]
         result = rescue_generate(
-            base, helper, models["prm"], tokenizer, chats, base_method=method, budget=config.budget,
+            base, helper, models["prm"], tokenizer, chats, base_method=method, budget=config.bounds(),
             local_window=config.local_window, retention=config.retention, predictor=config.predictor,
             method_options=config.method_options.get(method), n_base=config.n, n_helper=0 if setting == "bon" else config.n,
             step_delimiter=config.delimiter, max_steps=config.max_steps, max_step_tokens=config.max_step_tokens,
@@ -252,6 +269,8 @@ def metrics(records: Sequence[dict[str, Any]], degen_steps: int) -> dict[str, An
         "base_tokens": mean("base_tokens"),
         "helper_tokens": mean("helper_tokens"),
         "early_exit": sum(r.get("early_exits", 0) for r in records) / candidates if candidates else None,
+        "exit_by_signal": {k: sum(r.get(f"exit_{k}", 0) for r in records) / candidates if candidates else None
+                           for k in EXIT_SIGNALS},
         "helper_share": sum(r.get("helper_steps", 0) for r in records) / steps if steps else 0.0,
     }
 
@@ -327,7 +346,8 @@ def compare(cells: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str
         row = {"A_evict(bon)": bon["accuracy"], "A_kvr": kvr["accuracy"],
                "base_tokens_bon": bon["base_tokens"], "base_tokens_kvr": kvr["base_tokens"],
                "base_token_reduction": 1 - kvr["base_tokens"] / bon["base_tokens"] if bon["base_tokens"] else None,
-               "helper_share": kvr["helper_share"], "detector_firing_rate": kvr["early_exit"]}
+               "helper_share": kvr["helper_share"], "detector_firing_rate": kvr["early_exit"],
+               "firing_by_signal": kvr.get("exit_by_signal", {})}
         if full:
             gap = full["accuracy"] - bon["accuracy"]
             row["A_full"] = full["accuracy"]
@@ -344,24 +364,33 @@ def _fmt(v: Any, pct: bool = False) -> str:
     return str(v)
 
 
+def _by_signal(rates: dict[str, Any] | None) -> str:
+    """Firing rates per detector signal as ``a / b / c / d`` (percent of base candidates)."""
+    rates = rates or {}
+    return " / ".join(_fmt(rates.get(k), True) for k in EXIT_SIGNALS)
+
+
 def summary_table(summary: dict[str, Any]) -> str:
     """Markdown: one row per cell (accuracy and decode cost), then the recovery comparison."""
-    lines = ["| setting | base method | pass@1 % | degen. % | capped % | steps | out. len | base tok | helper tok | early exit % | helper share % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    signals = "/".join(EXIT_SIGNALS)
+    lines = [f"| setting | base method | pass@1 % | degen. % | capped % | steps | out. len | base tok | helper tok | early exit % | exit {signals} % | helper share % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in summary["cells"]:
         m = c["metrics"]
         lines.append(f"| {c['setting']} | {c['method'] or '–'} | {_fmt(m['accuracy'], True)} | {_fmt(m['degeneration'], True)} | "
                      f"{_fmt(m['length_capped'], True)} | {_fmt(m['committed_steps'])} | {_fmt(m['output_tokens'])} | "
-                     f"{_fmt(m['base_tokens'])} | {_fmt(m['helper_tokens'])} | {_fmt(m['early_exit'], True)} | {_fmt(m['helper_share'], True)} |")
+                     f"{_fmt(m['base_tokens'])} | {_fmt(m['helper_tokens'])} | {_fmt(m['early_exit'], True)} | "
+                     f"{_by_signal(m.get('exit_by_signal'))} | {_fmt(m['helper_share'], True)} |")
     comp = summary.get("comparison") or {}
     if comp:
-        lines += ["", "| base method | A_full % | A_evict (BoN) % | A_KVR % | recovered | base tok BoN | base tok KVR | reduction % | helper share % | detector firing % |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"| base method | A_full % | A_evict (BoN) % | A_KVR % | recovered | base tok BoN | base tok KVR | reduction % | helper share % | detector firing % | firing {signals} % |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, r in comp.items():
             rec = r.get("recovered_fraction")
             lines.append(f"| {m} | {_fmt(r.get('A_full'), True)} | {_fmt(r['A_evict(bon)'], True)} | {_fmt(r['A_kvr'], True)} | "
                          f"{'–' if rec is None else f'{rec:.2f}'} | {_fmt(r['base_tokens_bon'])} | {_fmt(r['base_tokens_kvr'])} | "
-                         f"{_fmt(r['base_token_reduction'], True)} | {_fmt(r['helper_share'], True)} | {_fmt(r['detector_firing_rate'], True)} |")
+                         f"{_fmt(r['base_token_reduction'], True)} | {_fmt(r['helper_share'], True)} | {_fmt(r['detector_firing_rate'], True)} | "
+                         f"{_by_signal(r.get('firing_by_signal'))} |")
     if summary.get("oracle_choice"):
         lines += ["", "Oracle choice between the evicted base (one sample) and the helper (one sample), KV-Rescue Fig. 1a:", "",
                   oracle_choice_table(summary["oracle_choice"]).rstrip("\n")]
@@ -408,7 +437,7 @@ def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = F
             judged.append((c.score, int(testbed_step_verifier(c.owner.question, steps))))
 
     chats = [[{"role": "user", "content": user_message(e, bench)}] for e in bench.examples]
-    rescue_generate(base, None, prm, tokenizer, chats, base_method=method, budget=config.budget,
+    rescue_generate(base, None, prm, tokenizer, chats, base_method=method, budget=config.bounds(),
                     local_window=config.local_window, retention=config.retention, predictor=config.predictor,
                     method_options=config.method_options.get(method), n_base=config.n, n_helper=0,
                     step_delimiter=config.delimiter, max_steps=config.max_steps, max_step_tokens=config.max_step_tokens,

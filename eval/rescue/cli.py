@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dynts.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
 from eval.rescue.bench import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, load_eval_prm, helper_options, load_model
@@ -25,7 +26,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(e.g. likelihood:testbed: a full-context LM's token likelihoods) or testbed-verifier (exact step checker)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
     p.add_argument("--predictor", default=None, help="importance predictor directory or auto (needed by --method dynts)")
-    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--budget", type=int, default=64,
+                   help="the base's KV budget B: the physical bound, or with --paper-budget the score-selected entries")
+    p.add_argument("--paper-budget", action="store_true",
+                   help="B as in the KV-Rescue paper (Appendix C): B score-selected entries + --headroom, B + headroom held")
+    p.add_argument("--headroom", type=int, default=128, help="with --paper-budget: the buffer w on top of B (paper: 128)")
     p.add_argument("--local-window", type=int, default=16)
     p.add_argument("--retention", type=float, default=0.4)
     p.add_argument("--n", type=int, default=4, help="candidates per step from each model (paper: N=8)")
@@ -39,6 +44,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guard", type=int, default=24)
     p.add_argument("--entropy-window", type=int, default=12)
     p.add_argument("--include-context", action="store_true", help="let the gzip window reach into committed text")
+    p.add_argument("--loop-ngram", type=int, default=0,
+                   help="cross-step loop screen: abort a base candidate sharing this many consecutive tokens with a committed step (0: off)")
+    p.add_argument("--loop-pattern", default="0",
+                   help="cross-step loop screen, vLLM repetition_detection over steps: MIN,MAX,COUNT "
+                        "(min_pattern_size, max_pattern_size, min_count; e.g. 1,4,2) or 0 (off)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=20)
@@ -47,13 +57,34 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_load_arguments(p, trust_remote_code=False)
 
 
+def _loop(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``StepLoopDetector`` fields of ``--loop-ngram`` / ``--loop-pattern`` (``None``: both off)."""
+    ngram = args.loop_ngram if args.loop_ngram > 0 else None
+    if args.loop_pattern.strip() in ("", "0"):
+        pattern = (1, 0, 2)
+    else:
+        try:
+            pattern = tuple(int(v) for v in args.loop_pattern.split(","))
+        except ValueError:
+            pattern = ()
+        if len(pattern) != 3:
+            raise SystemExit(f"--loop-pattern {args.loop_pattern!r}: give MIN,MAX,COUNT (e.g. 1,4,2) or 0")
+    if ngram is None and not pattern[1]:
+        return None
+    return {"repeat_ngram": ngram, "min_pattern_size": pattern[0], "max_pattern_size": pattern[1], "min_count": pattern[2]}
+
+
 def _detector(args: argparse.Namespace) -> dict[str, Any]:
-    return {
+    options = {
         "entropy_threshold": args.entropy_threshold if args.entropy_threshold > 0 else None,
         "compress_threshold": args.compress_threshold if args.compress_threshold > 0 else None,
         "compress_window": args.compress_window, "guard": args.guard, "entropy_window": args.entropy_window,
         "include_context": args.include_context,
     }
+    loop = _loop(args)
+    if loop is not None:  # only when on: cells of runs without the loop screen stay reusable
+        options["loop"] = loop
+    return options
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,7 +127,8 @@ def _generate(args: argparse.Namespace) -> int:
     prm = load_eval_prm(args.prm, args.delimiter, args.trust_remote_code, options)
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else list(args.prompts)
     out = rescue_generate(
-        base, helper, prm, tokenizer, prompts, base_method=args.method, budget=args.budget,
+        base, helper, prm, tokenizer, prompts, base_method=args.method,
+        budget=Budget.from_paper(args.budget, args.headroom, args.local_window) if args.paper_budget else args.budget,
         local_window=args.local_window, retention=args.retention, predictor=args.predictor, n_base=args.n_base,
         n_helper=args.n_helper, step_delimiter=args.delimiter, max_steps=args.max_steps,
         max_step_tokens=args.max_step_tokens, max_tokens=args.max_tokens or 4096,
@@ -122,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "calibrate":
         config = RescueEvalConfig(
             benchmark=args.benchmark, out=args.out or "", base=args.base, prm=args.prm, predictor=args.predictor,
-            budget=args.budget, local_window=args.local_window, retention=args.retention, n=args.n,
+            budget=args.budget, paper_budget=args.paper_budget, headroom=args.headroom,
+            local_window=args.local_window, retention=args.retention, n=args.n,
             delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
             max_step_tokens=args.max_step_tokens, detector=_detector(args), temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit, trust_remote_code=args.trust_remote_code,
@@ -135,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     config = RescueEvalConfig(
         benchmark=args.benchmark, out=args.out, base=args.base, helper=args.helper, prm=args.prm,
         methods=tuple(m.strip() for m in args.method.split(",") if m.strip()), predictor=args.predictor,
-        budget=args.budget, local_window=args.local_window, retention=args.retention, n=args.n,
-        delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
+        budget=args.budget, paper_budget=args.paper_budget, headroom=args.headroom, local_window=args.local_window,
+        retention=args.retention, n=args.n, delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
         max_step_tokens=args.max_step_tokens, degen_steps=args.degen_steps, detector=_detector(args),
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit,
         settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), max_rows=args.max_rows,

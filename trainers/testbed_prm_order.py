@@ -1,0 +1,85 @@
+"""Step-order negatives for the testbed PRM: a step that repeats an earlier step, or skips one.
+
+The shipped PRM is trained on wrong digits and operands (:func:`trainers.testbed_prm.corrupt`); an
+evicted base that lost its earlier steps fails differently -- it writes a step *again* (the same key
+and computation as an earlier step) or jumps ahead. Both are wrong by the testbed's own check (a step
+is right when it is the next key, copies the question's operands and computes its value). A held-out
+row here is a reference trace cut after step ``k``, with step ``k`` either kept (label 1) or replaced
+(label 0) by
+
+* ``repeat``: an exact copy of an earlier step ``j < k`` (its key written a second time), or
+* ``skip``: step ``k + 1`` written in place of step ``k`` (one key skipped);
+
+labelled only at that step's ``;``. ``python -m trainers.testbed_prm_order checkpoints/testbed-prm``
+prints the PRM's AUROC on both, next to its AUROC on the training-style negatives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+from data_pipeline.testbed import task
+from trainers.testbed_prm import IGNORE, DataConfig, PRMConfig, auroc, heldout, step_scores
+
+__all__ = ["ORDER_KINDS", "order_heldout", "order_negative"]
+
+ORDER_KINDS = ("repeat", "skip")
+
+
+def order_negative(problem: task.Problem, rng: random.Random, kind: str, negative: bool) -> tuple[list[str], list[int]] | None:
+    """The reference trace up to a random step ``k`` (``k >= 2`` for ``repeat``, ``k`` below the
+    last step for ``skip``), that step replaced by an order negative when ``negative``; labelled at
+    its ``;`` only. ``None`` when the trace has too few steps."""
+    if kind not in ORDER_KINDS:
+        raise ValueError(f"kind={kind!r} must be one of {ORDER_KINDS}")
+    toks = list(problem.tokens[: problem.tokens.index(task.END_THINK)])
+    ends = [i for i, t in enumerate(toks) if t == task.SEP]
+    lo, hi = (1, len(ends) - 1) if kind == "repeat" else (0, len(ends) - 2)
+    if hi < lo:
+        return None
+    k = rng.randint(lo, hi)
+    end = ends[k]
+    row = toks[: end + 1]
+    if negative:
+        source = ends[rng.randrange(k)] if kind == "repeat" else ends[k + 1]
+        row[end - task.STEP_TOKENS + 1 : end + 1] = toks[source - task.STEP_TOKENS + 1 : source + 1]
+    labels = [IGNORE] * len(row)
+    labels[end] = 0 if negative else 1
+    return row, labels
+
+
+def order_heldout(name: str, n: int, kind: str, cfg: PRMConfig | None = None) -> list[tuple[list[str], list[int]]]:
+    """``n`` held-out problems of set ``name``, half of them with an order negative of ``kind``."""
+    cfg = cfg or PRMConfig(data=DataConfig(min_think=60, max_think=700))
+    rows = []
+    for i, p in enumerate(task.problem_set(name, n, min_think=cfg.data.min_think, max_think=cfg.data.max_think)):
+        rng = random.Random(f"{name}-order-{kind}:{p.name}")
+        row = order_negative(p, rng, kind, negative=i % 2 == 1)
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="AUROC of a testbed PRM on training-style and step-order negatives")
+    p.add_argument("prm", help="a testbed PRM directory (Qwen2ForTokenClassification)")
+    p.add_argument("--n", type=int, default=200, help="held-out problems per negative kind")
+    args = p.parse_args()
+    from transformers import Qwen2ForTokenClassification
+
+    model = Qwen2ForTokenClassification.from_pretrained(args.prm).eval()
+    cfg = PRMConfig(data=DataConfig(min_think=60, max_think=700), corrupt_prob=0.5, answer_prob=0.5)
+    out = {"prm": args.prm}
+    scores, labels = step_scores(model, heldout("test", args.n, cfg))
+    out["digits_operands_answers"] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
+    for kind in ORDER_KINDS:
+        scores, labels = step_scores(model, order_heldout("test", args.n, kind, cfg))
+        out[kind] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
