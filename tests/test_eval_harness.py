@@ -243,5 +243,7 @@ def test_compare_states_who_leads_by_two_standard_errors(tmp_path, capsys):
     assert "| full (no eviction) | 98.0 ± 1.0 |" in pivot(results) and "| random | 25.0 ± 3.0 |  |" in pivot(results)
     with pytest.raises(ValueError, match="against='snapkv'"):
         compare(results, "snapkv")
-    (tmp_path / "results.json").write_text(json.dumps(results))
+    (tmp_path / "cells").mkdir()
+    for i, r in enumerate(results):
+        (tmp_path / "cells" / f"{i}.json").write_text(json.dumps(r))
     assert main([str(tmp_path)]) == 0 and "dynts minus" in capsys.readouterr().out

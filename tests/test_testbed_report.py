@@ -1,40 +1,41 @@
-"""The testbed report's kept-set shape check: three oracles at equal budgets, with their gap."""
+"""The testbed report's kept-set shape check: the three oracles of a dynts eval run, per budget."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data_pipeline.testbed import task
-from pipeline_utils import tiny_eval_testbed
-from trainers.testbed_report import SHAPE_ORACLES, oracle_shapes, table
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+from trainers.testbed_report import oracle_shapes, table, update_oracle_shapes
 
 
-def test_oracle_shapes_reports_every_shape_at_every_budget(tmp_path, monkeypatch):
-    tiny_eval_testbed(tmp_path / "model")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
-    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
-    calls = []
-    import trainers.testbed_report as report
+def _cell(label, budget, acc, se=0.02):
+    return {"method": {"label": label}, "budget": budget, "benchmark": "testbed:n=200", "local_window": 32,
+            "questions": 200, "pass@1": acc, "pass@1_se": se, "mean_generated_tokens": 400.0, "loop_rate": 0.1,
+            "truncated_rate": 0.0}
 
-    real = report.run_policy
 
-    def counted(*args, **kwargs):
-        calls.append((args[3], args[4], kwargs["budget"], kwargs["local_window"]))
-        return real(*args, **{**kwargs, "max_new_tokens": 24})
+def test_oracle_shapes_reads_an_eval_run_and_states_the_gap(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    cells = [_cell("full", None, 0.98), _cell("oracle-step", 96, 0.95), _cell("oracle-value", 96, 0.81),
+             _cell("oracle-token", 96, 0.235), _cell("oracle-step", 128, 0.945), _cell("oracle-value", 128, 0.93)]
+    (run / "results.json").write_text(json.dumps(cells))
+    out = oracle_shapes(run)
+    assert out["local_window"] == 32 and out["questions"] == 200 and set(out["budgets"]) == {"96", "128"}
+    assert out["budgets"]["96"]["trails_step_points"] == pytest.approx({"oracle-value": 14.0, "oracle-token": 71.5})
+    assert out["budgets"]["128"]["trails_step_points"] == pytest.approx({"oracle-value": 1.5})
+    report = tmp_path / "testbed.json"
+    report.write_text(json.dumps({"n_problems": 200, "sampling": {}, "accuracy": {}}))
+    result = update_oracle_shapes(run, "lrm-mix", report)
+    assert json.loads(report.read_text())["oracle_shapes"]["lrm-mix"]["budgets"]["96"]["oracle-step"]["pass@1"] == 0.95
+    (run / "results.json").write_text(json.dumps(cells[:1]))
+    with pytest.raises(ValueError, match="no oracle cells"):
+        oracle_shapes(run)
+    result.update({"accuracy": {"lrm_full": _row(), "helper_full": _row()}, "attention": {"top20_fraction": 0, "first_fraction": 0, "n": 0},
+                   "prm": {"auroc": 0.5, "steps": 0}, "checkpoints": {}})
+    assert "oracles by kept-set shape (lrm-mix), B=96 W_l=32: oracle-step 0.950 oracle-value 0.810" in table(result)
 
-    monkeypatch.setattr(report, "run_policy", counted)
-    problems = task.problem_set("test", 2)
-    out = oracle_shapes(model, tok, problems, seed=0, budgets=(40, 48), local_window=8)
-    assert set(out["budgets"]) == {"40", "48"} and out["local_window"] == 8
-    assert [(m, o, b) for m, o, b, _ in calls] == [("testbed-oracle", opts, b) for b in (40, 48) for _, opts in SHAPE_ORACLES]
-    for cells in out["budgets"].values():
-        accs = [cells[name]["accuracy"] for name, _ in SHAPE_ORACLES]
-        assert cells["gap_points"] == pytest.approx(100 * (max(accs) - min(accs)))
-    result = {"n_problems": 2, "sampling": {}, "accuracy": {"lrm_full": cells["step"], "helper_full": cells["step"]},
-              "oracle_shapes": out, "attention": {"top20_fraction": 0, "first_fraction": 0, "n": 0},
-              "prm": {"auroc": 0.5, "steps": 0}, "checkpoints": {}}
-    assert "oracles by kept-set shape, B=48 W_l=8: step" in table(result)
+
+def _row():
+    return {"accuracy": 1.0, "parse_rate": 1.0, "mean_thinking_tokens": 400, "retrieval": 1.0, "operand_copy": 1.0, "step_arithmetic": 1.0}

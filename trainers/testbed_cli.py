@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--helper-only", action="store_true", help="recompute only the helper numbers of an existing report")
     report.add_argument("--eviction-only", action="store_true", help="recompute only the eviction numbers of an existing report")
     report.add_argument("--min-think", type=int, default=300, help="second eviction run: ban </think> for this many tokens")
+    report.add_argument("--oracles-from", default=None, metavar="RUN_DIR",
+                        help="only record the kept-set shape check (oracle-step/value/token per budget) of a dynts eval run")
+    report.add_argument("--oracles-label", default="testbed-lrm", help="the LRM those oracle cells ran on (a key of oracle_shapes)")
     return parser
 
 
@@ -68,9 +71,11 @@ def main(argv: list[str]) -> int:
         return 0
     if args.command == "sample":
         return _sample(args)
-    from trainers.testbed_report import report, table, update_eviction, update_helper, update_prm
+    from trainers.testbed_report import report, table, update_eviction, update_helper, update_oracle_shapes, update_prm
 
-    if args.prm_only:
+    if args.oracles_from:
+        result = update_oracle_shapes(args.oracles_from, args.oracles_label, args.out)
+    elif args.prm_only:
         result = update_prm(args.out, n=args.n)
     elif args.helper_only:
         result = update_helper(args.out, seed=args.seed)

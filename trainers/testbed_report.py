@@ -118,10 +118,9 @@ POLICIES = (
     ("oracle(token)", "testbed-oracle", {"keep_key": False}),
 )
 # The kept-set shape check: question + recent + the asked step (9 tokens), the asked key and value,
-# or the asked value token alone, at the eval table's budgets and local window. An LRM that reads
-# every shape alike scores them within a few points of each other.
-SHAPE_ORACLES = (("step", {"keep_step": True}), ("value", {}), ("token", {"keep_key": False}))
-SHAPE_BUDGETS, SHAPE_LOCAL_WINDOW = (64, 96, 128, 192), 32
+# or the asked value token alone, at equal budgets (dynts eval's oracle presets). An LRM that reads
+# every shape alike scores the step and value oracles within a few points of each other.
+SHAPE_ORACLES = ("oracle-step", "oracle-value", "oracle-token")
 
 
 def eviction(model: Any, tokenizer: Any, problems: Sequence[task.Problem], budget: int, local_window: int, seed: int,
@@ -134,17 +133,34 @@ def eviction(model: Any, tokenizer: Any, problems: Sequence[task.Problem], budge
     return {"budget": budget, "local_window": local_window, "min_think": min_think, "policies": policies}
 
 
-def oracle_shapes(model: Any, tokenizer: Any, problems: Sequence[task.Problem], seed: int,
-                  budgets: Sequence[int] = SHAPE_BUDGETS, local_window: int = SHAPE_LOCAL_WINDOW) -> dict[str, Any]:
-    """Accuracy of the step / value / token oracles at equal budgets (:data:`SHAPE_ORACLES`), and
-    each budget's largest gap between them in points."""
+def oracle_shapes(run_dir: str | Path) -> dict[str, Any]:
+    """The three oracles of :data:`SHAPE_ORACLES` per budget, read from a finished ``dynts eval`` run
+    (``results.json``): pass@1 and its standard error, mean tokens, loop rate, and per budget the
+    points by which the value and token oracles trail the step oracle."""
+    results = json.loads((Path(run_dir) / "results.json").read_text())
+    cells = {(r["method"]["label"], r["budget"]): r for r in results if r["method"]["label"] in SHAPE_ORACLES}
+    if not cells:
+        raise ValueError(f"{run_dir} has no oracle cells; run dynts eval with --method {','.join(SHAPE_ORACLES)}")
     by_budget: dict[str, Any] = {}
-    for budget in budgets:
-        cells = {name: run_policy(model, tokenizer, problems, "testbed-oracle", options, budget=budget,
-                                  local_window=local_window, seed=seed)[1] for name, options in SHAPE_ORACLES}
-        accuracy = [c["accuracy"] for c in cells.values()]
-        by_budget[str(budget)] = {**cells, "gap_points": 100 * (max(accuracy) - min(accuracy))}
-    return {"local_window": local_window, "budgets": by_budget}
+    for budget in sorted({b for _, b in cells}):
+        row = {name: {k: cells[(name, budget)].get(k) for k in ("pass@1", "pass@1_se", "mean_generated_tokens", "loop_rate", "truncated_rate")}
+               for name in SHAPE_ORACLES if (name, budget) in cells}
+        step = row.get("oracle-step", {}).get("pass@1")
+        if step is not None:
+            row["trails_step_points"] = {n: 100 * (step - v["pass@1"]) for n, v in row.items() if n != "oracle-step"}
+        by_budget[str(budget)] = row
+    any_cell = next(iter(cells.values()))
+    return {"run_dir": str(run_dir), "benchmark": any_cell["benchmark"], "local_window": any_cell["local_window"],
+            "questions": any_cell["questions"], "budgets": by_budget}
+
+
+def update_oracle_shapes(run_dir: str | Path, label: str, out: str | Path = "reports/testbed.json") -> dict[str, Any]:
+    """Record :func:`oracle_shapes` of ``run_dir`` under ``oracle_shapes[label]`` of an existing report."""
+    path = Path(out)
+    result = json.loads(path.read_text())
+    result.setdefault("oracle_shapes", {})[label] = oracle_shapes(run_dir)
+    _write(path, result)
+    return result
 
 
 def _write(path: Path, result: dict[str, Any]) -> None:
@@ -170,7 +186,6 @@ def update_eviction(out: str | Path = "reports/testbed.json", min_think: int = 3
     full = ev["policies"]["full"]
     result["eviction"] = eviction(lrm, tok, problems, ev["budget"], ev["local_window"], 0, full=full)
     result["eviction_min_think"] = eviction(lrm, tok, problems, ev["budget"], ev["local_window"], 0, min_think=min_think)
-    result["oracle_shapes"] = oracle_shapes(lrm, tok, problems, 0)
     _write(path, result)
     return result
 
@@ -191,7 +206,6 @@ def report(n: int = 200, budget: int | None = None, local_window: int = 64, out:
     local_window = min(local_window, budget - task.QUESTION_TOKENS - 8)
     result["eviction"] = eviction(lrm, tok, problems, budget, local_window, seed, full=full)
     result["eviction_min_think"] = eviction(lrm, tok, problems, budget, local_window, seed, min_think=min_think)
-    result["oracle_shapes"] = oracle_shapes(lrm, tok, problems, seed)
     eager, _ = load_testbed("testbed", attn_implementation="eager")
     result["attention"] = attention_ranks(eager, tok, problems, texts)
     prm, _ = load_testbed("testbed-prm")
@@ -237,11 +251,10 @@ def table(result: dict[str, Any]) -> str:
     for name, r in rows:
         lines.append(f"{name:40} {r['accuracy']:6.3f} {r['parse_rate']:6.3f} {r['mean_thinking_tokens']:6.0f} "
                      f"{r['retrieval']:6.3f} {r['operand_copy']:6.3f} {r['step_arithmetic']:6.3f}")
-    shapes = result.get("oracle_shapes")
-    if shapes:
+    for label, shapes in result.get("oracle_shapes", {}).items():
         for budget, cells in shapes["budgets"].items():
-            accs = " ".join(f"{name} {cells[name]['accuracy']:.3f}" for name, _ in SHAPE_ORACLES)
-            lines.append(f"oracles by kept-set shape, B={budget} W_l={shapes['local_window']}: {accs} (gap {cells['gap_points']:.1f} points)")
+            accs = " ".join(f"{name} {cells[name]['pass@1']:.3f}" for name in SHAPE_ORACLES if name in cells)
+            lines.append(f"oracles by kept-set shape ({label}), B={budget} W_l={shapes['local_window']}: {accs}")
     a = result["attention"]
     lines.append(f"attention: critical token in top 20% of thinking: {a['top20_fraction']:.3f} (first: {a['first_fraction']:.3f}, n={a['n']})")
     lines.append(f"PRM AUROC (correct vs corrupted steps): {result['prm']['auroc']:.4f} over {result['prm']['steps']} steps")

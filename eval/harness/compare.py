@@ -1,11 +1,15 @@
 """One method against the others, budget by budget: the tables ``docs/evaluation.md`` prints.
 
-``python -m eval.harness.compare RUN_DIR [--against dynts]`` reads a run's ``results.json`` and prints
+``python -m eval.harness.compare RUN_DIR [--against dynts] [--write]`` reads every finished cell of a run
+(``cells/*.json``, whichever command wrote them) and prints
 
 1. pass@1 % +- one standard error, one row per method, one column per budget (the full cache first);
 2. for each other method and budget, ``against - method`` in points and the standard error of that
    difference, ``sqrt(se_a^2 + se_b^2)`` (conservative: it ignores that both ran on the same
    questions), with a verdict: ``leads`` (difference >= 2 SE), ``trails`` (<= -2 SE) or ``within 2 SE``.
+
+``--write`` also renders those cells as the run's ``results.{json,csv,md}`` and plots (runs filled by
+several ``dynts eval`` commands, e.g. one per budget, get one table).
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["compare", "main", "pivot"]
+__all__ = ["compare", "finished_cells", "main", "pivot"]
+
+
+def finished_cells(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every finished cell of a run directory, the full cache first, then by method and budget."""
+    cells = [json.loads(p.read_text()) for p in sorted((Path(run_dir) / "cells").glob("*.json"))]
+    order = {m: i for i, m in enumerate(dict.fromkeys(c["method"]["label"] for c in cells))}
+    return sorted(cells, key=lambda c: (c.get("budget") is not None, order[c["method"]["label"]], c.get("budget") or 0))
 
 
 def _cells(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[int], dict[tuple[str, int | None], dict[str, Any]]]:
@@ -67,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a dynts eval run directory (its results.json)")
     parser.add_argument("--against", default="dynts", help="the method every other one is compared with")
+    parser.add_argument("--write", action="store_true", help="render all finished cells as results.{json,csv,md} and plots")
     args = parser.parse_args(argv)
-    path = Path(args.run_dir) / "results.json"
-    if not path.is_file():
-        parser.error(f"{path} does not exist; give the --run-dir of a finished dynts eval run")
-    results = json.loads(path.read_text())
+    results = finished_cells(args.run_dir)
+    if not results:
+        parser.error(f"{args.run_dir} has no finished cells (cells/*.json); give the --run-dir of a dynts eval run")
+    if args.write:
+        from .report import write_reports
+
+        write_reports(args.run_dir, results)
     print(pivot(results) + "\n\n" + compare(results, args.against))
     return 0
 
