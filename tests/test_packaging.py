@@ -72,7 +72,7 @@ DISTRIBUTIONS = {
     "yaml": "pyyaml", "peft": "peft", "scipy": "scipy", "math_verify": "math-verify", "matplotlib": "matplotlib",
     "spacy": "spacy", "vllm": "vllm", "accelerate": "accelerate", "gguf": "gguf", "fastapi": "fastapi", "starlette": "starlette",
     "uvicorn": "uvicorn", "openai": "openai", "nbclient": "nbclient", "nbformat": "nbformat", "kvpress": "kvpress",
-    "packaging": "packaging",
+    "packaging": "packaging", "prometheus_client": "prometheus-client",
 }
 FIRST_PARTY = {"dynts", "trainers", "eval", "data_pipeline", "scripts", "conftest"}
 # which requirement groups each package's code may rely on
