@@ -30,10 +30,12 @@ for step in $steps; do
           --method $EVAL_METHODS --budget $budget --local-window 32 --retention 0.4 --k 1 --batch-size 100 --threads 2 \
           --no-progress --run-dir runs/eval-testbed-budgets
       done
+      $PY -m eval.harness.compare runs/eval-testbed-budgets --write   # one table of every cell; DynTS minus each method
       $PY -m eval.harness.testbed_errors runs/eval-testbed-budgets --degeneration > runs/eval-testbed-budgets/degeneration.md
       $PY -m eval.harness.testbed_errors runs/eval-testbed-budgets > runs/eval-testbed-budgets/errors.md
       mkdir -p reports/eval-testbed-budgets
-      cp runs/eval-testbed-budgets/{results.md,results.json,accuracy_vs_budget.png,degeneration.md,errors.md} reports/eval-testbed-budgets/ ;;
+      cp runs/eval-testbed-budgets/{results.md,results.json,accuracy_vs_budget.png,degeneration.md,errors.md} reports/eval-testbed-budgets/
+      $PY -m dynts.cli testbed report --oracles-from reports/eval-testbed-budgets --oracles-label testbed-lrm ;;  # the kept-set shape check
     rescue64)
       $LOCK $RESCUE --budget 64 --n 4 --out reports/rescue/regime-B64-N4 ;;
     pareto)

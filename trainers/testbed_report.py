@@ -210,6 +210,8 @@ def report(n: int = 200, budget: int | None = None, local_window: int = 64, out:
     result["attention"] = attention_ranks(eager, tok, problems, texts)
     prm, _ = load_testbed("testbed-prm")
     result["prm"] = prm_auroc(prm, n)
+    if Path(out).is_file():  # the kept-set shape check comes from eval runs (update_oracle_shapes): keep it
+        result["oracle_shapes"] = json.loads(Path(out).read_text()).get("oracle_shapes", {})
     _write(Path(out), result)
     return result
 
