@@ -52,3 +52,18 @@ def tiny_prm(seed: int = 5, vocab_size: int = TINY["vocab_size"]) -> torch.nn.Mo
     torch.manual_seed(seed)
     cfg = Qwen2Config(**{**TINY, "vocab_size": vocab_size}, num_labels=2, attn_implementation="sdpa")
     return Qwen2ForTokenClassification(cfg).eval()
+
+
+def decode_ragged(policy, cache, continuations: list[list[int]], first_logits: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Feed each row its own continuation through ``policy.forward``, one token per step; rows that run
+    out ride along padded (``valid`` False). Returns each row's logits: ``first_logits[r]`` then one per
+    token it was fed."""
+    got = [[first_logits[r]] for r in range(len(continuations))]
+    for k in range(max(len(c) for c in continuations)):
+        valid = torch.tensor([[k < len(c)] for c in continuations])
+        ids = torch.tensor([[c[k] if k < len(c) else 0] for c in continuations])
+        out = policy.forward(cache, ids, valid)
+        for r in range(len(continuations)):
+            if valid[r, 0]:
+                got[r].append(out[r])
+    return got

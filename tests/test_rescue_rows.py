@@ -10,6 +10,7 @@ import dynts
 from dynts.rescue import RaggedCache
 from dynts.rescue.engine import Policy
 from conftest import tiny_model
+from rescue_tiny import decode_ragged
 
 BUDGET, WINDOW = 14, 3
 
@@ -55,14 +56,7 @@ def test_ragged_forks_match_plain_decoding(method):
     cache, logits = policy.fork(committed, 2)  # rows: A, A, B, B
     steps = 12
     continuations = [rand(steps), rand(steps), rand(3), rand(steps)]  # row 2 finishes early and rides along padded
-    got = [[logits[r]] for r in range(4)]
-    for k in range(steps):
-        valid = torch.tensor([[k < len(c)] for c in continuations])
-        ids = torch.tensor([[c[k] if k < len(c) else 0] for c in continuations])
-        out = policy.forward(cache, ids, valid)
-        for r in range(4):
-            if valid[r, 0]:
-                got[r].append(out[r])
+    got = decode_ragged(policy, cache, continuations, logits)
     evictions = cache.row_evictions  # each row evicts on its own schedule (counts include history)
     assert evictions[3] >= 1 and evictions[2] == 0 and evictions[0] > committed[0].cache.row_evictions[0]
     assert cache.real_counts().max() <= BUDGET

@@ -11,6 +11,7 @@ import dynts
 from dynts.rescue.engine import Policy
 from dynts.rescue.shared import ForkCache
 from conftest import tiny_model
+from rescue_tiny import decode_ragged
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,14 +57,7 @@ def test_forks_share_the_prefix_and_match_plain_decoding(family):
 
     steps = 7
     continuations = [rand(steps), rand(steps), rand(2), rand(steps)]  # row 2 finishes early and rides along padded
-    got = [[logits[r]] for r in range(4)]
-    for k in range(steps):
-        valid = torch.tensor([[k < len(c)] for c in continuations])
-        ids = torch.tensor([[c[k] if k < len(c) else 0] for c in continuations])
-        out = policy.forward(cache, ids, valid)
-        for r in range(4):
-            if valid[r, 0]:
-                got[r].append(out[r])
+    got = decode_ragged(policy, cache, continuations, logits)
     for r, (owner, cont) in enumerate(zip([0, 0, 1, 1], continuations)):
         tokens = prompts[owner] + histories[owner] + cont
         expected = plain_logits(model, tokens, len(prompts[owner]))[len(histories[owner]):]
