@@ -181,13 +181,12 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
     events = row_events(cell, input_ids.shape[1])
     for (i, s), ids, text, length, done in zip(pairs, result.sequences.tolist(), result.texts, stats["lengths"], finished):
         example = ctx.bench.examples[i]
-        ids = ids[:length]
         answer = answer_after_delimiter(ids, ctx.tokenizer, config.think_end)
         grade = grade_text(ctx.bench.grader, example.answer, text, answer, grade_on)
         records.append({
             "question": i, "sample": s, "id": example.id, "correct": grade.correct, "extracted": grade.extracted,
             "source": grade.source, "tokens": length, "truncated": not done, "answered": answer is not None,
-            "grade_on": grade_on, "looped": ctx.bench.loops(text, ids), "evictions": events(length), "text": text,
+            "grade_on": grade_on, "looped": ctx.bench.loops(text, ids[:length]), "evictions": events(length), "text": text,
         })
     return {
         "batch": index, "pairs": [list(p) for p in pairs], "rows": len(pairs), "seconds": stats["seconds"],

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 
 from data_pipeline.testbed import task
 
+from .loops import testbed_loops
+
 __all__ = ["DEGENERATION_CLASSES", "ERROR_CLASSES", "classify_error", "count_errors", "degeneration_class", "error_table", "main"]
 
 ERROR_CLASSES = ("wrong key", "unparsed", "asked step never written", "step's own value wrong", "retrieval wrong")
@@ -62,8 +64,7 @@ def degeneration_class(problem: task.Problem, text: str) -> str | None:
     kind = classify_error(problem, text)
     if kind is None:
         return None
-    keys = [k for *_, k, _v in task.parse_steps(text)]
-    return "loops" if len(set(keys)) < len(keys) else _COARSE[kind]
+    return "loops" if testbed_loops(text) else _COARSE[kind]
 
 
 def count_errors(problems: dict[str, task.Problem], records: Sequence[dict[str, Any]], degeneration: bool = False) -> dict[str, int]:
