@@ -34,7 +34,8 @@ __all__ = [
 ]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TESTBED = {"testbed": "testbed-lrm", "testbed-helper": "testbed-helper", "testbed-prm": "testbed-prm"}
+TESTBED = {"testbed": "testbed-lrm", "testbed-helper": "testbed-helper", "testbed-prm": "testbed-prm",
+           "testbed-prm-order": "testbed-prm-order"}
 BUNDLED = ("smollm2-135m", *TESTBED)
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",

@@ -5,7 +5,7 @@ Replays the committed steps of every record of bench cells (``<run>/cells/*.json
 right / wrong trajectories contain at least one such step. On full-cache trajectories every firing
 is a false positive; that picks ``repeat_ngram``.
 
-    python scripts/loop_screen_rates.py reports/rescue/regime-B64-N4 --cells full,kvr-dynts --ngrams 6,7,8
+    python scripts/loop_screen_rates.py reports/rescue/B64-N4 --cells full,kvr-dynts --ngrams 6,7,8
 """
 
 from __future__ import annotations

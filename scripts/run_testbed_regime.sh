@@ -2,19 +2,22 @@
 # The measurements on the shipped testbed (the LRM trained on a mixture of kept-set shapes, helper in
 # KV-Rescue's regime), one command per number, each under the machine's CPU lock (other jobs may run between).
 # Run after configs/testbed/{lrm,lrm-robust,lrm-mix,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
-# Steps: predictor report eval rescue64 pareto rescue-budgets rescue-n8 rescue-likelihood (default: all, in this order).
+# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers (default: all, in this order).
+# The rescue steps run two single-threaded benches side by side under one lock (the 2 cores).
 set -ex
 cd "$(dirname "$0")/.."
 export MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=.venv/bin/python
 LOCK="flock /tmp/dynts-cpu.lock"
-RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --method window,rkv,dynts
-  --predictor checkpoints/testbed-predictor --prm testbed-prm --local-window 16 --delimiter ;
-  --max-steps 96 --max-step-tokens 64 --degen-steps 24 --entropy-threshold 3.3 --compress-threshold 0.5
-  --compress-window 100 --guard 12 --entropy-window 6 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 0
+RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --method window,rkv,dynts \
+  --predictor checkpoints/testbed-predictor --prm testbed-prm-order --local-window 16 --delimiter ';' --loop-ngram 8 --loop-pattern 1,4,2 \
+  --max-steps 96 --max-step-tokens 64 --degen-steps 24 --entropy-threshold 3.3 --compress-threshold 0.5 \
+  --compress-window 100 --guard 12 --entropy-window 6 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 0 \
   --settings full,helper,evict,bon,kvr"
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
-steps=${*:-predictor report eval rescue64 pareto rescue-budgets rescue-n8 rescue-likelihood}
+steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers}
+one() { $LOCK bash -c "$1"; }  # the rescue commands are strings (quoted ';'), run by bash -c
+pair() { $LOCK bash -c "$1 & a=\$!; $2 & b=\$!; wait \$a; x=\$?; wait \$b; exit \$((x || \$?))"; }  # two single-threaded jobs on the 2 cores
 for step in $steps; do
   date
   case $step in
@@ -36,22 +39,30 @@ for step in $steps; do
       mkdir -p reports/eval-testbed-budgets
       cp runs/eval-testbed-budgets/{results.md,results.json,accuracy_vs_budget.png,degeneration.md,errors.md} reports/eval-testbed-budgets/
       $PY -m dynts.cli testbed report --oracles-from reports/eval-testbed-budgets --oracles-label testbed-lrm ;;  # the kept-set shape check
-    rescue64)
-      $LOCK $RESCUE --budget 64 --n 4 --out reports/rescue/regime-B64-N4 ;;
     pareto)
       [ -d runs/analysis/testbed-robust-traces ] || $LOCK $PY -m dynts.cli analyze traces --source testbed --model testbed \
         --n 100 --out runs/analysis/testbed-robust-traces --threads 2
       $LOCK $PY -m dynts.cli analyze pareto --traces runs/analysis/testbed-robust-traces --model testbed \
         --out runs/analysis/pareto-testbed-robust --runs 3 --threads 2
       mkdir -p reports/pareto-testbed && cp runs/analysis/pareto-testbed-robust/pareto.{png,csv} reports/pareto-testbed/ ;;
-    rescue-budgets)
-      $LOCK $RESCUE --budget 32 --n 4 --out reports/rescue/regime-B32-N4
-      $LOCK $RESCUE --budget 128 --n 4 --out reports/rescue/regime-B128-N4 ;;
-    rescue-n8)  # N = 8 + 8 on the first 50 problems (twice the candidates per step)
-      $LOCK ${RESCUE/testbed:n=100,set=test/testbed:n=50,set=test} --budget 64 --n 8 --out reports/rescue/regime-B64-N8 ;;
-    rescue-likelihood)  # the DynTS base with a PRM that knows step order: the full-context LRM's likelihoods
-      $LOCK ${RESCUE/--method window,rkv,dynts/--method dynts} --prm likelihood:testbed --budget 64 --n 4 \
-        --out reports/rescue/regime-B64-N4-likelihood ;;
+    prm-order)  # the step-order-aware PRM (fine-tuned from testbed-prm) and both PRMs' AUROC on order negatives
+      $LOCK $PY -m dynts.cli testbed train --config configs/testbed/prm-order.yaml --resume
+      for prm in testbed-prm testbed-prm-order; do
+        $LOCK $PY -m trainers.testbed_prm_order checkpoints/$prm --n 200 > reports/prm-order-$prm.json
+      done ;;
+    rescue)  # window / R-KV / DynTS bases, N = 4 + 4: B = 64, 32, 128 (physical) and the paper's B = 64
+      pair "$RESCUE --budget 64 --n 4 --out reports/rescue/B64-N4" "$RESCUE --budget 32 --n 4 --out reports/rescue/B32-N4"
+      pair "$RESCUE --budget 128 --n 4 --out reports/rescue/B128-N4" \
+           "$RESCUE --budget 64 --paper-budget --headroom 128 --n 4 --out reports/rescue/paperB64-N4" ;;
+    rescue-n8)  # N = 8 + 8 at B = 64 on the first 50 problems: the bases split over two processes, then one table
+      N8="${RESCUE/testbed:n=100,set=test/testbed:n=50,set=test} --budget 64 --n 8 --out reports/rescue/B64-N8"
+      pair "$N8 --method window,rkv" "$N8 --method dynts --settings evict,bon,kvr"
+      one "$N8" ;;  # every cell is on disk: this only writes results.md / results.json
+    rescue-verifiers)  # the DynTS base at B = 64: which verifier and screen make the rescue
+      V="${RESCUE/--method window,rkv,dynts/--method dynts} --budget 64 --n 4 --settings full,bon,kvr"
+      one "$V --prm testbed-prm --loop-ngram 0 --loop-pattern 0 --out reports/rescue/B64-N4-prm-blind"   # the PRM before
+      pair "$V --loop-ngram 0 --loop-pattern 0 --out reports/rescue/B64-N4-no-screen" \
+           "$V --prm likelihood:testbed-helper --out reports/rescue/B64-N4-helper-likelihood" ;;  # the resident helper as verifier
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -41,6 +41,17 @@ class PRMConfig(LMConfig):
     answer_prob: float = 0.0  # append the answer "</think> rK= v ;" (labelled), corrupted with this probability
     answer_from_step: int = 0  # training steps before this one have no answers
     expect_weight: float = 0.0  # auxiliary: after the first fresh layer, predict the frozen LM's distribution at t-1
+    order_prob: float = 0.0  # rows cut after a step that is, half the time, a repeat / skip / rekey (trainers.testbed_prm_order)
+    init_prm_from: str | None = None  # start from a trained PRM directory (same architecture): a fine-tune
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.order_prob <= 1.0:
+            raise ValueError(f"order_prob={self.order_prob} must be in [0, 1]")
+        if self.init_prm_from and self.init_from:
+            raise ValueError("give init_from (an LM backbone) or init_prm_from (a trained PRM to fine-tune), not both")
+        if self.init_prm_from and self.expect_weight > 0:
+            raise ValueError("expect_weight > 0 trains a fresh probe from init_from's LM head; set expect_weight: 0 "
+                             "with init_prm_from (the exported PRM does not carry the probe)")
 
 
 def corrupt(problem: task.Problem, rng: random.Random, prob: float, token_labels: bool = False,
@@ -142,6 +153,13 @@ class CorruptStream(IterableDataset):
         for r in range(size):
             p = task.make_problem(f"train:prm:{self.cfg.seed}:{step}:{r}", min_think=lo, max_think=hi)
             row = corrupt(p, rng, self.cfg.corrupt_prob, self.cfg.token_labels, self.cfg.digit_labels)
+            if self.cfg.order_prob > 0 and rng.random() < self.cfg.order_prob:
+                from trainers.testbed_prm_order import order_row  # it builds on this module
+
+                cut = order_row(*row, rng, negative=rng.random() < 0.5, key_labels=self.cfg.digit_labels)
+                if cut is not None:
+                    rows.append(cut)
+                    continue
             if self.cfg.answer_prob > 0 and step >= self.cfg.answer_from_step:
                 row = with_answer(p, *row, rng, self.cfg.answer_prob, self.cfg.digit_labels)
             rows.append(row)
@@ -233,6 +251,11 @@ class PRMModule(L.LightningModule):
             assert not loaded.unexpected_keys and all(k.startswith(fresh) for k in loaded.missing_keys), loaded
             # the frozen LM's own output head (final norm + tied embedding) gives the "expected token" target
             self.lm_norm = lm.model.norm.requires_grad_(False)
+        if self.cfg.init_prm_from:
+            from dynts.models import resolve_path
+
+            prm = Qwen2ForTokenClassification.from_pretrained(resolve_path(self.cfg.init_prm_from), local_files_only=True)
+            self.model.load_state_dict(prm.state_dict())  # strict: the config must build the same architecture
         if self.cfg.freeze_backbone:
             frozen = ("embed_tokens.",) + tuple(f"layers.{i}." for i in range(base_layers))
             for name, param in self.model.model.named_parameters():
@@ -325,6 +348,12 @@ class PRMModule(L.LightningModule):
         if answers:
             scores, labels = step_scores(self.model, answers)
             result.update({"gate_answer_auroc": auroc(scores, labels), "gate_answers": len(labels), "gate_wrong_answers": labels.count(0)})
+        if self.cfg.order_prob > 0:  # the held-out step-order negatives
+            from trainers.testbed_prm_order import ORDER_KINDS, order_heldout
+
+            for kind in ORDER_KINDS:
+                scores, labels = step_scores(self.model, order_heldout("test", self.cfg.gate_size, kind, self.cfg))
+                result[f"gate_{kind}_auroc"] = auroc(scores, labels)
         return result
 
 

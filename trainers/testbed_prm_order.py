@@ -12,6 +12,12 @@ row here is a reference trace cut after step ``k``, with step ``k`` either kept 
 
 labelled only at that step's ``;``. ``python -m trainers.testbed_prm_order checkpoints/testbed-prm``
 prints the PRM's AUROC on both, next to its AUROC on the training-style negatives.
+
+:func:`order_row` makes the training rows of a step-order-aware PRM (``order_prob`` in
+:class:`~trainers.testbed_prm.PRMConfig`, ``configs/testbed/prm-order.yaml``): a (corrupted) training
+trace cut after a random step ``k`` that is, half the time, replaced by a repeat, a skip, or a
+``rekey`` (step ``k``'s own computation under an earlier step's key: the shape of the testbed LRM's
+loops, which rewrite a key with other operands). The held-out kinds stay ``repeat`` and ``skip``.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import random
 from data_pipeline.testbed import task
 from trainers.testbed_prm import IGNORE, DataConfig, PRMConfig, auroc, heldout, step_scores
 
-__all__ = ["ORDER_KINDS", "order_heldout", "order_negative"]
+__all__ = ["ORDER_KINDS", "TRAIN_KINDS", "order_heldout", "order_negative", "order_row"]
 
 ORDER_KINDS = ("repeat", "skip")
+TRAIN_KINDS = ("repeat", "skip", "rekey")
+KEY = 6  # offset of rK= in a step: x xv op y yv gives rK= v ;
 
 
 def order_negative(problem: task.Problem, rng: random.Random, kind: str, negative: bool) -> tuple[list[str], list[int]] | None:
@@ -48,6 +56,39 @@ def order_negative(problem: task.Problem, rng: random.Random, kind: str, negativ
     labels = [IGNORE] * len(row)
     labels[end] = 0 if negative else 1
     return row, labels
+
+
+def order_row(toks: list[str], labels: list[int], rng: random.Random, negative: bool,
+              key_labels: bool = False) -> tuple[list[str], list[int]] | None:
+    """A training row from a labelled thinking trace (:func:`~trainers.testbed_prm.corrupt`'s
+    output): cut after a random step ``k`` and labelled at that step only (earlier steps are
+    context; a step's order is the one thing it is checked for here, so its label is not diluted by
+    the prefix's digit labels). When ``negative``, step ``k`` is replaced by one of
+    :data:`TRAIN_KINDS` and labelled 0 at its ``;`` (its digits keep their local checks, which still
+    pass). ``key_labels`` also labels its key token "this is the next key". ``None`` when the trace
+    has fewer than 3 steps."""
+    ends = [i for i, t in enumerate(toks) if t == task.SEP]
+    if len(ends) < 3:
+        return None
+    kind = rng.choice(TRAIN_KINDS)
+    k = rng.randint(1, len(ends) - 1) if kind != "skip" else rng.randint(0, len(ends) - 2)
+    end = ends[k]
+    span = slice(end - task.STEP_TOKENS + 1, end + 1)
+    row = list(toks[: end + 1])
+    lab = [IGNORE] * span.start + list(labels[span])
+    if negative:
+        if kind == "repeat":
+            source = ends[rng.randrange(k)]
+            row[span] = toks[source - task.STEP_TOKENS + 1 : source + 1]
+        elif kind == "skip":
+            source = ends[k + 1]
+            row[span] = toks[source - task.STEP_TOKENS + 1 : source + 1]
+        else:
+            row[end - task.STEP_TOKENS + 1 + KEY] = toks[ends[rng.randrange(k)] - task.STEP_TOKENS + 1 + KEY]
+        lab[end] = 0
+    if key_labels:
+        lab[end - task.STEP_TOKENS + 1 + KEY] = int(row[end - task.STEP_TOKENS + 1 + KEY] == f"r{k + 1}=")
+    return row, lab
 
 
 def order_heldout(name: str, n: int, kind: str, cfg: PRMConfig | None = None) -> list[tuple[list[str], list[int]]]:
