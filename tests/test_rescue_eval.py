@@ -34,6 +34,19 @@ def test_bench_runs_compares_and_resumes(tmp_path, monkeypatch, capsys):
     assert "recovered" in table and f"| full | – | {100 * a_full:.1f} |" in table
     files = sorted(p.name for p in (out / "cells").iterdir())
     assert len(files) == 4
+
+    # one table over runs (eval.rescue.table): the same comparison, the budget, the verifier, the loop rate
+    from eval.rescue.table import main as table_main, rows
+
+    (row,) = rows([out])
+    assert (row["budget"], row["n"], row["problems"], row["method"]) == ("B = 40", 2, 3, "window")
+    assert row["A_kvr"] == a_kvr and row["verifier"] == "testbed-prm-order"
+    degen = {(d["setting"], d["method"]): d for d in summary["degeneration"]}
+    assert row["loops_kvr"] == degen[("kvr", "window")]["loops"] / 3
+    assert table_main([str(out), "--write", str(tmp_path / "table.md")]) == 0
+    assert f"**{100 * a_kvr:.1f}**" in (tmp_path / "table.md").read_text()
+    with pytest.raises(SystemExit, match="results.json"):
+        table_main([str(tmp_path / "nothing")])
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}
 
     # rerun: every cell is read back, nothing recomputed

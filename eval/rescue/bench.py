@@ -14,9 +14,9 @@ Settings (each a resumable cell, one JSON file):
 Examples::
 
     dynts rescue bench --benchmark testbed:n=40,set=test --base testbed --helper testbed-helper \\
-        --prm testbed-prm --method dynts,window --predictor checkpoints/testbed-predictor \\
+        --prm testbed-prm-order --method dynts,window --predictor checkpoints/testbed-predictor \\
         --budget 64 --local-window 16 --n 4 --delimiter ';' --out reports/rescue-testbed
-    dynts rescue generate --base testbed --helper testbed-helper --prm testbed-prm --method window \\
+    dynts rescue generate --base testbed --helper testbed-helper --prm testbed-prm-order --method window \\
         --budget 64 --local-window 16 --delimiter ';' --chat "a 6 b 6 c 0 d 4 e 8 find r2"
 
 Re-running the same ``bench`` command resumes: finished cells are read back.
@@ -59,7 +59,7 @@ class RescueEvalConfig:
     out: str
     base: str = "testbed"
     helper: str = "testbed-helper"
-    prm: str = "testbed-prm"
+    prm: str = "testbed-prm-order"
     methods: tuple[str, ...] = ("dynts", "window")
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     predictor: str | None = None
