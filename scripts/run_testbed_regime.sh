@@ -48,21 +48,25 @@ for step in $steps; do
     prm-order)  # the step-order-aware PRM (fine-tuned from testbed-prm) and both PRMs' AUROC on order negatives
       $LOCK $PY -m dynts.cli testbed train --config configs/testbed/prm-order.yaml --resume
       for prm in testbed-prm testbed-prm-order; do
-        $LOCK $PY -m trainers.testbed_prm_order checkpoints/$prm --n 200 > reports/prm-order-$prm.json
+        $LOCK $PY -m trainers.testbed_prm checkpoints/$prm --n 200 > reports/prm-order-$prm.json
       done ;;
     rescue)  # window / R-KV / DynTS bases, N = 4 + 4: B = 64, 32, 128 (physical) and the paper's B = 64
       pair "$RESCUE --budget 64 --n 4 --out reports/rescue/B64-N4" "$RESCUE --budget 32 --n 4 --out reports/rescue/B32-N4"
       pair "$RESCUE --budget 128 --n 4 --out reports/rescue/B128-N4" \
-           "$RESCUE --budget 64 --paper-budget --headroom 128 --n 4 --out reports/rescue/paperB64-N4" ;;
+           "$RESCUE --budget 64 --paper-budget --headroom 128 --n 4 --out reports/rescue/paperB64-N4"
+      $PY -m eval.rescue.table reports/rescue/{B32-N4,B64-N4,B128-N4,paperB64-N4} --write reports/rescue/table.md ;;
     rescue-n8)  # N = 8 + 8 at B = 64 on the first 50 problems: the bases split over two processes, then one table
       N8="${RESCUE/testbed:n=100,set=test/testbed:n=50,set=test} --budget 64 --n 8 --out reports/rescue/B64-N8"
       pair "$N8 --method window,rkv" "$N8 --method dynts --settings evict,bon,kvr"
-      one "$N8" ;;  # every cell is on disk: this only writes results.md / results.json
+      one "$N8"  # every cell is on disk: this only writes results.md / results.json
+      $PY -m eval.rescue.table reports/rescue/B64-N8 --write reports/rescue/table-n8.md ;;
     rescue-verifiers)  # the DynTS base at B = 64: which verifier and screen make the rescue
       V="${RESCUE/--method window,rkv,dynts/--method dynts} --budget 64 --n 4 --settings full,bon,kvr"
       one "$V --prm testbed-prm --loop-ngram 0 --loop-pattern 0 --out reports/rescue/B64-N4-prm-blind"   # the PRM before
       pair "$V --loop-ngram 0 --loop-pattern 0 --out reports/rescue/B64-N4-no-screen" \
-           "$V --prm likelihood:testbed-helper --out reports/rescue/B64-N4-helper-likelihood" ;;  # the resident helper as verifier
+           "$V --prm likelihood:testbed-helper --out reports/rescue/B64-N4-helper-likelihood"  # the resident helper as verifier
+      $PY -m eval.rescue.table reports/rescue/{B64-N4-prm-blind,B64-N4-no-screen,B64-N4,B64-N4-helper-likelihood} \
+        --method dynts --write reports/rescue/table-verifiers.md ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

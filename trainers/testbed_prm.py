@@ -25,8 +25,7 @@ from transformers import AutoModelForCausalLM, Qwen2ForTokenClassification
 from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
 from trainers.testbed_lm import TOKEN_ID, DataConfig, LMConfig, build_model
-
-IGNORE = -100
+from trainers.testbed_prm_order import IGNORE, ORDER_KINDS, order_heldout, order_row
 
 
 @dataclass
@@ -154,8 +153,6 @@ class CorruptStream(IterableDataset):
             p = task.make_problem(f"train:prm:{self.cfg.seed}:{step}:{r}", min_think=lo, max_think=hi)
             row = corrupt(p, rng, self.cfg.corrupt_prob, self.cfg.token_labels, self.cfg.digit_labels)
             if self.cfg.order_prob > 0 and rng.random() < self.cfg.order_prob:
-                from trainers.testbed_prm_order import order_row  # it builds on this module
-
                 cut = order_row(*row, rng, negative=rng.random() < 0.5, key_labels=self.cfg.digit_labels)
                 if cut is not None:
                     rows.append(cut)
@@ -349,10 +346,9 @@ class PRMModule(L.LightningModule):
             scores, labels = step_scores(self.model, answers)
             result.update({"gate_answer_auroc": auroc(scores, labels), "gate_answers": len(labels), "gate_wrong_answers": labels.count(0)})
         if self.cfg.order_prob > 0:  # the held-out step-order negatives
-            from trainers.testbed_prm_order import ORDER_KINDS, order_heldout
-
             for kind in ORDER_KINDS:
-                scores, labels = step_scores(self.model, order_heldout("test", self.cfg.gate_size, kind, self.cfg))
+                rows = order_heldout("test", self.cfg.gate_size, kind, self.cfg.data.min_think, self.cfg.data.max_think)
+                scores, labels = step_scores(self.model, rows)
                 result[f"gate_{kind}_auroc"] = auroc(scores, labels)
         return result
 
@@ -383,3 +379,29 @@ def scorer_gate(scorer: Any, n: int, tokenizer: Any, cfg: PRMConfig | None = Non
     requests, labels = step_requests(heldout("test", n, cfg or PRMConfig(data=DataConfig(min_think=60, max_think=700))), tokenizer)
     scores = scorer.score(requests)
     return {"gate_auroc": auroc(scores, labels), "gate_steps": len(labels), "gate_wrong_steps": labels.count(0)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trainers.testbed_prm PRM_DIR [--n 200]``: a PRM's held-out AUROC on the training-style
+    negatives and on the step-order negatives (:mod:`trainers.testbed_prm_order`), as JSON."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description="AUROC of a testbed PRM on training-style and step-order negatives")
+    p.add_argument("prm", help="a testbed PRM directory (Qwen2ForTokenClassification)")
+    p.add_argument("--n", type=int, default=200, help="held-out problems per negative kind")
+    args = p.parse_args(argv)
+    model = Qwen2ForTokenClassification.from_pretrained(args.prm).eval()
+    cfg = PRMConfig(data=DataConfig(min_think=60, max_think=700), corrupt_prob=0.5, answer_prob=0.5)
+    out: dict[str, Any] = {"prm": args.prm}
+    scores, labels = step_scores(model, heldout("test", args.n, cfg))
+    out["digits_operands_answers"] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
+    for kind in ORDER_KINDS:
+        scores, labels = step_scores(model, order_heldout("test", args.n, kind))
+        out[kind] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

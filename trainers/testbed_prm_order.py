@@ -10,8 +10,8 @@ row here is a reference trace cut after step ``k``, with step ``k`` either kept 
 * ``repeat``: an exact copy of an earlier step ``j < k`` (its key written a second time), or
 * ``skip``: step ``k + 1`` written in place of step ``k`` (one key skipped);
 
-labelled only at that step's ``;``. ``python -m trainers.testbed_prm_order checkpoints/testbed-prm``
-prints the PRM's AUROC on both, next to its AUROC on the training-style negatives.
+labelled only at that step's ``;``. ``python -m trainers.testbed_prm checkpoints/testbed-prm``
+prints a PRM's AUROC on both, next to its AUROC on the training-style negatives.
 
 :func:`order_row` makes the training rows of a step-order-aware PRM (``order_prob`` in
 :class:`~trainers.testbed_prm.PRMConfig`, ``configs/testbed/prm-order.yaml``): a (corrupted) training
@@ -22,14 +22,13 @@ loops, which rewrite a key with other operands). The held-out kinds stay ``repea
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 
 from data_pipeline.testbed import task
-from trainers.testbed_prm import IGNORE, DataConfig, PRMConfig, auroc, heldout, step_scores
 
-__all__ = ["ORDER_KINDS", "TRAIN_KINDS", "order_heldout", "order_negative", "order_row"]
+__all__ = ["IGNORE", "ORDER_KINDS", "TRAIN_KINDS", "order_heldout", "order_negative", "order_row"]
+
+IGNORE = -100  # "no label here" (cross-entropy's ignore_index); the PRM's labels use it too
 
 ORDER_KINDS = ("repeat", "skip")
 TRAIN_KINDS = ("repeat", "skip", "rekey")
@@ -91,36 +90,12 @@ def order_row(toks: list[str], labels: list[int], rng: random.Random, negative: 
     return row, lab
 
 
-def order_heldout(name: str, n: int, kind: str, cfg: PRMConfig | None = None) -> list[tuple[list[str], list[int]]]:
+def order_heldout(name: str, n: int, kind: str, min_think: int = 60, max_think: int = 700) -> list[tuple[list[str], list[int]]]:
     """``n`` held-out problems of set ``name``, half of them with an order negative of ``kind``."""
-    cfg = cfg or PRMConfig(data=DataConfig(min_think=60, max_think=700))
     rows = []
-    for i, p in enumerate(task.problem_set(name, n, min_think=cfg.data.min_think, max_think=cfg.data.max_think)):
+    for i, p in enumerate(task.problem_set(name, n, min_think=min_think, max_think=max_think)):
         rng = random.Random(f"{name}-order-{kind}:{p.name}")
         row = order_negative(p, rng, kind, negative=i % 2 == 1)
         if row is not None:
             rows.append(row)
     return rows
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description="AUROC of a testbed PRM on training-style and step-order negatives")
-    p.add_argument("prm", help="a testbed PRM directory (Qwen2ForTokenClassification)")
-    p.add_argument("--n", type=int, default=200, help="held-out problems per negative kind")
-    args = p.parse_args()
-    from transformers import Qwen2ForTokenClassification
-
-    model = Qwen2ForTokenClassification.from_pretrained(args.prm).eval()
-    cfg = PRMConfig(data=DataConfig(min_think=60, max_think=700), corrupt_prob=0.5, answer_prob=0.5)
-    out = {"prm": args.prm}
-    scores, labels = step_scores(model, heldout("test", args.n, cfg))
-    out["digits_operands_answers"] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
-    for kind in ORDER_KINDS:
-        scores, labels = step_scores(model, order_heldout("test", args.n, kind, cfg))
-        out[kind] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
-    print(json.dumps(out, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

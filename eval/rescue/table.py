@@ -2,7 +2,7 @@
 (pass@1 of full cache, eviction-only best-of-N and KV-Rescue; the recovered fraction; base tokens vs
 best-of-N; the detector's firing by signal; the loop rate of best-of-N and KV-Rescue).
 
-``python -m eval.rescue.table reports/rescue/B32-N4 reports/rescue/B64-N4 ... [--write FILE]``
+``python -m eval.rescue.table reports/rescue/B32-N4 reports/rescue/B64-N4 ... [--method dynts] [--write FILE]``
 
 The loop rate is the share of problems whose answer is wrong because the trajectory wrote a step key
 a second time (the testbed's ``loops`` class, :func:`eval.harness.testbed_errors.count_errors`);
@@ -35,14 +35,16 @@ def verifier_label(config: dict[str, Any]) -> str:
     return f"{config['prm']}{' + loop screen' if loop else ''}"
 
 
-def rows(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """One row per (run, base method) with a best-of-N and a KV-Rescue cell."""
+def rows(run_dirs: Sequence[str | Path], methods: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """One row per (run, base method) with a best-of-N and a KV-Rescue cell (only ``methods``, if given)."""
     out = []
     for run in run_dirs:
         summary = json.loads((Path(run) / "results.json").read_text())
         config = summary["config"]
         loops = {(d["setting"], d["method"]): d["loops"] / d["problems"] for d in summary.get("degeneration", [])}
         for method, r in summary.get("comparison", {}).items():
+            if methods and method not in methods:
+                continue
             out.append({"run": str(run), "budget": budget_label(config), "n": config["n"],
                         "problems": next(c["metrics"]["problems"] for c in summary["cells"] if c["method"] == method),
                         "verifier": verifier_label(config), "method": method, **r,
@@ -74,12 +76,13 @@ def markdown(table: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one KV-Rescue comparison table over several rescue bench runs")
     p.add_argument("runs", nargs="+", help="run directories of dynts rescue bench (each with results.json)")
+    p.add_argument("--method", default=None, help="only these base methods (comma-separated)")
     p.add_argument("--write", default=None, help="also write the table to this file")
     args = p.parse_args(argv)
     missing = [r for r in args.runs if not (Path(r) / "results.json").is_file()]
     if missing:
         raise SystemExit(f"no results.json in {missing}: run dynts rescue bench --out DIR first")
-    text = markdown(rows(args.runs))
+    text = markdown(rows(args.runs, args.method.split(",") if args.method else None))
     print(text, end="")
     if args.write:
         write_atomic(Path(args.write), text)
