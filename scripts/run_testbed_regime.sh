@@ -65,8 +65,10 @@ for step in $steps; do
       one "$V --prm testbed-prm --loop-ngram 0 --loop-pattern 0 --out reports/rescue/B64-N4-prm-blind"   # the PRM before
       pair "$V --loop-ngram 0 --loop-pattern 0 --out reports/rescue/B64-N4-no-screen" \
            "$V --prm likelihood:testbed-helper --out reports/rescue/B64-N4-helper-likelihood"  # the resident helper as verifier
-      $PY -m eval.rescue.table reports/rescue/{B64-N4-prm-blind,B64-N4-no-screen,B64-N4,B64-N4-helper-likelihood} \
-        --method dynts --write reports/rescue/table-verifiers.md ;;
+      one "$RESCUE --budget 64 --n 4 --settings full,bon,kvr --prm 'testbed-prm-order*likelihood:testbed-helper' --out reports/rescue/B64-N4-product"  # both verifiers, every base
+      $PY -m eval.rescue.table reports/rescue/{B64-N4-prm-blind,B64-N4-no-screen,B64-N4,B64-N4-helper-likelihood,B64-N4-product} \
+        --method dynts --write reports/rescue/table-verifiers.md
+      $PY -m eval.rescue.table reports/rescue/B64-N4-product --write reports/rescue/table-product.md ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -187,3 +187,20 @@ def test_likelihood_prm_separates_corrupted_testbed_steps():
     lm, tok = load("testbed")
     result = scorer_gate(load_prm((lm, tok), kind="likelihood"), 12, tok)
     assert result["gate_wrong_steps"] > 5 and result["gate_auroc"] > 0.95
+
+
+def test_product_of_verifiers():
+    """``ProductPRM``: a step's score is the product of every scorer's; ``A*B`` in the bench builds it."""
+    from dynts.rescue import CallablePRM, ProductPRM, StepRequest
+    from eval.rescue.bench import load_eval_prm
+
+    half = CallablePRM(lambda q, steps: 0.5)
+    by_length = CallablePRM(lambda q, steps: 1.0 / len(steps))
+    requests = [StepRequest("q", [1], [[2]] * k, [3]) for k in range(3)]
+    for r in requests:
+        r.tokenizer = type("T", (), {"decode": staticmethod(lambda ids, skip_special_tokens=True: str(ids))})()
+    assert ProductPRM([half, by_length]).score(requests) == [0.5 * 1.0, 0.5 / 2, 0.5 / 3]
+    with pytest.raises(ValueError, match="two or more"):
+        ProductPRM([half])
+    combined = load_eval_prm("testbed-verifier*testbed-verifier", ";")
+    assert isinstance(combined, ProductPRM) and len(combined.scorers) == 2

@@ -15,6 +15,7 @@ from .likelihood import LikelihoodPRM
 from .loops import StepHistory, StepLoopDetector
 from .results import ProblemResult, RescueResult, Step, summarize
 from .prm import CallablePRM, QwenMathPRM, StepRequest, StepScorer, TokenClassificationPRM, load_prm
+from .scorer import ProductPRM
 from .rows import RaggedCache
 from .sampling import Sampler, candidate_generator
 
@@ -24,6 +25,7 @@ __all__ = [
     "DegenerationDetector",
     "LikelihoodPRM",
     "ProblemResult",
+    "ProductPRM",
     "QwenMathPRM",
     "RaggedCache",
     "RescueResult",

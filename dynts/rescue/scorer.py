@@ -12,7 +12,7 @@ import torch
 
 from ..prompts import pad_rows
 
-__all__ = ["CallablePRM", "StepRequest", "StepScorer", "padded_batches", "shares_vocab"]
+__all__ = ["CallablePRM", "ProductPRM", "StepRequest", "StepScorer", "padded_batches", "shares_vocab"]
 
 
 @dataclass
@@ -59,6 +59,23 @@ class CallablePRM(StepScorer):
 
     def score(self, requests: Sequence[StepRequest]) -> list[float]:
         return [float(self.fn(r.question, r.step_texts())) for r in requests]
+
+
+class ProductPRM(StepScorer):
+    """``R(c_t, s) = prod_j R_j(c_t, s)``: a step passes only when every scorer passes it -- e.g. a
+    trained PRM that checks values and order, times the full-context helper's likelihood, which
+    catches what the PRM misses (and the other way round). Each scorer sees the same requests."""
+
+    def __init__(self, scorers: Sequence[StepScorer]):
+        if len(scorers) < 2 or not all(isinstance(s, StepScorer) for s in scorers):
+            raise ValueError(f"scorers={scorers!r}: give two or more StepScorer s to multiply")
+        self.scorers = list(scorers)
+
+    def score(self, requests: Sequence[StepRequest]) -> list[float]:
+        out = [1.0] * len(requests)
+        for scorer in self.scorers:
+            out = [a * float(b) for a, b in zip(out, scorer.score(requests))]
+        return out
 
 
 def padded_batches(rows: Sequence[list[int]], batch_size: int, pad_id: int, device: torch.device | str):

@@ -119,8 +119,9 @@ class RescueEvalConfig:
             keep.pop("headroom")
         keep.update(setting=setting, method=method, method_options=self.method_options.get(method or "", {}))
         # the weights, so that a retrained model, PRM or predictor never reuses an old cell
+        prms = [fingerprint(p.removeprefix("likelihood:")) for p in self.prm.split("*")]  # A*B: a product of verifiers
         keep["weights"] = {"base": fingerprint(self.base), "helper": fingerprint(self.helper),
-                           "prm": fingerprint(self.prm.removeprefix("likelihood:")), "predictor": fingerprint(self.predictor)}
+                           "prm": prms[0] if len(prms) == 1 else prms, "predictor": fingerprint(self.predictor)}
         from dynts.evictors.base import EVICTORS
 
         if method is not None and method in EVICTORS and "scores" not in EVICTORS[method].requires:
@@ -169,11 +170,16 @@ def testbed_step_verifier(question: str, steps: Sequence[str]) -> float:
 
 def load_eval_prm(name: str, delimiter: str, trust_remote_code: bool = False, load_options: dict[str, Any] | None = None):
     """The step scorer named ``name``: ``"testbed-verifier"`` (exact step check), ``"likelihood:<model>"``
-    (a causal LM as verifier) or anything :func:`dynts.rescue.load_prm` takes; placed with the
+    (a causal LM as verifier), ``"A*B"`` (the product of two or more of these:
+    :class:`~dynts.rescue.ProductPRM`) or anything :func:`dynts.rescue.load_prm` takes; placed with the
     ``dtype``/``device`` of ``load_options``."""
     from dynts.rescue import CallablePRM, load_prm
 
     placement = {k: v for k, v in (load_options or {}).items() if k in ("dtype", "device") and v is not None}
+    if "*" in name:  # a product of verifiers, e.g. testbed-prm-order*likelihood:testbed-helper
+        from dynts.rescue import ProductPRM
+
+        return ProductPRM([load_eval_prm(part, delimiter, trust_remote_code, load_options) for part in name.split("*")])
     if name == "testbed-verifier":
         return CallablePRM(testbed_step_verifier)
     if name.startswith("likelihood:"):  # a causal LM as verifier, e.g. likelihood:testbed

@@ -23,7 +23,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--helper", default="testbed-helper", help="full-context helper (same tokenizer as the base)")
     p.add_argument("--prm", default="testbed-prm-order",
                    help="PRM: testbed-prm-order (the testbed PRM that sees repeated steps), testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
-                        "(e.g. likelihood:testbed: a full-context LM's token likelihoods) or testbed-verifier (exact step checker)")
+                        "(e.g. likelihood:testbed: a full-context LM's token likelihoods), testbed-verifier (exact step checker), "
+                        "or A*B: the product of such verifiers (e.g. testbed-prm-order*likelihood:testbed-helper)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
     p.add_argument("--predictor", default=None, help="importance predictor directory or auto (needed by --method dynts)")
     p.add_argument("--budget", type=int, default=64,
