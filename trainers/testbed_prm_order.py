@@ -26,13 +26,18 @@ import random
 
 from data_pipeline.testbed import task
 
-__all__ = ["IGNORE", "ORDER_KINDS", "TRAIN_KINDS", "order_heldout", "order_negative", "order_row"]
+__all__ = ["IGNORE", "ORDER_KINDS", "TRAIN_KINDS", "order_heldout", "order_negative", "order_row", "step_span"]
 
 IGNORE = -100  # "no label here" (cross-entropy's ignore_index); the PRM's labels use it too
 
 ORDER_KINDS = ("repeat", "skip")
 TRAIN_KINDS = ("repeat", "skip", "rekey")
 KEY = 6  # offset of rK= in a step: x xv op y yv gives rK= v ;
+
+
+def step_span(end: int) -> slice:
+    """The tokens of the step whose ``;`` is at ``end``."""
+    return slice(end - task.STEP_TOKENS + 1, end + 1)
 
 
 def order_negative(problem: task.Problem, rng: random.Random, kind: str, negative: bool) -> tuple[list[str], list[int]] | None:
@@ -51,7 +56,7 @@ def order_negative(problem: task.Problem, rng: random.Random, kind: str, negativ
     row = toks[: end + 1]
     if negative:
         source = ends[rng.randrange(k)] if kind == "repeat" else ends[k + 1]
-        row[end - task.STEP_TOKENS + 1 : end + 1] = toks[source - task.STEP_TOKENS + 1 : source + 1]
+        row[step_span(end)] = toks[step_span(source)]
     labels = [IGNORE] * len(row)
     labels[end] = 0 if negative else 1
     return row, labels
@@ -72,21 +77,20 @@ def order_row(toks: list[str], labels: list[int], rng: random.Random, negative: 
     kind = rng.choice(TRAIN_KINDS)
     k = rng.randint(1, len(ends) - 1) if kind != "skip" else rng.randint(0, len(ends) - 2)
     end = ends[k]
-    span = slice(end - task.STEP_TOKENS + 1, end + 1)
+    span = step_span(end)
+    key = span.start + KEY
     row = list(toks[: end + 1])
     lab = [IGNORE] * span.start + list(labels[span])
     if negative:
         if kind == "repeat":
-            source = ends[rng.randrange(k)]
-            row[span] = toks[source - task.STEP_TOKENS + 1 : source + 1]
+            row[span] = toks[step_span(ends[rng.randrange(k)])]
         elif kind == "skip":
-            source = ends[k + 1]
-            row[span] = toks[source - task.STEP_TOKENS + 1 : source + 1]
+            row[span] = toks[step_span(ends[k + 1])]
         else:
-            row[end - task.STEP_TOKENS + 1 + KEY] = toks[ends[rng.randrange(k)] - task.STEP_TOKENS + 1 + KEY]
+            row[key] = toks[step_span(ends[rng.randrange(k)]).start + KEY]
         lab[end] = 0
     if key_labels:
-        lab[end - task.STEP_TOKENS + 1 + KEY] = int(row[end - task.STEP_TOKENS + 1 + KEY] == f"r{k + 1}=")
+        lab[key] = int(row[key] == f"r{k + 1}=")
     return row, lab
 
 
