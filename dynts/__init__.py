@@ -3,10 +3,11 @@
 # First: refuse an unsupported transformers release (ImportError naming it and the fix) before any
 # module builds on its cache contract (dynts.hf_compat).
 from . import hf_compat  # noqa: F401  (isort: skip)
-from .budget import Budget
+from .core.budget import Budget
 from .cache import BoundedCache
 from .evictors import Evictor, Segment, TokenInfo, available_methods, make_evictor, register
-from .generate import GenerationResult, attach, build_cache, generate
+from .cache import attach, build_cache
+from .generate import GenerationResult, generate
 from .predictor import ImportancePredictor, PredictorConfig
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .budget import Budget
+from .core.budget import Budget
 from .cost import (
     ModelShape,
     break_even_volume,

@@ -334,3 +334,51 @@ def find_predictor(
         f"{PREDICTOR_PREFIX}{base} in {[str(d) for d in dirs]} (add directories with ${PREDICTOR_PATH_ENV} or "
         f"search_dirs=...) and in the HF cache {str(_hub_cache_dir())}. Train one: {_training_hint(base)}"
     )
+
+
+def load_predictor(
+    predictor: ImportancePredictor | str | Path,
+    model: torch.nn.Module | Any,
+    *,
+    strict: bool = True,
+    final_norm_weight: torch.Tensor | None = None,
+    name_or_path: str | None = None,
+    search_dirs: Sequence[str | Path] | None = None,
+) -> ImportancePredictor:
+    """Load a predictor for ``model``, check it was trained on that model, and place it.
+
+    Args:
+        predictor: an :class:`ImportancePredictor`, its directory, or ``"auto"``
+            (:func:`dynts.predictor.find_predictor`: ``dynts-predictor-<model basename>`` in
+            ``search_dirs``, ``$DYNTS_PREDICTOR_PATH``, the shipped checkpoints or the HF cache).
+        model: the Hugging Face model, or only its config (``PretrainedConfig``) where no model
+            object exists (vLLM); then pass ``final_norm_weight`` too.
+        strict: a predictor of another base model raises ``ValueError``; ``False`` warns instead.
+        final_norm_weight: with a config: the final norm's weight ``[d]`` (its hash identifies
+            the model; the predictor moves to its device).
+        name_or_path: the model's name for messages and ``"auto"`` (default: the config's).
+        search_dirs: extra directories for ``"auto"``.
+
+    Returns the predictor in eval mode on the final norm's device (a sharded model's last stage).
+    """
+    if isinstance(model, torch.nn.Module):
+        fingerprint = BaseModelFingerprint.from_model(model, name_or_path)
+        param = next(final_norm(model).parameters(), None)
+        device = param.device if param is not None else next(model.parameters()).device
+    else:
+        fingerprint = BaseModelFingerprint.from_config(model, final_norm_weight, name_or_path)
+        device = final_norm_weight.device if final_norm_weight is not None else None
+    if isinstance(predictor, str) and predictor == "auto":
+        predictor = find_predictor(fingerprint, search_dirs)
+    if isinstance(predictor, (str, Path)):
+        path, predictor = predictor, ImportancePredictor.from_pretrained(predictor)
+        if predictor.config.base_model is None:
+            warnings.warn(
+                f"predictor {str(path)!r} records no base model (its config has no base_model): only its hidden "
+                "size is checked; add one with `python -m trainers.predictor_card --predictor DIR --backbone MODEL`",
+                stacklevel=2,
+            )
+    if not isinstance(predictor, ImportancePredictor):
+        raise ValueError(f"predictor must be an ImportancePredictor, a directory or 'auto', got {type(predictor).__name__}")
+    predictor.check_base_model(fingerprint, strict=strict)
+    return (predictor.to(device) if device is not None else predictor).eval()

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["encode_prompt", "pad_id", "pad_rows"]
+__all__ = ["encode_prompt", "encode_prompts", "pad_id", "pad_rows"]
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[dict] | Sequence[int]) -> list[int]:
@@ -65,3 +65,17 @@ def pad_rows(rows: Sequence[Sequence[int]], pad: int, *, side: str = "left") -> 
             ids[i, cols] = torch.as_tensor(list(r), dtype=torch.long)
             mask[i, cols] = 1
     return ids, mask
+
+
+def encode_prompts(tokenizer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids for raw strings (tokenizer's special tokens added) or chats (template applied)."""
+    if tokenizer is None:
+        raise ValueError("prompts=... needs tokenizer=...; or pass input_ids=... instead")
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts is empty; pass a string or a non-empty list")
+    chats = [not isinstance(p, str) for p in prompts]
+    if any(chats) and not all(chats):
+        raise ValueError("prompts mixes strings and chat message lists; pass one kind per call")
+    return pad_rows([encode_prompt(tokenizer, p) for p in prompts], pad_id(tokenizer))

@@ -193,7 +193,7 @@ def serving_processor(sizes: dict, device: torch.device):
     A transformers ``PagedAttentionCache`` of the given attention shape (no model: the pool is what
     matters) filled with random bf16 K/V; ``requests`` decoding requests of ``budget`` stored slots each,
     their blocks allocated one page per request in turn (as requests that decode together grow), so block
-    tables interleave; the processor's :class:`~dynts.paged.SlotTracker` holds every slot's metadata and
+    tables interleave; the processor's :class:`~dynts.core.SlotTracker` holds every slot's metadata and
     random DynTS scores. Only the engine's scheduler is replaced, by the requests it would hold."""
     from transformers import ContinuousBatchingConfig, Qwen2Config
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -201,7 +201,7 @@ def serving_processor(sizes: dict, device: torch.device):
     from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
     import dynts
-    from dynts.paged import EvictionSettings, Forward, SlotTracker
+    from dynts.core import EvictionSettings, Forward, SlotTracker
     from dynts.serving.processor import EvictingBatchProcessor
 
     r, budget, page = sizes["requests"], sizes["budget"], sizes["page"]
@@ -282,7 +282,7 @@ def kept_digest(processor) -> str:
 
 def run_serving_job(args, path: str) -> dict:
     """One eviction round (``before``: :func:`evict_all_rows`; ``after``: the processor's ``_evict_due``)."""
-    from dynts.paged import copy_plan
+    from dynts.core import copy_plan
 
     device = torch.device(args.device)
     sizes = serving_sizes(args)

@@ -52,7 +52,7 @@ def _models(shape: str, layers: int, dtype, device):
     if shape == "testbed":
         base, tok = dynts.load("testbed", device=device)
         helper, _ = dynts.load("testbed-helper", device=device)
-        from dynts.generate import load_predictor
+        from dynts.predictor import load_predictor
 
         predictor = load_predictor("checkpoints/testbed-predictor", base)
         return base, helper, predictor, len(tok), lambda ids: tok.decode(ids, skip_special_tokens=False)

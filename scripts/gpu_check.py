@@ -450,7 +450,7 @@ def vllm_check(device: torch.device, dry_run: bool) -> dict:
     """The plugin's FlashAttention slot copy: one round, ``requests`` evicting from ``B`` to ``n_keep``."""
     import importlib.util
 
-    from dynts.paged import copy_plan
+    from dynts.core import copy_plan
     from dynts.vllm.layouts import COPY_CHUNK, copy_slots_paged
 
     layers, heads, head, block = (2, 2, 16, 16) if dry_run else (28, 4, 128, 16)

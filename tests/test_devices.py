@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 import dynts
 from dynts.evictors.rkv import RKV
-from dynts.generate import load_predictor
+from dynts.predictor import load_predictor
 from dynts.kernels import compact_, compact_torch_
 from conftest import padded_batch, tiny_model
 

@@ -12,7 +12,7 @@ import torch
 import dynts
 import dynts.models
 from conftest import tiny_model
-from dynts.generate import load_predictor
+from dynts.predictor import load_predictor
 from dynts.predictor import (
     PREDICTOR_PATH_ENV,
     WEIGHTS_NAME,

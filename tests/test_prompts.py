@@ -9,7 +9,7 @@ import torch
 
 from data_pipeline.questions import Question, encode_prompt as encode_question
 from data_pipeline.testbed.tokenizer import build_tokenizer
-from dynts.generate import encode_prompts
+from dynts.prompts import encode_prompts
 from dynts.prompts import encode_prompt, pad_id, pad_rows
 from eval.harness.prompts import encode_prompts as encode_messages
 

@@ -8,7 +8,7 @@ import torch
 
 import dynts
 from dynts.evictors import Segment, TokenInfo, make_evictor
-from dynts.paged.settings import serving_methods
+from dynts.core.settings import serving_methods
 
 
 def _info(rows: list[list[int]], q: int, n_keep: int, local: int = 4, pad: list[int] | None = None) -> TokenInfo:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dynts
-from dynts.budget import Budget
+from dynts.core.budget import Budget
 from dynts.rescue import load_prm, rescue_generate
 from dynts.rescue.engine import Policy
 from conftest import tiny_model

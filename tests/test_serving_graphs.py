@@ -12,7 +12,7 @@ from transformers import ContinuousBatchingConfig
 
 import dynts
 from conftest import tiny_model
-from dynts.generate import load_predictor
+from dynts.predictor import load_predictor
 from dynts.models import checkpoints_dir
 from dynts.serving import EvictionSettings, init_evicting_batching
 from dynts.serving.manager import EvictingBatchingManager, engine_config

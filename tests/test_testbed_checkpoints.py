@@ -93,7 +93,7 @@ def test_prm_interface_and_it_separates_corrupted_steps():
 def test_shipped_predictor_ranks_the_critical_token_high(lrm):
     """The bundled importance predictor fits the testbed LRM and, from its final hidden states,
     ranks the value the answer reads in the top 20% of thinking tokens on fresh reference traces."""
-    from dynts.generate import final_norm, load_predictor
+    from dynts.predictor import final_norm, load_predictor
     from dynts.models import checkpoints_dir
 
     model, _ = lrm

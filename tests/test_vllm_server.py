@@ -112,7 +112,7 @@ COUNTERS = ("dynts_evictions_total", "dynts_evicted_tokens_total", "dynts_freed_
 
 
 def test_metrics_and_usage_report_evictions(server):
-    from dynts.paged.metrics import USAGE_FIELDS
+    from dynts.core.metrics import USAGE_FIELDS
     from dynts.vllm.metrics import EXPORTED
 
     base, log = server

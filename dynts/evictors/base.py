@@ -93,11 +93,13 @@ class Evictor(ABC):
 
     Subclasses are ``@dataclass``es whose fields are the method's own settings (validated in
     ``__post_init__``); budget, local window and retention belong to the cache, so that every method
-    keeps the same number of entries. ``requires`` names the statistics the cache must gather.
+    keeps the same number of entries. ``requires`` names the statistics the cache must gather;
+    ``bounded = False`` marks the full cache (no budget, no events).
     """
 
     name: ClassVar[str] = ""
     requires: ClassVar[frozenset[str]] = frozenset()
+    bounded: ClassVar[bool] = True  # False: the full cache (no budget, never evicts)
 
     @abstractmethod
     def select(self, info: TokenInfo) -> torch.Tensor:

@@ -6,7 +6,7 @@ Running it through this evictor means the retained context is built by the same
 :class:`~dynts.cache.BoundedCache` compaction users run, not by a copy of it.
 
 Every bounded cache keeps the same ``n_keep`` slots per row at an event (paper C.3), so a set must
-fit that count: :func:`fixed_budget` returns the :class:`~dynts.budget.Budget` under which
+fit that count: :func:`fixed_budget` returns the :class:`~dynts.core.budget.Budget` under which
 ``n_keep`` equals the set size. Rows whose set is smaller than ``n_keep`` (batches of unequal sets)
 fill the gap with padding slots, which stay masked; if a row lacks padding to fill it, the event
 raises rather than keep a token outside the set.
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ..budget import Budget
+from ..core.budget import Budget
 from .base import Evictor, TokenInfo, register
 
 __all__ = ["FixedPositions", "fixed_budget"]

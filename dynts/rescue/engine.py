@@ -19,9 +19,9 @@ from typing import Any, Sequence
 import torch
 
 from ..attention import recording_attention  # noqa: F401  (registers the "dynts_sdpa" attention)
-from ..budget import Budget
+from ..core.budget import Budget
 from ..evictors import Evictor, make_evictor
-from ..generate import attach
+from ..cache import attach
 from ..hf_compat import cache_keyword
 from ..predictor import ImportancePredictor
 from ..prompts import pad_rows
@@ -86,7 +86,7 @@ class Policy:
                  pad_token_id: int = 0, method_options: dict[str, Any] | None = None):
         self.model = model
         self.evictor = make_evictor(method, **(method_options or {}))
-        self.bounded = getattr(self.evictor, "bounded", True)
+        self.bounded = self.evictor.bounded
         self.budget = budget if self.bounded else None
         self.predictor = predictor if "scores" in self.evictor.requires else None
         self.think_end_token_id = think_end_token_id

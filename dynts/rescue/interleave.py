@@ -24,8 +24,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..budget import Budget
-from ..generate import encode_prompts, load_predictor
+from ..core.budget import Budget
+from ..predictor import load_predictor
+from ..prompts import encode_prompts
 from ..predictor import ImportancePredictor
 from ..thinking import think_end_ids
 from .detector import DegenerationDetector
@@ -128,7 +129,7 @@ def rescue_generate(
         prompts: a string, strings, or chat message lists (the chat template is applied).
         base_method, budget, local_window, retention, predictor, method_options: the base's eviction
             (as in :func:`dynts.generate`; ``dynts`` needs ``predictor``). ``budget`` is the physical
-            bound ``B`` or a :class:`~dynts.budget.Budget`, e.g. the paper's
+            bound ``B`` or a :class:`~dynts.core.budget.Budget`, e.g. the paper's
             ``Budget.from_paper(score_selected=64, headroom=128, local_window=16)`` (64 entries kept
             at each event, at most 192 held).
         n_base, n_helper: candidates per step from each model (``n_base + n_helper >= 1``).
@@ -200,7 +201,7 @@ def rescue_generate(
     if hasattr(evictor, "bind"):
         evictor.bind(tokenizer)
     bounds = None
-    if getattr(evictor, "bounded", True):
+    if evictor.bounded:
         if isinstance(budget, Budget):  # e.g. Budget.from_paper(score_selected=64, headroom=128)
             bounds = budget
         elif budget is None or local_window is None:

@@ -12,7 +12,7 @@ check_transformers_version()
 from .batch import ServedResult, generate_batch  # noqa: E402
 from .manager import EvictingBatchingManager, init_evicting_batching  # noqa: E402
 from .processor import EvictingBatchProcessor  # noqa: E402
-from ..paged import EvictionSettings, serving_methods  # noqa: E402
+from ..core import EvictionSettings, serving_methods  # noqa: E402
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS",

@@ -19,7 +19,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ..paged import EvictionSettings
+from ..core import EvictionSettings
 
 __all__ = ["EVICTING_MAX_TOKENS", "AdmissionError", "Limits", "RequestFailure", "default_max_tokens",
            "isolate_failure"]

@@ -16,7 +16,7 @@ from ..predictor import ImportancePredictor
 from ..prompts import encode_prompt, pad_id  # encode_prompt re-exported: dynts.serving.batch.encode_prompt
 from .manager import init_evicting_batching
 from .pool import plan_pool
-from ..paged import EvictionSettings
+from ..core import EvictionSettings
 
 __all__ = ["ServedResult", "encode_prompt", "generate_batch"]
 

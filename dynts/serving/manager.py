@@ -19,12 +19,12 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
-from ..generate import final_norm, load_predictor
+from ..predictor import final_norm, load_predictor
 from ..thinking import think_end_ids
 from .admission import isolate_failure
 from .processor import EvictingBatchProcessor
 from .sampling import PerRequestSampler, SamplingParams, neutral_generation_config
-from ..paged import EvictionSettings
+from ..core import EvictionSettings
 
 __all__ = ["EvictingBatchingManager", "check_model", "engine_config", "init_evicting_batching"]
 

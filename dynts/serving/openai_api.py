@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from ..evictors.base import EVICTORS
 from .sampling import SamplingParams
-from ..paged import EvictionSettings, serving_methods
+from ..core import EvictionSettings, serving_methods
 
 __all__ = ["MAX_BODY_BYTES", "MAX_DEPTH", "MAX_N", "BadRequest", "CompletionRequest", "encode", "error_body",
            "parse_body", "parse_request"]

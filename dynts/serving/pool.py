@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..cost import ModelShape
-from ..paged import EvictionSettings
+from ..core import EvictionSettings
 
 __all__ = ["HEADROOM", "SIZED_REQUESTS", "PoolPlan", "free_memory", "plan_pool"]
 

@@ -9,9 +9,9 @@ absolute while the keys of the kept tokens sit contiguously at the front of the 
 At the end of every round (:meth:`EvictingBatchProcessor.update_batch`) each decoding request whose
 next token would overflow the budget (``stored + 1 > B``, the rule of :class:`dynts.BoundedCache`)
 has an eviction event: its :class:`~dynts.TokenInfo` goes to the evictor, the kept slots that move
-(:func:`~dynts.paged.copy_plan`) are copied to the front of the request's pages in every layer, a
+(:func:`~dynts.core.copy_plan`) are copied to the front of the request's pages in every layer, a
 bounded chunk of rows at a time (:meth:`EvictingBatchProcessor._gather_rows`), its tail blocks go back
-to the pool, and its row of the :class:`~dynts.paged.SlotTable` is compacted the same way.
+to the pool, and its row of the :class:`~dynts.core.SlotTable` is compacted the same way.
 
 DynTS scores are graph-safe: the forward (captured in a CUDA graph or not) only copies the final-norm
 output into a static buffer (:meth:`EvictingBatchProcessor.stash_hidden`, called by the manager's
@@ -35,7 +35,7 @@ import torch
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
-from ..paged import EvictionSettings, Forward, RequestSlots, SlotTracker, copy_plan
+from ..core import EvictionSettings, Forward, RequestSlots, SlotTracker, copy_plan
 
 __all__ = ["EvictingBatchProcessor"]
 
@@ -145,7 +145,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
 
     @property
     def table(self):
-        """The tracker's :class:`~dynts.paged.SlotTable`."""
+        """The tracker's :class:`~dynts.core.SlotTable`."""
         return self.tracker.table
 
     @property
@@ -332,7 +332,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         self._gather_rows(torch.cat(src), torch.cat(dst))
 
     def _gather_rows(self, src: torch.Tensor, dst: torch.Tensor, chunk: int = 4096) -> None:
-        """Copy token rows ``src`` -> ``dst`` (physical indices, :func:`~dynts.paged.copy_plan` order) in every
+        """Copy token rows ``src`` -> ``dst`` (physical indices, :func:`~dynts.core.copy_plan` order) in every
         layer's keys and values, ``chunk`` rows of every layer at a time (bounded scratch)."""
         offsets = self._layer_offsets.unsqueeze(1)
         flat = self._flat

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any
 
-from ..paged.metrics import ServerCounters, usage_dynts
+from ..core.metrics import ServerCounters, usage_dynts
 from .openai_api import CompletionRequest
 from .sampling import SamplingParams
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..paged import EvictionSettings
+from ..core import EvictionSettings
 
 __all__ = ["ENGINE_FIELDS", "REQUEST_FIELDS", "PluginConfig", "request_overrides"]
 

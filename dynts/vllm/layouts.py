@@ -3,7 +3,7 @@
 A slot is ``block_id * block_size + offset``. Every function copies the slots ``src`` to ``dst``
 (1-D int64 tensors of equal length, on the cache's device) in one layer's cache tensor, in place;
 the right-hand side is gathered before anything is written, and callers pass rows in
-:func:`dynts.paged.copy_plan` order in bounded chunks. Each layout is unit-tested on tensors of its
+:func:`dynts.core.copy_plan` order in bounded chunks. Each layout is unit-tested on tensors of its
 exact shape (``tests/test_vllm_layouts.py``); the plugin refuses a backend that has none here.
 
 | backend (ISA) | tensor ``[blocks, kv_heads, block_size, 2 * head]`` holds, per block and head |

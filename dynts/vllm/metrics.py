@@ -1,5 +1,5 @@
 """The plugin's statistics across vLLM's processes: ``usage.dynts`` in responses and ``dynts_*`` counters
-on the API server's ``GET /metrics``, under the names of :mod:`dynts.paged.metrics`.
+on the API server's ``GET /metrics``, under the names of :mod:`dynts.core.metrics`.
 
 The numbers arise in the EngineCore process (:class:`~dynts.vllm.scheduler.SchedulerHooks`); responses
 and ``/metrics`` are built in the API server. The one per-request field vLLM carries from the scheduler to
@@ -12,7 +12,7 @@ connector fills when a request finishes. So:
    go into the Prometheus counters (:class:`Counters`); the children of an ``n > 1`` request pass their
    lists on, so the one finishing last carries every choice's (:func:`pass_on`);
 3. front end, the non-streaming response builders of ``/v1/completions`` and ``/v1/chat/completions``: the
-   lists become ``usage.dynts`` (:func:`dynts.paged.metrics.usage_dynts`) and leave ``kv_transfer_params``
+   lists become ``usage.dynts`` (:func:`dynts.core.metrics.usage_dynts`) and leave ``kv_transfer_params``
    (:func:`move_to_usage`).
 
 vLLM's own ``vllm:*`` series count requests running and waiting, KV cache usage, preemptions, tokens and
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from ..paged.metrics import METRICS, usage_dynts
+from ..core.metrics import METRICS, usage_dynts
 
 __all__ = ["EXPORTED", "KEY", "Counters", "attach", "move_to_usage", "pass_on", "request_stats"]
 

@@ -17,7 +17,7 @@ checks, the token budget). Per request the plugin keeps ``shift`` = tokens evict
    one that already evicted anyway, it finishes with ``finish_reason="error"`` instead of continuing on
    a wrong cache.
 
-Per request the hooks count what :func:`dynts.paged.metrics.usage_dynts` reports (peak stored slots,
+Per request the hooks count what :func:`dynts.core.metrics.usage_dynts` reports (peak stored slots,
 events, evicted tokens, freed blocks); :meth:`SchedulerHooks.forget` hands them over when the request
 finishes (they ride on its ``kv_transfer_params``: :mod:`dynts.vllm.metrics`).
 
@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..paged import EvictionSettings
+from ..core import EvictionSettings
 from .config import PluginConfig
 
 __all__ = ["SchedulerHooks", "StepPlan"]

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from ..paged import serving_methods
+from ..core import serving_methods
 
 __all__ = ["build_command", "main", "parse_args"]
 

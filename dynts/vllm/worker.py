@@ -6,7 +6,7 @@ Per round, in vLLM's ``GPUModelRunner`` (the CPU runner subclasses it):
 1. first thing in ``execute_model`` -- before ``_update_states`` zeroes newly allocated blocks, which
    may be the tail blocks the scheduler just freed -- every event of the round's
    :class:`~dynts.vllm.scheduler.StepPlan` runs the :class:`~dynts.evictors.Evictor` over the request's
-   slot metadata (:class:`dynts.paged.SlotTracker`), the kept K/V move to the front slots of its blocks
+   slot metadata (:class:`dynts.core.SlotTracker`), the kept K/V move to the front slots of its blocks
    in every layer (one batched copy per layer for all requests evicting in the round, identity moves
    dropped, bounded chunks) and its block lists are cut to the scheduler's;
 2. after ``_prepare_inputs``: the scheduled tokens' positions, ids and segments are recorded; RoPE
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..paged import Forward, SlotTracker, copy_plan
+from ..core import Forward, SlotTracker, copy_plan
 from ..thinking import think_end_ids
 from .config import PluginConfig
 from .layouts import COPY_CHUNK, SlotCopy, layout_for
@@ -81,7 +81,7 @@ class WorkerHooks:
 
     def _predictor(self, runner: Any) -> torch.nn.Module:
         """The engine's predictor, checked against the served model (config + final-norm weight fingerprint)."""
-        from ..generate import load_predictor
+        from ..predictor import load_predictor
 
         body = getattr(runner.get_model(), "model", None)
         norm = getattr(body, "norm", None)

@@ -27,7 +27,7 @@ import torch
 
 from dynts.evictors.fixed import FixedPositions, fixed_budget
 from dynts.hf_compat import cache_keyword
-from dynts.generate import attach, build_cache, generate
+from dynts import attach, build_cache, generate
 from dynts.io import write_atomic
 from dynts.prompts import pad_id
 

@@ -70,7 +70,7 @@ class MethodSpec:
     @property
     def bounded(self) -> bool:
         """False for the full cache (it ignores budget, local window and retention)."""
-        return bool(getattr(self.evictor(), "bounded", True))
+        return self.evictor().bounded
 
     @property
     def requires(self) -> frozenset[str]:

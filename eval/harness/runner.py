@@ -198,14 +198,12 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
 
 def row_events(cell: Cell, width: int) -> Callable[[int], int]:
     """Eviction events a row of ``width`` padded prompt slots went through while generating ``length``
-    tokens: the cache holds ``width + length`` entries minus ``K = B - n_keep`` per event and never
-    more than ``B``, so ``ceil((width + length - B) / K)`` (0 for the full cache). The cell's measured
-    ``evictions`` count events per batch; this is the share each sample lived through."""
+    tokens (:meth:`dynts.Budget.events`; 0 for the full cache). The cell's measured ``evictions`` count
+    events per batch; this is the share each sample lived through."""
     if cell.budget is None:
         return lambda length: 0
     budget = dynts.Budget(cell.budget, cell.local_window, cell.retention)
-    K = budget.eviction_volume(width)
-    return lambda length: max(0, -(-(width + length - cell.budget) // K))
+    return lambda length: budget.events(width, length)
 
 
 def summarize(batches: Sequence[dict], n_questions: int, k: int) -> dict[str, Any]:
@@ -302,7 +300,7 @@ def _contexts(
     config: EvalConfig, benches: dict[str, Benchmark], todo: Sequence[Cell], load_options: dict[str, Any] | None = None
 ) -> dict[str, _Context]:
     """Load the model once and tokenize the prompts of every benchmark that has work left."""
-    from dynts.generate import load_predictor
+    from dynts.predictor import load_predictor
 
     model, tokenizer = load_model(config.model, **(load_options or {}))
     predictor = load_predictor(config.predictor, model) if config.predictor is not None else None

@@ -99,9 +99,9 @@ class RescueEvalConfig:
         self.bounds()  # validates budget / headroom / local_window
 
     def bounds(self):
-        """The base's :class:`~dynts.budget.Budget`: ``budget`` is the physical bound ``B``, or with
+        """The base's :class:`~dynts.core.budget.Budget`: ``budget`` is the physical bound ``B``, or with
         ``paper_budget`` the paper's score-selected entries (``B' = budget + headroom`` held)."""
-        from dynts.budget import Budget
+        from dynts.core.budget import Budget
 
         if self.paper_budget:
             return Budget.from_paper(self.budget, self.headroom, self.local_window)

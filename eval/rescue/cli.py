@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dynts.budget import Budget
+from dynts.core.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
 from eval.rescue.bench import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, load_eval_prm, helper_options, load_model

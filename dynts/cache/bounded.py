@@ -33,10 +33,12 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .budget import Budget
-from .evictors.base import Evictor, Segment, TokenInfo
-from .kernels import compact_
-from .thinking import DelimiterMatcher
+from ..core.budget import Budget
+from ..core.segments import label_rows
+from ..core.slots import build_token_info, check_scored
+from ..evictors.base import Evictor, Segment, TokenInfo
+from ..kernels import compact_
+from ..thinking import DelimiterMatcher
 
 __all__ = ["BoundedCache", "BoundedLayer", "CacheStats"]
 
@@ -155,7 +157,7 @@ def incoming_tokens(
 
 
 class BoundedCache(Cache):
-    """KV cache bounded to a :class:`~dynts.budget.Budget`, evicting with ``evictor``.
+    """KV cache bounded to a :class:`~dynts.core.budget.Budget`, evicting with ``evictor``.
 
     Args:
         num_layers: decoder layers of the model.
@@ -189,7 +191,7 @@ class BoundedCache(Cache):
         defer_scores: bool = False,
     ):
         super().__init__(layers=[BoundedLayer(self, i) for i in range(num_layers)])
-        self.bounded = getattr(evictor, "bounded", True)
+        self.bounded = evictor.bounded
         if self.bounded and budget is None:
             raise ValueError(f"method={evictor.name!r} evicts and needs a budget (e.g. budget=1024, local_window=128)")
         self.evictor = evictor
@@ -252,7 +254,7 @@ class BoundedCache(Cache):
             self._allocate(batch_size, q, device)
             segments = torch.where(new_valid, int(Segment.QUESTION), int(Segment.PAD))
         else:
-            if self.bounded and self.length + q > self.budget.budget and self.length > self.n_keep:
+            if self.bounded and self.budget.due(self.length, q, self.n_keep):
                 self.evict()
             segments = self._generated_segments(input_ids, new_valid)
         self._record_incoming(torch.arange(self.seen, self.seen + q, device=device), segments, input_ids)
@@ -386,34 +388,14 @@ class BoundedCache(Cache):
         """Metadata of the stored slots as an evictor sees it."""
         self.flush_scores()
         n = self.length
-        info = TokenInfo(
-            positions=self.positions[:, :n],
-            segments=self.segments[:, :n],
-            token_ids=self.token_ids[:, :n],
-            n_keep=self.n_keep,
-            local_window=self.budget.local_window,
-            question_length=self.question_length,
-            scores=self.scores[:, :n],
-        )
-        if self.attention is not None:
-            info.attention = self.attention[:, :n]
-        if self.window_attention is not None:
-            info.window_attention = self.window_attention[:, :, :n]
-        if "keys" in self.requires:
-            info.keys = self.layers[self.keys_layer].keys[:, :, :n].to(self.positions.device)
-        return info
+        keys = self.layers[self.keys_layer].keys[:, :, :n].to(self.positions.device) if "keys" in self.requires else None
+        return build_token_info(self, n, self.n_keep, self.budget.local_window, self.question_length, keys=keys)
 
     def evict(self) -> torch.Tensor:
         """Run one eviction event now; returns the kept indices ``[b, n_keep]``."""
-        self.flush_scores()
-        if "scores" in self.requires:
-            stale = self.scores[:, : self.length].isnan() & (self.segments[:, : self.length] == Segment.THINKING)
-            if bool(stale.any()):
-                raise RuntimeError(
-                    f"method={self.evictor.name!r} needs predictor scores but some thinking tokens have none; "
-                    "pass predictor=... to dynts.generate / dynts.attach"
-                )
-        kept = self.evictor(self.token_info())
+        info = self.token_info()
+        check_scored(info, self.evictor)
+        kept = self.evictor(info)
         self.apply_kept(kept)
         return kept
 
@@ -487,36 +469,11 @@ class BoundedCache(Cache):
         self.capacity = cap
 
     def _generated_segments(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Thinking until the row has emitted the whole delimiter; the delimiter (all its tokens,
-        also those stored by earlier forwards) and everything after it are answer."""
-        if self.delimiter is None:
-            seg = torch.full_like(input_ids, int(Segment.THINKING))
-            return torch.where(valid, seg, int(Segment.PAD))
-        m = self.delimiter.length
-        closes, self.think_match = self.delimiter.scan(self.think_match, input_ids, valid)
-        after = closes.long().cumsum(1) > 0
-        newly = ~self.in_answer & after[:, -1]
-        answer = self.in_answer.unsqueeze(1) | after
-        if m > 1:  # the delimiter's first tokens: in this forward, or stored by earlier ones
-            real = valid.long().cumsum(1)  # [b, q] 1-based count of real tokens
-            closing = (real * (closes & (closes.long().cumsum(1) == 1))).sum(1)  # real count at the first close
-            answer |= valid & newly.unsqueeze(1) & (real > (closing - m).unsqueeze(1))
-            self._relabel_stored_pieces(torch.where(newly, (m - closing).clamp(min=0), 0))
-        self.in_answer |= newly
-        seg = torch.where(answer, int(Segment.ANSWER), int(Segment.THINKING))
-        return torch.where(valid, seg, int(Segment.PAD))
-
-    def _relabel_stored_pieces(self, pieces: torch.Tensor) -> None:
-        """Mark as answer the last ``pieces`` ``[b]`` real stored slots of each row that hold the
-        delimiter's first ids (a slot lost to an eviction is simply not found)."""
+        """Segments of generated tokens by the one rule (:func:`dynts.core.segments.label_rows`)."""
         n = self.length
-        segments = self.segments[:, :n]
-        real = segments != Segment.PAD
-        rank = real.flip(1).long().cumsum(1).flip(1)  # 1 on the last real slot
-        index = pieces.unsqueeze(1) - rank  # the delimiter id a slot must hold
-        hit = real & (rank <= pieces.unsqueeze(1)) & (segments == Segment.THINKING)
-        hit &= self.token_ids[:, :n] == self.delimiter.piece_ids(index)
-        segments.masked_fill_(hit, int(Segment.ANSWER))
+        segments, self.think_match = label_rows(self.delimiter, input_ids, valid, self.in_answer, self.think_match,
+                                                self.segments[:, :n], self.token_ids[:, :n])
+        return segments
 
     # ------------------------------------------------------------------ info
     @property

@@ -9,47 +9,67 @@ request's pages, so the table and the cache always agree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ..evictors.base import Segment, TokenInfo
+from ..evictors.base import Evictor, Segment, TokenInfo
+from .segments import AnswerState
 
 if TYPE_CHECKING:
     from .settings import EvictionSettings
 
-__all__ = ["RequestSlots", "SlotTable"]
+__all__ = ["RequestSlots", "SlotTable", "build_token_info", "check_scored"]
 
 
 @dataclass
 class RequestSlots:
-    """Host-side bookkeeping of one request (no device reads in the hot path).
+    """The one per-request eviction state of every paged engine, host-side (no device reads in the hot path).
+
+    The scheduler side (:class:`~dynts.core.policy.EvictionPolicy`) fills the budget and block fields, the
+    worker side (:class:`~dynts.core.tracker.SlotTracker`) the table row and the labelling state; an engine
+    that schedules and computes in one process (transformers' continuous batching) shares one object.
 
     Attributes:
-        row: the request's row in the :class:`SlotTable`.
+        settings: the request's :class:`~dynts.core.settings.EvictionSettings` (method, budget, ...).
         question_length: ``W_q``, the prompt length.
         n_keep: slots kept at an eviction event (``None`` without a budget).
         reserved_blocks: blocks the request may hold at most (admission reserves them).
+        protected: leading slots its method keeps at every event (they never move; prefix caching may share them).
+        row: the request's row in the :class:`SlotTable` (``-1``: none, the scheduler's copy).
         shift: tokens evicted so far; absolute position = stored index + ``shift`` for new tokens.
-        in_answer: the request has emitted the whole thinking delimiter (``</think>``, maybe several tokens).
-        think_match: the request's :class:`~dynts.thinking.DelimiterMatcher` state (delimiter tokens matched).
+        answer: the labelling state (:class:`~dynts.core.segments.AnswerState`).
         peak_slots / evictions / evicted_tokens / freed_blocks / peak_blocks: statistics.
-        settings: the request's :class:`~dynts.paged.settings.EvictionSettings` (method, budget, ...).
     """
 
-    row: int
+    settings: "EvictionSettings"
     question_length: int
     n_keep: int | None
-    reserved_blocks: int
+    reserved_blocks: int = 0
+    protected: int = 0
+    row: int = -1
     shift: int = 0
-    in_answer: bool = False
-    think_match: int = 0
+    answer: AnswerState = field(default_factory=AnswerState)
     peak_slots: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
     freed_blocks: int = 0
     peak_blocks: int = 0
-    settings: "EvictionSettings | None" = field(default=None, repr=False)
+
+    @property
+    def in_answer(self) -> bool:
+        """The request has emitted the whole thinking delimiter."""
+        return self.answer.in_answer
+
+    def due(self, stored: int, incoming: int = 1) -> bool:
+        """True when ``incoming`` tokens on top of ``stored`` would overflow the budget (:meth:`Budget.due`)."""
+        return self.n_keep is not None and self.settings.bounds.due(stored, incoming, self.n_keep)
+
+    def evicted(self, stored: int) -> None:
+        """Count one event that kept ``n_keep`` of ``stored`` slots; later tokens shift by the evicted ones."""
+        self.shift += stored - self.n_keep
+        self.evictions += 1
+        self.evicted_tokens += stored - self.n_keep
 
     def stats(self) -> dict[str, int]:
         return {
@@ -60,6 +80,53 @@ class RequestSlots:
             "peak_blocks": self.peak_blocks,
             "reserved_blocks": self.reserved_blocks,
         }
+
+
+def build_token_info(
+    table: Any,
+    length: int,
+    n_keep: int,
+    local_window: int,
+    question_length: int,
+    rows: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
+) -> TokenInfo:
+    """The one :class:`TokenInfo` builder: what an evictor sees of the first ``length`` slots of ``rows``
+    (all rows by default) of ``table``, any object with per-slot ``positions`` / ``segments`` /
+    ``token_ids`` / ``scores`` ``[b, n]`` tensors and optional ``attention`` ``[b, n]`` and
+    ``window_attention`` ``[b, w, n]`` (the dense and ragged caches, the paged :class:`SlotTable`).
+    ``keys`` ``[g, h_kv, length, d]``: the reference layer's keys of those rows (R-KV), if gathered."""
+    index = slice(None) if rows is None else rows
+
+    def pick(name: str) -> torch.Tensor | None:
+        t = getattr(table, name, None)
+        return None if t is None else t[index, ..., :length]
+
+    return TokenInfo(
+        positions=pick("positions"),
+        segments=pick("segments"),
+        token_ids=pick("token_ids"),
+        n_keep=int(n_keep),
+        local_window=local_window,
+        question_length=int(question_length),
+        scores=pick("scores"),
+        attention=pick("attention"),
+        window_attention=pick("window_attention"),
+        keys=keys,
+    )
+
+
+def check_scored(info: TokenInfo, evictor: Evictor) -> None:
+    """The stale-score check: a score-based evictor must never see a thinking token without a predictor
+    score (the scores of a forward are written after it runs; an event between would rank NaNs)."""
+    if "scores" not in evictor.requires:
+        return
+    stale = info.scores.isnan() & (info.segments == Segment.THINKING)
+    if bool(stale.any()):
+        raise RuntimeError(
+            f"method={evictor.name!r} needs predictor scores but some thinking tokens have none; "
+            "pass predictor=... to dynts.generate / dynts.attach"
+        )
 
 
 @dataclass
@@ -131,15 +198,7 @@ class SlotTable:
     def token_info(self, rows: torch.Tensor, length: int, n_keep: int, local_window: int,
                    question_length: int) -> TokenInfo:
         """The :class:`TokenInfo` of ``rows`` (``[g]``), each storing ``length`` slots."""
-        return TokenInfo(
-            positions=self.positions[rows, :length],
-            segments=self.segments[rows, :length],
-            token_ids=self.token_ids[rows, :length],
-            n_keep=n_keep,
-            local_window=local_window,
-            question_length=question_length,
-            scores=self.scores[rows, :length],
-        )
+        return build_token_info(self, length, n_keep, local_window, question_length, rows=rows)
 
     def compact(self, rows: torch.Tensor, kept: torch.Tensor) -> None:
         """Gather the ``kept`` columns (``[g, k]``, ascending) of ``rows`` to the front of each row."""

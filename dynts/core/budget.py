@@ -111,3 +111,17 @@ class Budget:
     def eviction_volume(self, question_length: int) -> int:
         """``K``: entries dropped per event."""
         return self.budget - self.n_keep(question_length)
+
+    def due(self, stored: int, incoming: int, n_keep: int) -> bool:
+        """The event rule every cache and engine applies before a forward: a request storing ``stored``
+        entries evicts down to ``n_keep`` when its ``incoming`` tokens would overflow ``B`` (and it holds
+        more than it would keep). After the event it holds ``n_keep`` entries, so the decoded token never
+        pushes the cache past ``B``."""
+        return stored + incoming > self.budget and stored > n_keep
+
+    def events(self, question_length: int, generated: int) -> int:
+        """Eviction events a request with a ``question_length`` prompt lives through while generating
+        ``generated`` tokens one at a time under :meth:`due`: it stores ``question_length + generated``
+        entries, never more than ``B``, and each event drops ``K`` (:meth:`eviction_volume`)."""
+        over = question_length + generated - self.budget
+        return max(0, -(-over // self.eviction_volume(question_length)))

@@ -1,17 +1,15 @@
-"""The engine-neutral core of per-request eviction in a paged KV cache.
+"""The worker side of per-request eviction in a paged KV cache: slot metadata, scores, evictor calls.
 
-Both serving engines (transformers' continuous batching, :mod:`dynts.serving`, and vLLM,
-:mod:`dynts.vllm`) run the same per-request logic through one :class:`SlotTracker`:
+Both paged engines (transformers' continuous batching, :mod:`dynts.serving`, and vLLM,
+:mod:`dynts.vllm`) run the same worker-side logic through one :class:`SlotTracker`:
 
-1. ``open`` a request when it is first scheduled: its row of the :class:`~dynts.paged.slots.SlotTable`,
-   its ``n_keep`` (:meth:`dynts.Budget.n_keep`) and its statistics;
-2. ``record`` the tokens of every forward: absolute positions, token ids and segments (question, then
-   thinking until the whole thinking delimiter was emitted, then answer -- the rule of
-   :class:`dynts.BoundedCache`), and ``write_scores`` from the final-norm hidden states (DynTS);
-3. ``due`` says whether a request's next forward would overflow its budget
-   (``stored + new > B`` and ``stored > n_keep``, the event rule of :class:`dynts.BoundedCache`);
-4. ``evict`` runs the one :class:`~dynts.evictors.Evictor` contract for every request due this round
-   (batched per group of equal settings, prompt length and stored count), compacts the table rows and
+1. ``open`` (or ``attach``) a request when it is first scheduled: its row of the
+   :class:`~dynts.core.slots.SlotTable`;
+2. ``record`` the tokens of every forward: absolute positions, token ids and segments
+   (:mod:`dynts.core.segments`), and ``write_scores`` from the final-norm hidden states (DynTS);
+3. ``evict`` runs the one :class:`~dynts.evictors.Evictor` contract for every request the scheduler side
+   found due (:meth:`dynts.core.policy.EvictionPolicy.event`, the event rule :meth:`dynts.Budget.due`),
+   batched per group of equal settings, prompt length and stored count, compacts the table rows and
    returns the kept logical slots; :func:`copy_plan` turns them into the physical ``src -> dst`` rows
    that actually move (identity moves dropped).
 
@@ -27,10 +25,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..evictors.base import Segment
 from ..thinking import DelimiterMatcher
 from .settings import EvictionSettings
-from .slots import RequestSlots, SlotTable
+from .segments import label_request
+from .slots import RequestSlots, SlotTable, check_scored
 
 __all__ = ["EvictionGroup", "Forward", "SlotTracker", "copy_plan"]
 
@@ -97,39 +95,30 @@ class SlotTracker:
         self.delimiter = DelimiterMatcher(think_end) if think_end is not None else None
         self.table = SlotTable(torch.device(device), width=max(256, settings.budget or 0))
         self.slots: dict[str, RequestSlots] = {}
-        self.finished: dict[str, dict[str, int]] = {}
         self.pending_scores: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     # ------------------------------------------------------------------ requests
-    def open(self, rid: str, question_length: int, reserved_blocks: int = 0,
-             settings: EvictionSettings | None = None) -> RequestSlots:
+    def open(self, rid: str, question_length: int, settings: EvictionSettings | None = None) -> RequestSlots:
         """The request's entry, created on first use with its own ``settings`` (default: the engine's)."""
         entry = self.slots.get(rid)
         if entry is None:
             settings = settings or self.settings
-            bounds = settings.bounds
-            entry = RequestSlots(
-                row=self.table.acquire_row(),
-                question_length=question_length,
-                n_keep=bounds.n_keep(question_length) if bounds is not None else None,
-                reserved_blocks=reserved_blocks,
-                settings=settings,
-            )
-            self.slots[rid] = entry
+            entry = self.attach(rid, RequestSlots(settings, question_length, settings.n_keep(question_length)))
+        return entry
+
+    def attach(self, rid: str, entry: RequestSlots) -> RequestSlots:
+        """Track ``entry`` (made by the scheduler side, :meth:`dynts.core.policy.EvictionPolicy.open`): give it a
+        table row."""
+        entry.row = self.table.acquire_row()
+        self.slots[rid] = entry
         return entry
 
     def release(self, rid: str) -> dict[str, int]:
-        """Forget a request; its final statistics stay readable in :attr:`finished`."""
+        """Forget a request and free its table row; returns its final statistics."""
         entry = self.slots.pop(rid)
-        stats = entry.stats()
-        self.finished[rid] = stats
         self.table.release_row(entry.row)
-        return stats
-
-    def stats(self, rid: str) -> dict[str, int]:
-        """Statistics of a request in flight or finished (empty if unknown)."""
-        entry = self.slots.get(rid)
-        return entry.stats() if entry is not None else dict(self.finished.get(rid, {}))
+        entry.row = -1
+        return entry.stats()
 
     # ------------------------------------------------------------------ forwards
     def record(self, forwards: Sequence[Forward], score: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,28 +150,11 @@ class SlotTracker:
         return row_t, slot_t
 
     def segments(self, entry: RequestSlots, new: Sequence[int], start: int, stored: int) -> list[int]:
-        """Segments of a forward's ``new`` tokens (absolute index ``start`` on): thinking until the request
-        has emitted the whole delimiter; the delimiter (all its tokens, also those stored by earlier
-        forwards, relabelled in the table) and everything after it are answer. The matcher state is one
-        host integer per request, so labelling reads nothing back from the device."""
-        seg: list[int] = []
-        generated = 0
-        for i, tok in enumerate(new):
-            if start + i < entry.question_length:
-                seg.append(int(Segment.QUESTION))
-                continue
-            generated += 1
-            if self.delimiter is not None and not entry.in_answer:
-                closes, entry.think_match = self.delimiter.step(entry.think_match, tok)
-                if closes:
-                    entry.in_answer = True
-                    m = self.delimiter.length
-                    here = min(m, generated)  # the delimiter's last tokens, in this forward
-                    seg[len(seg) - (here - 1):] = [int(Segment.ANSWER)] * (here - 1)
-                    if here < m:  # its first tokens were stored by earlier forwards
-                        self.table.relabel_answer(entry.row, stored, self.delimiter.ids[: m - here])
-            seg.append(int(Segment.ANSWER if entry.in_answer else Segment.THINKING))
-        return seg
+        """Segments of a forward's ``new`` tokens (absolute index ``start`` on; ``stored`` slots before them),
+        by the one rule (:func:`dynts.core.segments.label_request`); delimiter pieces stored by earlier
+        forwards are relabelled in the table."""
+        return label_request(self.delimiter, entry.answer, new, start, entry.question_length,
+                             lambda pieces: self.table.relabel_answer(entry.row, stored, pieces))
 
     def write_scores(self, hidden: torch.Tensor, predictor: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Score the recorded tokens from the forward's final-norm output ``[T', h]`` (``T' >= T``; rows
@@ -198,18 +170,11 @@ class SlotTracker:
         self.table.scores[rows, slots] = predictor(hidden[:total]).float().to(self.table.device)
 
     # ------------------------------------------------------------------ events
-    @staticmethod
-    def due(entry: RequestSlots, stored: int, new_tokens: int = 1) -> bool:
-        """True when the next forward (``new_tokens``) would overflow the request's budget."""
-        if entry.n_keep is None:
-            return False
-        return stored + new_tokens > entry.settings.bounds.budget and stored > entry.n_keep
-
     def evict(self, requests: Sequence[tuple[RequestSlots, int]]) -> list[EvictionGroup]:
         """Select the kept slots of every ``(entry, stored)`` due this round and compact their table rows.
 
-        One evictor call per group of requests with the same settings, prompt length and stored count.
-        Updates each entry's ``shift`` and statistics (``freed_blocks`` is the adapter's to count)."""
+        One evictor call per group of requests with the same settings, prompt length and stored count. The
+        entries' ``shift`` and counters are the scheduler side's (:meth:`RequestSlots.evicted`)."""
         groups: dict[tuple[int, int, int], list[RequestSlots]] = defaultdict(list)
         for entry, stored in requests:
             groups[(id(entry.settings), entry.question_length, stored)].append(entry)
@@ -218,15 +183,8 @@ class SlotTracker:
             settings, n_keep = members[0].settings, members[0].n_keep
             rows = torch.tensor([e.row for e in members], dtype=torch.long, device=self.table.device)
             info = self.table.token_info(rows, stored, n_keep, settings.bounds.local_window, question_length)
-            if settings.needs_scores:
-                stale = info.scores.isnan() & (info.segments == Segment.THINKING)
-                if bool(stale.any()):
-                    raise RuntimeError(f"method={settings.evictor.name!r}: thinking tokens without predictor scores")
+            check_scored(info, settings.evictor)
             kept = settings.evictor(info)  # [g, n_keep]
             self.table.compact(rows, kept)
-            for entry in members:
-                entry.shift += stored - n_keep
-                entry.evictions += 1
-                entry.evicted_tokens += stored - n_keep
             out.append(EvictionGroup(members, stored, n_keep, kept))
         return out

@@ -1,0 +1,41 @@
+"""The engine-neutral core of eviction: what every cache and engine shares.
+
+| module | job |
+|---|---|
+| :mod:`~dynts.core.budget` | ``B = W_q + W_s + W_l``, ``n_keep`` and the event rule (:meth:`Budget.due`) |
+| :mod:`~dynts.core.settings` | the one parser of the eviction keywords (:class:`EvictionSettings`) |
+| :mod:`~dynts.core.segments` | the one labelling rule: question / thinking / answer / pad |
+| :mod:`~dynts.core.slots` | the per-request state (:class:`RequestSlots`), the paged slot table, the one :class:`~dynts.TokenInfo` builder and the stale-score check |
+| :mod:`~dynts.core.tracker` | the worker side of a paged engine: metadata, scores, evictor calls, the copy plan |
+| :mod:`~dynts.core.policy` | the scheduler side of a paged engine: reservations, admission, events, preemption, statistics |
+| :mod:`~dynts.core.metrics` | the serving statistics' names (both engines export them) |
+
+The dense cache (:mod:`dynts.cache`), the ragged KV-Rescue cache (:mod:`dynts.rescue.rows`) and both
+paged engines (:mod:`dynts.serving`, :mod:`dynts.vllm`) are adapters over it.
+"""
+
+from .budget import Budget
+from .policy import Event, EvictionPolicy
+from .settings import EVICTION_FIELDS, SERVED_STATISTICS, EvictionSettings, add_eviction_arguments, eviction_fields, serving_methods
+from .slots import RequestSlots, SlotTable, build_token_info, check_scored
+from .tracker import EvictionGroup, Forward, SlotTracker, copy_plan
+
+__all__ = [
+    "EVICTION_FIELDS",
+    "SERVED_STATISTICS",
+    "Budget",
+    "Event",
+    "EvictionGroup",
+    "EvictionPolicy",
+    "EvictionSettings",
+    "Forward",
+    "RequestSlots",
+    "SlotTable",
+    "SlotTracker",
+    "add_eviction_arguments",
+    "build_token_info",
+    "check_scored",
+    "copy_plan",
+    "eviction_fields",
+    "serving_methods",
+]
