@@ -196,7 +196,7 @@ def test_unsupported_methods_and_bad_input_raise():
     with pytest.raises(ValueError, match="unknown"):
         EvictionSettings("nope", 32, 4)
     with pytest.raises(ValueError, match="one row to every request"):
-        EvictionSettings(FixedPositions(keep=[[0, 1], [0, 2]]), 32, 4)
+        EvictionSettings(FixedPositions(keep=[[0, 1], [0, 2]]), 32, 4).check_served()
 
 
 def test_sliding_window_models_are_rejected():

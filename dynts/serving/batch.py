@@ -5,14 +5,11 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from transformers import ContinuousBatchingConfig
 
-from ..evictors import Evictor
-from ..predictor import ImportancePredictor
 from ..prompts import encode_prompt, pad_id  # encode_prompt re-exported: dynts.serving.batch.encode_prompt
 from .manager import init_evicting_batching
 from .pool import plan_pool
@@ -48,35 +45,32 @@ def generate_batch(
     tokenizer=None,
     prompts: Sequence[Any] = (),
     *,
-    method: str | Evictor = "dynts",
-    budget: int | None = None,
-    local_window: int | None = None,
-    retention: float = 0.4,
-    predictor: ImportancePredictor | str | Path | None = None,
     max_new_tokens: int,
-    think_end: str | int | Sequence[int] | None = "</think>",
-    method_options: dict[str, Any] | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
     timeout: float = 600.0,
-    **sampling: Any,
+    eviction: EvictionSettings | None = None,
+    **keywords: Any,
 ) -> list[ServedResult]:
     """Generate for every prompt with continuous batching, each request's KV cache bounded to ``budget``.
 
-    The arguments mean what they mean in :func:`dynts.generate`; each request evicts on its own,
-    exactly as ``dynts.generate`` would on that prompt alone. ``**sampling`` are
-    ``GenerationConfig`` fields (``do_sample``, ``temperature``, ``top_p``, ...) overriding the
-    model's ``generation_config``, which is followed otherwise (as :func:`dynts.generate` does).
-    ``continuous_batching_config`` sizes the paged cache (``num_blocks``, ``page_size``,
-    ``max_batch_tokens``); without ``num_blocks`` the pool is sized from the memory free on the model's
-    device (:func:`dynts.serving.pool.plan_pool`). Returns one :class:`ServedResult` per prompt, in order.
+    The eviction keywords (``method``, ``budget``, ``local_window``, ``retention``, ``predictor``,
+    ``think_end``, ``method_options``; or ``eviction=EvictionSettings(...)``) mean what they mean in
+    :func:`dynts.generate`; each request evicts on its own, exactly as ``dynts.generate`` would on that
+    prompt alone. The other ``keywords`` are ``GenerationConfig`` fields (``do_sample``,
+    ``temperature``, ``top_p``, ...) overriding the model's ``generation_config``, which is followed
+    otherwise (as :func:`dynts.generate` does). ``continuous_batching_config`` sizes the paged cache
+    (``num_blocks``, ``page_size``, ``max_batch_tokens``); without ``num_blocks`` the pool is sized from
+    the memory free on the model's device (:func:`dynts.serving.pool.plan_pool`). Returns one
+    :class:`ServedResult` per prompt, in order.
     """
+    sampling = keywords
+    settings = EvictionSettings.resolve(eviction, sampling).check_served()
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]
     if not prompts:
         raise ValueError("prompts is empty; pass a list of prompts")
-    settings = EvictionSettings(method, budget, local_window, retention, predictor, think_end, method_options)
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     for i, p in enumerate(ids):
         try:

@@ -19,7 +19,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
-from ..predictor import final_norm, load_predictor
+from ..predictor import final_norm
 from ..thinking import think_end_ids
 from .admission import isolate_failure
 from .processor import EvictingBatchProcessor
@@ -164,6 +164,7 @@ def init_evicting_batching(
     check_model(model)
     if not isinstance(settings, EvictionSettings):
         raise ValueError(f"settings must be an EvictionSettings, got {type(settings).__name__}")
+    settings.check_served()
     if tokenizer is not None:
         settings.evictor.bind(tokenizer)
     cb_config = engine_config(continuous_batching_config, settings, per_request_sampling)
@@ -184,7 +185,7 @@ def init_evicting_batching(
     manager.sampling = {} if per_request_sampling else None
     manager.default_sampling = default_sampling
     if settings.needs_scores:
-        manager.predictor = load_predictor(settings.predictor, model)
+        manager.predictor = settings.load_predictor(model)
         manager._score_hook = final_norm(model).register_forward_hook(manager._stash_hidden)
     return manager
 

@@ -27,7 +27,6 @@ manager (:mod:`dynts.serving.manager`).
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, Sequence
 
@@ -35,7 +34,7 @@ import torch
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
-from ..core import EvictionSettings, Forward, RequestSlots, SlotTracker, copy_plan
+from ..core import EvictionPolicy, EvictionSettings, Forward, RequestSlots, SlotTracker, copy_plan
 
 __all__ = ["EvictingBatchProcessor"]
 
@@ -75,12 +74,8 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         self.allocator = self.cache.cache_allocators["full_attention"]
         self.page = self.allocator.tokens_per_page
         self.tracker = SlotTracker(settings, self.model_device, think_end)
-        if finished_stats is not None:
-            self.tracker.finished = finished_stats
-        self.preemptions = 0
-        self.peak_blocks_in_use = 0
-        # after every round: (seconds since attach, blocks in use, requests in flight)
-        self.block_trace: list[tuple[float, int, int]] = []
+        self.policy = EvictionPolicy(self.page)  # trace rows: (seconds since attach, blocks in use, requests in flight)
+        self.finished_stats = finished_stats if finished_stats is not None else {}
         self._started = time.perf_counter()
         self._round = 0
         # physical row offsets of every layer's keys and values inside the allocator's flat token view
@@ -95,7 +90,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         def guarded_offload(*args, **kwargs):
             before = set(self.scheduler.active_requests)
             done = offload(*args, **kwargs)
-            self.preemptions += len(before - set(self.scheduler.active_requests))
+            self.policy.preemptions += len(before - set(self.scheduler.active_requests))
             self._after_preemption()
             return done
 
@@ -149,8 +144,17 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         return self.tracker.table
 
     @property
-    def finished_stats(self) -> dict[str, dict[str, int]]:
-        return self.tracker.finished
+    def preemptions(self) -> int:
+        return self.policy.preemptions
+
+    @property
+    def peak_blocks_in_use(self) -> int:
+        return self.policy.peak_blocks_in_use
+
+    @property
+    def block_trace(self):
+        """``(seconds since attach, blocks in use, requests in flight)`` after each of the last rounds."""
+        return self.policy.block_trace
 
     def reset(self) -> None:
         super().reset()
@@ -170,18 +174,16 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
     def reservation(self, state: RequestState) -> int:
         """Blocks a request may hold at most (its admission reserves them)."""
         # after a soft reset, generated tokens move from max_new_tokens to the prompt: the sum is unchanged
-        slots = self.settings.reserved_slots(len(state.initial_tokens), state.max_new_tokens)
-        return math.ceil(slots / self.page) if slots > 0 else 0
+        return self.policy.reservation(self.settings, len(state.initial_tokens), state.max_new_tokens)
 
     def _admissible(self, waiting: list[RequestState]) -> list[RequestState]:
-        """The longest prefix of ``waiting`` whose reservations fit the pool next to the requests in flight."""
+        """The longest prefix of ``waiting`` whose reservations fit the pool next to the requests in flight
+        (:meth:`dynts.core.policy.EvictionPolicy.admit`); a request that can never fit fails now."""
         if not self.settings.bounded:
             return waiting
-        free = self.free_blocks_in_pool()
-        claimed = 0
-        for rid, state in self.scheduler.active_requests.items():
-            claimed += max(0, self.reservation(state) - len(self.allocator.block_table.get(rid, ())))
-        admitted = []
+        claimed = sum(max(0, self.reservation(state) - len(self.allocator.block_table.get(rid, ())))
+                      for rid, state in self.scheduler.active_requests.items())
+        fitting = []
         for state in waiting:
             need = self.reservation(state)
             if need > self.allocator.num_blocks:  # would wait forever: fail it now, with the fix
@@ -193,11 +195,9 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
                     f"page) but the pool holds {self.allocator.num_blocks}; lower the budget or add blocks (num_blocks)"
                 ), state)
                 continue
-            if claimed + need > free:
-                break
-            claimed += need
-            admitted.append(state)
-        return admitted
+            fitting.append((state, need))
+        admitted = self.policy.admit((need for _, need in fitting), self.free_blocks_in_pool(), claimed)
+        return [state for state, _ in fitting[:admitted]]
 
     # ------------------------------------------------------------------ per round
     def prepare_next_batch(self) -> bool:
@@ -232,22 +232,24 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         self.batch_in_flight = False
         self._round += 1
         in_use = self.blocks_in_use()
-        self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
-        self.block_trace.append((time.perf_counter() - self._started, in_use, len(self.scheduler.active_requests)))
+        self.policy.after_round(in_use, (time.perf_counter() - self._started, in_use, len(self.scheduler.active_requests)))
 
     def _request_slots(self, state: RequestState) -> RequestSlots:
+        """The request's one entry: the policy's (reservation, shift, statistics), tracked by the slot table."""
         entry = self.slots.get(state.request_id)
         if entry is None:
-            entry = self.tracker.open(state.request_id, prompt_length(state), self.reservation(state))
+            entry = self.policy.open(state.request_id, self.settings, prompt_length(state), None)
+            entry.reserved_blocks = self.reservation(state)
+            self.tracker.attach(state.request_id, entry)
         return entry
 
     def _record_batch(self) -> None:
         """Write the metadata of the batch's new tokens and shift their positions to absolute ones."""
         if not self.settings.bounded:  # the full cache: statistics only, the engine runs as shipped
             for future in self.inputs_and_outputs.requests_in_batch:
-                entry = self._request_slots(future.state)
-                entry.peak_slots = max(entry.peak_slots, future.state.position_offset)
-                entry.peak_blocks = max(entry.peak_blocks, len(self.allocator.block_table.get(future.state.request_id, ())))
+                state = future.state
+                self.policy.scheduled(self._request_slots(state), state.position_offset,
+                                      len(self.allocator.block_table.get(state.request_id, ())))
             return
         forwards, shifts = [], []
         for future in self.inputs_and_outputs.requests_in_batch:
@@ -264,7 +266,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
                 raise RuntimeError(f"request {state.request_id}: cannot find the {q} tokens of this forward")
             forwards.append(Forward(entry, start, stored, new))
             shifts += [entry.shift] * q
-            entry.peak_blocks = max(entry.peak_blocks, len(self.allocator.block_table.get(state.request_id, ())))
+            self.policy.scheduled(entry, stored + q, len(self.allocator.block_table.get(state.request_id, ())))
         self.tracker.record(forwards, score=self.settings.needs_scores)
         if any(shifts):
             ids = self.inputs_and_outputs.position_ids
@@ -277,7 +279,8 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
 
     def request_stats(self, rid: str) -> dict[str, int]:
         """Statistics of a request in flight or finished (empty if unknown)."""
-        return self.tracker.stats(rid)
+        entry = self.slots.get(rid)
+        return entry.stats() if entry is not None else dict(self.finished_stats.get(rid, {}))
 
     def _release_finished(self) -> None:
         active, waiting = self.scheduler.active_requests, self.scheduler.waiting_requests
@@ -298,36 +301,39 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
             if rid in self.scheduler.waiting_requests_order:
                 self.scheduler.waiting_requests_order.remove(rid)
             self._release(rid)
-            self._handle_request_error(RuntimeError(
-                f"request {rid} was preempted after {entry.evictions} eviction events; its evicted cache cannot be "
-                "rebuilt by a re-prefill. Give the KV pool more blocks (num_blocks) or lower the budget."
-            ), state)
+            self._handle_request_error(RuntimeError(self.policy.failure(rid, entry)), state)
 
     def _release(self, rid: str) -> None:
+        """Drop a request from the table and the policy; its statistics stay in :attr:`finished_stats`."""
         self.tracker.release(rid)
+        self.finished_stats[rid] = self.policy.finish(rid)
 
     # ------------------------------------------------------------------ eviction
     def _evict_due(self) -> None:
+        """The round's events (:meth:`dynts.core.policy.EvictionPolicy.event`): kept slots from the tracker,
+        K/V rows moved, tail blocks back to the pool, ``position_offset`` = the kept count."""
         due = []
         for rid, state in self.scheduler.active_requests.items():
             entry = self.slots.get(rid)
-            if entry is not None and state.status == RequestStatus.DECODING and self.tracker.due(entry, state.position_offset):
-                due.append((state, entry))
+            if state.status == RequestStatus.DECODING:
+                event = self.policy.event(rid, entry, state.position_offset)
+                if event is not None:
+                    due.append((state, entry, event))
         if not due:
             return
-        states = {id(entry): state for state, entry in due}
+        states = {id(entry): (state, event) for state, entry, event in due}
         src, dst = [], []
-        for group in self.tracker.evict([(entry, state.position_offset) for state, entry in due]):
+        for group in self.tracker.evict([(entry, event.stored) for _, entry, event in due]):
             members = [states[id(e)] for e in group.entries]
             physical = torch.tensor(
-                [self.allocator.get_read_indices(s.request_id, 0, group.stored) for s in members],
+                [self.allocator.get_read_indices(s.request_id, 0, group.stored) for s, _ in members],
                 dtype=torch.long, device=self._flat.device,
             )  # [g, stored]
             moved = copy_plan(group.kept, physical)
             src.append(moved[0])
             dst.append(moved[1])
-            for state, entry in zip(members, group.entries):
-                entry.freed_blocks += self._pop_tail_blocks(state.request_id, group.n_keep)
+            for (state, event), entry in zip(members, group.entries):
+                self.policy.freed(entry, self._pop_tail_blocks(state.request_id, event.keep_blocks))
                 state.position_offset = group.n_keep
         self._gather_rows(torch.cat(src), torch.cat(dst))
 
@@ -340,10 +346,9 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
             s, d = src[lo : lo + chunk], dst[lo : lo + chunk]
             flat.index_copy_(0, (d.unsqueeze(0) + offsets).flatten(), flat.index_select(0, (s.unsqueeze(0) + offsets).flatten()))
 
-    def _pop_tail_blocks(self, rid: str, n_keep: int) -> int:
-        """Return the blocks past ``ceil(n_keep / page)`` of a request to the pool; count them."""
+    def _pop_tail_blocks(self, rid: str, keep: int) -> int:
+        """Return the blocks of a request past its first ``keep`` to the pool; count them."""
         table = self.allocator.block_table[rid]
-        keep = math.ceil(n_keep / self.page)
         tail = table[keep:]
         del table[keep:]
         freed = [b for b in tail if self.allocator.ledger.release(b, no_cache=True)]

@@ -30,7 +30,7 @@ from .manager import EvictingBatchingManager, init_evicting_batching
 from ..core.metrics import ServerCounters, render_prometheus
 from .openai_api import BadRequest, error_body
 from .pool import plan_pool
-from ..core import EvictionSettings, serving_methods
+from ..core import EvictionSettings, add_eviction_arguments, eviction_fields
 from .streams import Choice, Completion
 
 __all__ = ["ServerSettings", "Server", "build_app", "main"]
@@ -273,11 +273,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("model", help="local HF directory, smollm2-135m or testbed (dynts.load)")
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="transformers' continuous batching (this server) or vLLM's OpenAI server with the dynts plugin")
-    p.add_argument("--kv-method", default="dynts", help=f"one of {serving_methods()}")
-    p.add_argument("--kv-budget", type=int, default=None, help="B: most KV entries per request")
-    p.add_argument("--kv-local-window", type=int, default=None, help="W_l: recent tokens always kept")
-    p.add_argument("--kv-retention", type=float, default=0.4, help="fraction of the selection window kept")
-    p.add_argument("--predictor", default=None, help="DynTS predictor directory (needed by --kv-method dynts)")
+    add_eviction_arguments(p)
     p.add_argument("--think-end", default="</think>", help="token closing the thinking segment")
     add_load_arguments(p)
     p.add_argument("--served-name", default=None, help="model name in /v1/models (default: MODEL)")
@@ -307,8 +303,7 @@ def resolve_device(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(argv or []))
     try:
-        settings = EvictionSettings(args.kv_method, args.kv_budget, args.kv_local_window, args.kv_retention,
-                                    args.predictor, args.think_end)
+        settings = EvictionSettings(**eviction_fields(args), think_end=args.think_end).check_served()
         server_settings = ServerSettings(args.host, args.port, args.page_size, args.num_blocks, args.max_batch_tokens,
                                          args.max_tokens, args.log_level)
         options = resolve_device(args)
