@@ -201,7 +201,7 @@ def serving_processor(sizes: dict, device: torch.device):
     from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
     import dynts
-    from dynts.core import EvictionSettings, Forward, SlotTracker
+    from dynts.core import EvictionPolicy, EvictionSettings, Forward, SlotTracker
     from dynts.serving.processor import EvictingBatchProcessor
 
     r, budget, page = sizes["requests"], sizes["budget"], sizes["page"]
@@ -218,6 +218,7 @@ def serving_processor(sizes: dict, device: torch.device):
     processor = object.__new__(EvictingBatchProcessor)
     processor.settings, processor.cache, processor.allocator, processor.page = settings, cache, allocator, page
     processor.tracker = SlotTracker(settings, device, think_end=None)
+    processor.policy = EvictionPolicy(page)
     processor._flat, processor._layer_offsets = processor._flat_view()
     g = torch.Generator().manual_seed(1)
     states = {}
@@ -249,7 +250,7 @@ def evict_all_rows(processor) -> int:
     identity moves included (the same tracker, evictor and block bookkeeping as the real round).
     Returns the rows gathered per layer."""
     due = [(s, processor.slots[rid]) for rid, s in processor.scheduler.active_requests.items()
-           if processor.tracker.due(processor.slots[rid], s.position_offset)]
+           if processor.slots[rid].due(s.position_offset)]
     states = {id(entry): state for state, entry in due}
     src, dst = [], []
     for group in processor.tracker.evict([(entry, state.position_offset) for state, entry in due]):
@@ -259,7 +260,7 @@ def evict_all_rows(processor) -> int:
         src.append(physical.gather(1, group.kept.to(physical.device)).flatten())
         dst.append(physical[:, : group.n_keep].flatten())
         for state, entry in zip(members, group.entries):
-            entry.freed_blocks += processor._pop_tail_blocks(state.request_id, group.n_keep)
+            entry.freed_blocks += processor._pop_tail_blocks(state.request_id, processor.policy.blocks(group.n_keep))
             state.position_offset = group.n_keep
     src_all, dst_all = torch.cat(src), torch.cat(dst)
     offsets = processor._layer_offsets.unsqueeze(1)
