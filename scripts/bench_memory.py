@@ -260,6 +260,7 @@ def evict_all_rows(processor) -> int:
         src.append(physical.gather(1, group.kept.to(physical.device)).flatten())
         dst.append(physical[:, : group.n_keep].flatten())
         for state, entry in zip(members, group.entries):
+            entry.evicted(group.stored)
             entry.freed_blocks += processor._pop_tail_blocks(state.request_id, processor.policy.blocks(group.n_keep))
             state.position_offset = group.n_keep
     src_all, dst_all = torch.cat(src), torch.cat(dst)
