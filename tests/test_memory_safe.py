@@ -18,7 +18,7 @@ from dynts.evictors.rkv import RKV, key_redundancy
 from conftest import padded_batch, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-generate_module = importlib.import_module("dynts.generate")  # the package re-exports a function of that name
+attach_module = importlib.import_module("dynts.cache.attach")  # dynts.attach: where the recording is switched on
 
 
 # ---------------------------------------------------------------- references (the code before #14)
@@ -85,7 +85,7 @@ def reference_recording(monkeypatch):
         return recording_attention(model, lambda module, probs: recorder(module, probs, 0))
 
     monkeypatch.setattr(attention, "attention_rows", reference_attention_rows)
-    monkeypatch.setattr(generate_module, "recording_attention", unchunked)
+    monkeypatch.setattr(attach_module, "recording_attention", unchunked)
     monkeypatch.setattr(BoundedCache, "record_attention", reference_record_attention)
 
 
@@ -232,7 +232,7 @@ def _drive(model, method, ids, mask, first_chunk, steps):
 def test_cache_statistics_and_kept_sets_unchanged(method, monkeypatch, request):
     model = tiny_model("qwen2")  # 4 query heads / 2 KV heads
     ids, mask = padded_batch([19, 13, 8])
-    monkeypatch.setattr(generate_module, "RECORD_CHUNK_ROWS", 3)  # odd chunks: 19 = 6 x 3 + 1
+    monkeypatch.setattr(attach_module, "RECORD_CHUNK_ROWS", 3)  # odd chunks: 19 = 6 x 3 + 1
     got_stats, got_trace, events = _drive(model, method, ids, mask, first_chunk=7, steps=30)
     request.getfixturevalue("reference_recording")
     want_stats, want_trace, _ = _drive(model, method, ids, mask, first_chunk=7, steps=30)

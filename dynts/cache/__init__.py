@@ -2,6 +2,9 @@
 (:func:`attach`, :func:`build_cache`)."""
 
 from .attach import attach, build_cache
-from .bounded import BoundedCache, BoundedLayer, CacheStats, incoming_tokens
+from .bounded import BoundedCache, CacheStats
+from .layers import BoundedLayer, StaticBoundedLayer, incoming_tokens
+from .scores import PredictorScores
 
-__all__ = ["BoundedCache", "BoundedLayer", "CacheStats", "attach", "build_cache", "incoming_tokens"]
+__all__ = ["BoundedCache", "BoundedLayer", "CacheStats", "PredictorScores", "StaticBoundedLayer", "attach", "build_cache",
+           "incoming_tokens"]

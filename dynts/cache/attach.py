@@ -16,6 +16,7 @@ from ..evictors import Evictor
 from ..hf_compat import cache_keyword, route_cache_keyword
 from ..predictor import ImportancePredictor
 from .bounded import BoundedCache
+from .scores import PredictorScores
 
 __all__ = ["attach", "build_cache"]
 
@@ -72,8 +73,7 @@ def attach(
             model.register_forward_hook(after, with_kwargs=True),
         ]
         if predictor is not None:
-            cache.predictor = predictor
-            cache.predictor_device = next(predictor.parameters()).device
+            cache.scorer = PredictorScores(predictor, cache.defer_scores)
             slot = scoring_slot(model)
             outer, slot[0] = slot[0], cache
             stack.callback(slot.__setitem__, 0, outer)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..core.budget import Budget
 from ..core.segments import label_rows
@@ -39,6 +39,8 @@ from ..core.slots import build_token_info, check_scored
 from ..evictors.base import Evictor, Segment, TokenInfo
 from ..kernels import compact_
 from ..thinking import DelimiterMatcher
+from .scores import PredictorScores
+from .layers import BoundedLayer, StaticBoundedLayer, incoming_tokens, mark_static
 
 __all__ = ["BoundedCache", "BoundedLayer", "CacheStats"]
 
@@ -57,103 +59,6 @@ class CacheStats:
     def peak_kv_bytes(self) -> int:
         """Bytes of K/V held at the peak (all layers, all rows)."""
         return self.peak_cache_tokens * self.kv_bytes_per_token
-
-
-class BoundedLayer(CacheLayerMixin):
-    """One layer's K/V buffers; writes in place and returns views of the live entries."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, owner: "BoundedCache", layer_idx: int):
-        super().__init__()
-        self.owner = owner
-        self.layer_idx = layer_idx
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
-        b, h, _, d = key_states.shape
-        cap = self.owner.capacity
-        self.keys = key_states.new_zeros(b, h, cap, d)
-        self.values = value_states.new_zeros(b, h, cap, value_states.shape[-1])
-        if self.owner.static:  # fixed addresses: CUDA graphs replay in-place writes without copies
-            mark_static(self.keys, self.values)
-        self.is_initialized = True
-
-    def grow(self, capacity: int) -> None:
-        """Reallocate the buffers to ``capacity`` slots (amortised doubling; never per step)."""
-        if not self.is_initialized or self.keys.shape[2] >= capacity:
-            return
-        n = self.owner.length
-        keys = self.keys.new_zeros(*self.keys.shape[:2], capacity, self.keys.shape[3])
-        values = self.values.new_zeros(*self.values.shape[:2], capacity, self.values.shape[3])
-        keys[:, :, :n] = self.keys[:, :, :n]
-        values[:, :, :n] = self.values[:, :, :n]
-        self.keys, self.values = keys, values
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        owner = self.owner
-        q = key_states.shape[2]
-        if q != owner.pending:
-            raise RuntimeError(
-                "BoundedCache was updated outside a tracked forward; drive the model through "
-                "`with dynts.attach(model, cache): ...` (dynts.generate does this for you)"
-            )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if owner.static_step:  # static shapes: no host integer read, whole buffers + 4-D mask
-            self.grow(owner.capacity)  # a no-op unless max_length was too small (then: a new graph)
-            self.keys.index_copy_(2, owner.write_index, key_states)
-            self.values.index_copy_(2, owner.write_index, value_states)
-            return self.keys, self.values
-        self.grow(owner.capacity)
-        start = owner.length
-        self.keys[:, :, start : start + q] = key_states
-        self.values[:, :, start : start + q] = value_states
-        return self.keys[:, :, : start + q], self.values[:, :, : start + q]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        stored = self.owner.length
-        return stored + query_length, self.owner.seen - stored
-
-    def get_seq_length(self) -> int:
-        owner = self.owner
-        if owner.static_step and torch.compiler.is_compiling():
-            return owner.seen_tensor  # a device scalar: a host int would be baked into the graph
-        return owner.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.keys = self.values = None
-        self.is_initialized = False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported with a bounded cache")
-
-
-def mark_static(*tensors: torch.Tensor | None) -> None:
-    """Tell ``torch.compile`` these buffers keep their address (as transformers' ``StaticLayer`` does)."""
-    if torch.compiler.is_compiling():
-        return
-    for t in tensors:
-        if t is not None:
-            torch._dynamo.mark_static_address(t)
-
-
-def incoming_tokens(
-    input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch_size: int, query_length: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``[b, q]`` ids of a forward's new tokens (``-1`` when the model got embeddings) and their
-    validity (``True`` = real token, ``False`` = padding) from the 2-D ``attention_mask``."""
-    q = query_length
-    if input_ids is None:
-        input_ids = torch.full((batch_size, q), -1, dtype=torch.long, device=device)
-    if attention_mask is None:
-        return input_ids, torch.ones(batch_size, q, dtype=torch.bool, device=device)
-    return input_ids, attention_mask[:, -q:].bool()
 
 
 class BoundedCache(Cache):
@@ -190,7 +95,8 @@ class BoundedCache(Cache):
         max_length: int | None = None,
         defer_scores: bool = False,
     ):
-        super().__init__(layers=[BoundedLayer(self, i) for i in range(num_layers)])
+        layer = StaticBoundedLayer if static else BoundedLayer
+        super().__init__(layers=[layer(self, i) for i in range(num_layers)])
         self.bounded = evictor.bounded
         if self.bounded and budget is None:
             raise ValueError(f"method={evictor.name!r} evicts and needs a budget (e.g. budget=1024, local_window=128)")
@@ -212,11 +118,7 @@ class BoundedCache(Cache):
         self.max_length = max_length
         self.static_step = False  # the forward in flight is a static-shape decode step
         self.defer_scores = bool(defer_scores)
-        self.predictor: torch.nn.Module | None = None  # set by dynts.attach
-        self.predictor_device: torch.device | None = None
-        self._hidden: torch.Tensor | None = None  # [b, slots, d] hidden states awaiting scores
-        self._deferred = 0  # how many, for slots _deferred_base ... _deferred_base + _deferred - 1
-        self._deferred_base = 0
+        self.scorer: PredictorScores | None = None  # set by dynts.attach with a predictor
         self.write_index: torch.Tensor | None = None  # [1] slot the decode step writes (static layout)
         self.seen_tensor: torch.Tensor | None = None  # [] tokens seen before the step (static layout)
         self.slot_mask: torch.Tensor | None = None  # [b, capacity] bool validity (static layout)
@@ -313,36 +215,15 @@ class BoundedCache(Cache):
         self.scores[:, self.length : self.length + self.pending] = scores
 
     def score_hidden(self, hidden: torch.Tensor) -> None:
-        """Predictor scores for the forward in flight from its final hidden states ``[b, q, d]``:
-        now (prefills, static steps) or deferred to the next :meth:`flush_scores` (eager decode
-        steps with ``defer_scores``)."""
-        if not self.pending:
-            return
-        hidden = hidden.to(self.predictor_device)  # the final norm may sit on another device (sharded models)
-        b, q, d = hidden.shape
-        if self.static_step or not self.defer_scores or q != 1:
-            self.flush_scores()
-            with torch.no_grad():
-                self.write_scores(self.predictor(hidden))
-            return
-        if self._hidden is None or self._hidden.shape[0] != b or self._hidden.shape[2] != d:
-            slots = max(1, self.capacity - (self.n_keep or 0))
-            self._hidden = hidden.new_empty(b, slots, d)
-        if self._deferred and (self._deferred_base + self._deferred != self.length or self._deferred == self._hidden.shape[1]):
-            self.flush_scores()
-        if not self._deferred:
-            self._deferred_base = self.length
-        self._hidden[:, self._deferred] = hidden[:, 0]
-        self._deferred += 1
+        """Predictor scores for the forward in flight from its final hidden states ``[b, q, d]``: now, or
+        deferred to the next :meth:`flush_scores` (:class:`~dynts.cache.scores.PredictorScores`)."""
+        if self.pending and self.scorer is not None:
+            self.scorer.score(self, hidden)
 
     def flush_scores(self) -> None:
         """Score the decode steps whose hidden states were kept (one batched predictor call)."""
-        if not self._deferred:
-            return
-        n, start = self._deferred, self._deferred_base
-        self._deferred = 0
-        with torch.no_grad():
-            self.scores[:, start : start + n] = self.predictor(self._hidden[:, :n]).to(self.scores.device, torch.float32)
+        if self.scorer is not None:
+            self.scorer.flush(self.scores)
 
     # ------------------------------------------------------------------ statistics
     def record_attention(self, probs: torch.Tensor, first_row: int = 0) -> None:

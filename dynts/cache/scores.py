@@ -1,0 +1,63 @@
+"""DynTS scores for a :class:`~dynts.cache.BoundedCache`: the predictor on each forward's final hidden states.
+
+A prefill, a static decode step or (without deferral) any forward is scored at once. Eager decode steps
+are deferred: their hidden states ``[b, 1, d]`` are kept in a ``[b, K, d]`` buffer (``K`` the eviction
+volume) and scored in one batched predictor call at the next eviction event or when the scores are read
+(:meth:`PredictorScores.flush`) -- the same scores from the same hidden states, without a per-step MLP.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .bounded import BoundedCache
+
+__all__ = ["PredictorScores"]
+
+
+class PredictorScores:
+    """Writes predictor scores into a cache's slot table (set by :func:`dynts.attach`).
+
+    Args:
+        predictor: maps hidden states ``[b, q, d]`` to scores ``[b, q]``.
+        defer: keep eager decode steps' hidden states for one batched call (see the module docstring).
+    """
+
+    def __init__(self, predictor: torch.nn.Module, defer: bool) -> None:
+        self.predictor = predictor
+        self.device = next(predictor.parameters()).device
+        self.defer = defer
+        self.hidden: torch.Tensor | None = None  # [b, slots, d] hidden states awaiting scores
+        self.count = 0  # how many, for slots base ... base + count - 1
+        self.base = 0
+
+    def score(self, cache: "BoundedCache", hidden: torch.Tensor) -> None:
+        """Scores for ``cache``'s forward in flight from its final hidden states ``[b, q, d]``."""
+        hidden = hidden.to(self.device)  # the final norm may sit on another device (sharded models)
+        b, q, d = hidden.shape
+        if cache.static_step or not self.defer or q != 1:
+            self.flush(cache.scores)
+            with torch.no_grad():
+                cache.write_scores(self.predictor(hidden))
+            return
+        if self.hidden is None or self.hidden.shape[0] != b or self.hidden.shape[2] != d:
+            slots = max(1, cache.capacity - (cache.n_keep or 0))
+            self.hidden = hidden.new_empty(b, slots, d)
+        if self.count and (self.base + self.count != cache.length or self.count == self.hidden.shape[1]):
+            self.flush(cache.scores)
+        if not self.count:
+            self.base = cache.length
+        self.hidden[:, self.count] = hidden[:, 0]
+        self.count += 1
+
+    def flush(self, scores: torch.Tensor) -> None:
+        """Score the kept decode steps into ``scores`` ``[b, n]`` (one batched predictor call)."""
+        if not self.count:
+            return
+        n, start = self.count, self.base
+        self.count = 0
+        with torch.no_grad():
+            scores[:, start : start + n] = self.predictor(self.hidden[:, :n]).to(scores.device, torch.float32)
