@@ -11,7 +11,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import dynts
 from dynts.evictors import Segment, TokenInfo
-from dynts.evictors.fixed import FixedPositions, fixed_budget
+from dynts.core.budget import fixed_budget
+from dynts.evictors.fixed import FixedPositions
 from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
 from eval.analyses import pareto, pos, sparsity

@@ -13,7 +13,8 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, Qwen2Config
 import dynts
 from conftest import TINY, tiny_model
 from dynts.evictors.base import Segment
-from dynts.evictors.fixed import FixedPositions, fixed_budget
+from dynts.core.budget import fixed_budget
+from dynts.evictors.fixed import FixedPositions
 from dynts.serving import EvictionSettings, init_evicting_batching, missing_internals, serving_methods
 from dynts.serving.batch import encode_prompt
 from dynts.serving.compat import check_transformers_version

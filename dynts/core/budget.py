@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+__all__ = ["SIZINGS", "Budget", "fixed_budget"]
+
 SIZINGS = ("paper", "official", "headroom")
 
 
@@ -125,3 +127,30 @@ class Budget:
         entries, never more than ``B``, and each event drops ``K`` (:meth:`eviction_volume`)."""
         over = question_length + generated - self.budget
         return max(0, -(-over // self.eviction_volume(question_length)))
+
+
+def fixed_budget(kept: int, question_length: int, capacity: int) -> Budget:
+    """A :class:`Budget` whose events keep exactly ``kept`` slots per row (the ``fixed`` evictor's sets:
+    :class:`dynts.evictors.fixed.FixedPositions`).
+
+    Args:
+        kept: slots each row keeps at the event (the set size); at least ``question_length``,
+            because every bounded cache keeps its question window (``n_keep >= W_q``).
+        question_length: width of the first forward (the cache's ``W_q``).
+        capacity: ``B``; no event fires on its own until a row would hold more than ``capacity``
+            tokens, so a caller that evicts once explicitly (``cache.evict()``) and then decodes
+            passes the stored length plus every token still to come.
+
+    ``local_window`` is 0 and ``retention`` is chosen so ``floor(retention * W_s) = kept - W_q``.
+    """
+    if not question_length <= kept < capacity:
+        raise ValueError(
+            f"kept={kept} must satisfy question_length ({question_length}) <= kept < capacity ({capacity}); "
+            "keep every question token and give the cache room for the tokens that follow"
+        )
+    selection = capacity - question_length
+    retention = (kept - question_length + 0.5) / selection
+    budget = Budget(capacity, 0, min(1.0, retention))
+    if budget.n_keep(question_length) != kept:  # pragma: no cover - floor arithmetic guard
+        raise RuntimeError(f"could not size a budget keeping {kept} of {capacity} slots")
+    return budget

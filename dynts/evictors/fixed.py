@@ -6,7 +6,7 @@ Running it through this evictor means the retained context is built by the same
 :class:`~dynts.cache.BoundedCache` compaction users run, not by a copy of it.
 
 Every bounded cache keeps the same ``n_keep`` slots per row at an event (paper C.3), so a set must
-fit that count: :func:`fixed_budget` returns the :class:`~dynts.core.budget.Budget` under which
+fit that count: :func:`dynts.core.budget.fixed_budget` returns the :class:`~dynts.core.budget.Budget` under which
 ``n_keep`` equals the set size. Rows whose set is smaller than ``n_keep`` (batches of unequal sets)
 fill the gap with padding slots, which stay masked; if a row lacks padding to fill it, the event
 raises rather than keep a token outside the set.
@@ -19,10 +19,9 @@ from typing import Sequence
 
 import torch
 
-from ..core.budget import Budget
 from .base import Evictor, TokenInfo, register
 
-__all__ = ["FixedPositions", "fixed_budget"]
+__all__ = ["FixedPositions"]
 
 
 @register("fixed")
@@ -80,35 +79,9 @@ class FixedPositions(Evictor):
                 raise ValueError(
                     f"row {r} stores {c} positions of keep (+{free} padding slots) but the cache keeps "
                     f"n_keep={info.n_keep} per row; build the cache with "
-                    f"dynts.evictors.fixed.fixed_budget(kept={c}, ...) so n_keep equals the set size"
+                    f"dynts.core.budget.fixed_budget(kept={c}, ...) so n_keep equals the set size"
                 )
         # members first, then padding fillers (still masked after the event), then nothing else
         priority = member.long() * 2 + (~info.valid).long()
         order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
         return order[:, : info.n_keep].sort(dim=-1).values
-
-
-def fixed_budget(kept: int, question_length: int, capacity: int) -> Budget:
-    """A :class:`Budget` whose events keep exactly ``kept`` slots per row.
-
-    Args:
-        kept: slots each row keeps at the event (the set size); at least ``question_length``,
-            because every bounded cache keeps its question window (``n_keep >= W_q``).
-        question_length: width of the first forward (the cache's ``W_q``).
-        capacity: ``B``; no event fires on its own until a row would hold more than ``capacity``
-            tokens, so a caller that evicts once explicitly (``cache.evict()``) and then decodes
-            passes the stored length plus every token still to come.
-
-    ``local_window`` is 0 and ``retention`` is chosen so ``floor(retention * W_s) = kept - W_q``.
-    """
-    if not question_length <= kept < capacity:
-        raise ValueError(
-            f"kept={kept} must satisfy question_length ({question_length}) <= kept < capacity ({capacity}); "
-            "keep every question token and give the cache room for the tokens that follow"
-        )
-    selection = capacity - question_length
-    retention = (kept - question_length + 0.5) / selection
-    budget = Budget(capacity, 0, min(1.0, retention))
-    if budget.n_keep(question_length) != kept:  # pragma: no cover - floor arithmetic guard
-        raise RuntimeError(f"could not size a budget keeping {kept} of {capacity} slots")
-    return budget

@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dynts.evictors.fixed import FixedPositions, fixed_budget
+from dynts.core.budget import fixed_budget
+from dynts.evictors.fixed import FixedPositions
 from dynts.hf_compat import cache_keyword
 from dynts import attach, build_cache, generate
 from dynts.io import write_atomic
