@@ -207,9 +207,7 @@ def _adapter_base(adapter_dir: Path) -> str:
     return base
 
 
-def _auto_class(path: Path, task: str, token_classification: bool | None):
-    if token_classification is not None:
-        task = "token-classification" if token_classification else "causal-lm"
+def _auto_class(path: Path, task: str):
     if task not in TASKS:
         raise ValueError(f"task={task!r} is unknown; choose one of {list(TASKS)}")
     if task == "auto":
@@ -234,7 +232,6 @@ def load(
     merge_adapter: bool = False,
     revision: str | None = None,
     task: str = "auto",
-    token_classification: bool | None = None,
     trust_remote_code: bool = False,
     **model_kwargs: Any,
 ):
@@ -256,7 +253,7 @@ def load(
         revision: hub revision for cached hub ids.
         task: ``"causal-lm"``, ``"token-classification"`` (PRMs), ``"model"`` (``AutoModel``, e.g.
             a remote-code PRM) or ``"auto"`` (token classification when the config's
-            ``architectures`` say so, else causal LM); ``token_classification=True/False`` is the same switch.
+            ``architectures`` say so, else causal LM).
         trust_remote_code: only when you trust the directory's code; never implied.
         **model_kwargs: passed to ``from_pretrained`` (e.g. ``quantization_config``).
     """
@@ -270,7 +267,7 @@ def load(
             raise ValueError(f"{str(name_or_path)!r} is an adapter directory; pass adapter=... only with a base model")
         adapter, tokenizer_path = path, path
         path = resolve_path(_adapter_base(path))
-    auto = _auto_class(path, task, token_classification)
+    auto = _auto_class(path, task)
     options = dict(model_kwargs)
     if attn_implementation is not None:
         options["attn_implementation"] = attn_implementation

@@ -249,7 +249,7 @@ def load_prm(
         if isinstance(prm, (str, Path)):
             from ..models import load
 
-            prm = load(prm, dtype=dtype, device=device, token_classification=False, trust_remote_code=trust_remote_code)
+            prm = load(prm, dtype=dtype, device=device, task="causal-lm", trust_remote_code=trust_remote_code)
         if not (isinstance(prm, tuple) and len(prm) == 2 and isinstance(prm[0], torch.nn.Module)):
             raise ValueError(f"prm={prm!r}: kind='likelihood' needs a (causal_lm, tokenizer) pair or a model name / directory")
         return LikelihoodPRM(prm[0], prm[1], **options)
@@ -258,7 +258,7 @@ def load_prm(
         if name.startswith("testbed"):
             from ..models import load
 
-            model, tokenizer = load(name, dtype=dtype, device=device, token_classification=True)
+            model, tokenizer = load(name, dtype=dtype, device=device, task="token-classification")
             kind, separator = kind or "token", separator or ";"
         else:
             path = Path(name).expanduser()
