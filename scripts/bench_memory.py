@@ -65,8 +65,6 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 METHODS = ("window", "streamingllm", "sepllm", "h2o", "snapkv", "rkv", "dynts", "full")
 SHAPE_7B = dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, head_dim=128)
 GIB = 2**30
