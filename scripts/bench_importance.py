@@ -1,4 +1,4 @@
-"""Peak memory of answer-to-thinking importance vs a plain forward (issue 4, "Must show").
+"""Peak memory of answer-to-thinking importance vs a plain forward.
 
 Each variant runs in its own subprocess on the same random model and input; the peak resident
 memory (``VmHWM``, reset through ``/proc/self/clear_refs`` right before the forward) minus the

@@ -1,4 +1,4 @@
-"""Testbed report for the predictor pipeline (issue 4, "Must show"):
+"""Testbed report for the predictor pipeline:
 
 1. how often the attention importance (answer rows, summed over layers/heads) ranks the testbed's
    ground-truth critical tokens (the value written after the asked key ``rK=``, found by
