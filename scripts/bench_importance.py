@@ -1,4 +1,4 @@
-"""Peak memory of answer-to-thinking importance vs a plain forward (issue 4, "Must show").
+"""Peak memory of answer-to-thinking importance vs a plain forward.
 
 Each variant runs in its own subprocess on the same random model and input; the peak resident
 memory (``VmHWM``, reset through ``/proc/self/clear_refs`` right before the forward) minus the
@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _status(field: str) -> int:
@@ -56,7 +53,6 @@ def child(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(ROOT))
     from dynts.importance import answer_importance
 
     model = _model(args)
@@ -102,7 +98,7 @@ def main() -> None:
     results = {}
     for variant in variants:
         cmd = [sys.executable, __file__, "--variant", variant] + sys.argv[1:]
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"{variant} failed:\n{out.stderr[-2000:]}")
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])

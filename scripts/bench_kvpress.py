@@ -205,7 +205,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    sys.path.insert(0, str(ROOT))
     import dynts
     from dynts.models import resolve_path
 

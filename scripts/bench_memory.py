@@ -29,7 +29,7 @@ pages of 256 allocated request by request in turn, so block tables interleave). 
 ``PagedAttentionCache`` (no model) of random bf16 K/V, about 7 GiB. Two paths, each in its own process,
 same seed:
 
-* ``before``: the reference (:func:`evict_all_rows`) -- the round as first shipped: one
+* ``before``: the reference (:func:`evict_all_rows`), all rows at once: one
   ``index_select`` of every kept row of every layer, K and V, and request at once (identity moves
   included), then one ``index_copy_``;
 * ``after``: the real ``EvictingBatchProcessor._evict_due`` (``SlotTracker.evict``,
@@ -64,8 +64,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 METHODS = ("window", "streamingllm", "sepllm", "h2o", "snapkv", "rkv", "dynts", "full")
 SHAPE_7B = dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, head_dim=128)
@@ -245,7 +243,7 @@ def serving_processor(sizes: dict, device: torch.device):
 
 
 def evict_all_rows(processor) -> int:
-    """The reference: the eviction round as first shipped in dynts.serving -- one ``index_select`` /
+    """The reference: the eviction round with all rows at once -- one ``index_select`` /
     ``index_copy_`` of every kept row of every layer, K and V, and every evicting request at once,
     identity moves included (the same tracker, evictor and block bookkeeping as the real round).
     Returns the rows gathered per layer."""
@@ -326,7 +324,7 @@ def serving_main(args) -> int:
     sizes = serving_sizes(args)
     if not args.device.startswith("cuda"):
         per_slot = 2 * sizes["layers"] * sizes["kv_heads"] * sizes["head_dim"] * 2
-        need = sizes["requests"] * sizes["budget"] * per_slot * 1.6 + 2 * GIB  # pool + the old gather (~0.5 of it)
+        need = sizes["requests"] * sizes["budget"] * per_slot * 1.6 + 2 * GIB  # pool + the reference gather (~0.5 of it)
         free = _meminfo("MemAvailable")
         if need > free:
             raise SystemExit(f"needs ~{need / GIB:.1f} GiB, {free / GIB:.1f} GiB available: lower --requests or "

@@ -1,9 +1,9 @@
 """KV-Rescue engine cost, before vs after: decode steps/s, fork memory and host reads per decode step.
 
 Runs the engine itself (``dynts.rescue.engine.Policy``: fork, decode, append; no PRM) for the code in
-two source trees -- ``--before`` (e.g. an export of an older commit: ``git archive e2a03b2 | tar -x
--C /tmp/dynts-old``) and this checkout -- each in its own subprocess (``PYTHONPATH`` = that tree),
-on two model pairs:
+two source trees -- ``--before`` (another source tree, e.g. an export of an older commit) and this
+checkout -- each in its own subprocess (``PYTHONPATH`` = that tree, this script's worker mode), on two
+model pairs:
 
 * ``testbed``: the shipped testbed LRM (DynTS base, ``checkpoints/testbed-predictor``) and helper;
 * ``real``: random-init Qwen2 models of real shape -- base 7B-shaped (hidden 3584, 28/4 heads, MLP
@@ -15,8 +15,12 @@ on two model pairs:
 Each round forks ``n`` candidates per problem from both models, decodes ``--step-tokens`` tokens
 each (the base candidates screened by an entropy + gzip detector that never fires, so its text path
 runs), commits base candidate 0 and lets the helper absorb it (one forward). Host reads are counted
-with :mod:`dynts.rescue.hostsync` (loaded from this checkout for both trees) inside ``decode`` only.
+with each tree's :mod:`dynts.rescue.hostsync` inside ``decode`` only. The counter wraps torch's
+tensor-to-Python entry points and touches no engine code: copy this checkout's into a tree that lacks
+it (the worker refuses a tree without one)::
 
+    git archive OLD | tar -x -C /tmp/dynts-old
+    cp dynts/rescue/hostsync.py /tmp/dynts-old/dynts/rescue/   # if OLD has no counter
     python scripts/bench_rescue.py --before /tmp/dynts-old --out reports/rescue/bench-engine.json
     python scripts/bench_rescue.py --before /tmp/dynts-old --shapes testbed --repeats 3 --threads 1 \
         --out reports/rescue/bench-engine-testbed.json
@@ -25,7 +29,6 @@ with :mod:`dynts.rescue.hostsync` (loaded from this checkout for both trees) ins
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -98,9 +101,11 @@ def worker(args) -> dict:
     from dynts.rescue.engine import Candidate, Policy
     from dynts.rescue.sampling import candidate_generator
 
-    spec = importlib.util.spec_from_file_location("_bench_hostsync", ROOT / "dynts" / "rescue" / "hostsync.py")
-    hostsync = sys.modules["_bench_hostsync"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hostsync)
+    try:
+        from dynts.rescue.hostsync import count_host_reads
+    except ModuleNotFoundError:
+        raise SystemExit(f"{Path(dynts.__file__).parents[1]} has no dynts/rescue/hostsync.py: copy this checkout's "
+                         "into it (it counts torch's host reads, engine code untouched)") from None
     torch.set_num_threads(args.threads)
     setup = dict(SETUPS[args.shape])
     if args.shape == "real":
@@ -138,7 +143,7 @@ def worker(args) -> dict:
                                     detector.screen() if source == "base" else None)
                           for p in range(len(states)) for j in range(n)]
             t = time.perf_counter()
-            with hostsync.count_host_reads() as counted:
+            with count_host_reads() as counted:
                 policy.decode(cache, logits, candidates, sampler, stop_ids=frozenset(), eos_ids=frozenset(), decode_text=decode_text)
             decode_s += time.perf_counter() - t
             steps += args.step_tokens
@@ -176,7 +181,7 @@ def _run(root: Path, shape: str, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--before", type=Path, help="source tree of the code to compare against (e.g. an export of e2a03b2)")
+    p.add_argument("--before", type=Path, help="source tree of the code to compare against (e.g. an export of an older commit)")
     p.add_argument("--shapes", default="testbed,real")
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the real-shape models")
     p.add_argument("--context", type=int, default=4096, help="real shape: the helper's committed context")

@@ -142,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
           f"requests); {args.requests} requests x ({args.prompt} prompt + {args.generate} generated); "
           f"load avg {os.getloadavg()}")
     if args.engine == "vllm":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_serve_vllm import run_all
 
         runs = run_all(args, num_blocks)

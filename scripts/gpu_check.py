@@ -23,19 +23,20 @@ Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finish
 (7) ``serve_graphs``: DynTS in continuous batching with the engine's CUDA graphs on vs off (a
     random-init model, float32, a random predictor): the same tokens and kept sets at every event,
     graph replays counted, seconds of both runs.
-(8) ``decode``: ``scripts/bench_decode.py``'s measurement on the same model at L = 8k / 16k / 32k,
-    B = 2k / 4k, batch 1 and 16, eager and compiled: speedup vs the full cache, t / t_full(B),
-    peak KV and GPU memory (combinations in :func:`plan`'s order; what did not fit in time or
-    memory is listed under ``skipped``).
+(8) ``decode``: ``scripts/bench_decode.py``'s measurement (:mod:`eval.harness.decode_bench`) on the same
+    model at L = 8k / 16k / 32k, B = 2k / 4k, batch 1 and 16, eager and compiled: speedup vs the full
+    cache, t / t_full(B), peak KV and GPU memory (combinations in :func:`plan`'s order; what did not
+    fit in time or memory is listed under ``skipped``).
 (9) ``vllm``: the vLLM plugin's slot copy for FlashAttention's layout (``dynts.vllm.layouts``) on the
     device at the R1-7B attention shape (28 layers, 4 KV heads, head 128, block 16, bf16): one eviction
     round of 32 requests at B = 4096, exact against a reference gather, its time and peak scratch. The
     engine itself needs vLLM, which the GPU image lacks (its wheel is far over what a call can carry):
     ``engine`` says whether it was importable.
 
-Run it there (the device tool's ``run``, ``timeout_s=600``)::
+Run it there (the device tool's ``run``, ``timeout_s=600``; the image has no install of this checkout,
+``PYTHONPATH=$PWD`` puts its packages on the path)::
 
-    PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 scripts/gpu_check.py --out $OUT
 
 dynts supports transformers ``>=5.17,<5.25`` (``dynts/hf_compat.py``), so the image's own release
 runs every section but the serving ones; those need ``dynts.serving``'s ``>=5.24,<5.25``. To run them
@@ -71,9 +72,7 @@ from types import SimpleNamespace
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-# dynts, bench_decode and bench_serve are imported only after check_versions() accepted the release
+# dynts, eval.harness.decode_bench and bench_serve are imported only after check_versions() accepted the release
 
 R1_DISTILL_7B = dict(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -155,16 +154,15 @@ def kv_bytes_per_token(shape: dict, dtype: torch.dtype) -> int:
 
 
 def run_combo(model, combo: dict, args, shape: dict, dtype) -> dict:
-    import bench_decode
+    from eval.harness.decode_bench import DecodeSettings, bench_positions
 
     steps = 4 if args.dry_run else 8
-    argv = ["--models", "x", "--budget", str(combo["budget"]), "--local-window", str(combo["budget"] // 16),
-            "--steps", str(steps), "--prompt-tokens", "32", "--full-chunk", str(256 if args.dry_run else 4096)]
-    bench_args = bench_decode.parse_args(argv + (["--compile"] if combo["compile"] else []))
+    settings = DecodeSettings(budget=combo["budget"], local_window=combo["budget"] // 16, steps=steps, prompt_tokens=32,
+                              full_chunk=256 if args.dry_run else 4096, compile=combo["compile"])
     label = "tiny-random" if args.dry_run else "random-R1-Distill-Qwen-7B-bf16"
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    run = bench_decode.bench_positions(model, label, combo["batch"], args.methods, combo["positions"], bench_args)
+    run = bench_positions(model, label, combo["batch"], args.methods, combo["positions"], settings)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     rows = []
     for row in run["rows"]:

@@ -1,4 +1,4 @@
-"""Testbed report for the predictor pipeline (issue 4, "Must show"):
+"""Testbed report for the predictor pipeline:
 
 1. how often the attention importance (answer rows, summed over layers/heads) ranks the testbed's
    ground-truth critical tokens (the value written after the asked key ``rK=``, found by
@@ -22,21 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from data_pipeline.loading import load_tokenizer  # noqa: E402
-from data_pipeline.testbed import task  # noqa: E402
-from dynts import ImportancePredictor  # noqa: E402
-from dynts.io import write_atomic  # noqa: E402
-from trainers.predictor_data import PredictorDataModule  # noqa: E402
-from trainers.predictor_metrics import MeanKendallTau, TopPercentOverlap  # noqa: E402
+from data_pipeline.loading import load_tokenizer
+from data_pipeline.testbed import task
+from dynts import ImportancePredictor
+from dynts.io import write_atomic
+from trainers.predictor_data import PredictorDataModule
+from trainers.predictor_metrics import MeanKendallTau, TopPercentOverlap
 
 
 def critical_in_top(scores: torch.Tensor, critical: list[int], percent: float) -> tuple[int, int]:

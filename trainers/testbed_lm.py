@@ -1,6 +1,6 @@
 """Training the testbed reasoning model (and its weaker helper) from scratch on generated traces.
 
-Recipe (``/work/shared/FACTS.md``, attempt 2): a tiny ``Qwen2ForCausalLM``, weighted next-token
+Recipe: a tiny ``Qwen2ForCausalLM``, weighted next-token
 loss (answer value 10, step values 3, operand values 2, answer key 2, structure 1, filler 0.5),
 10% pure retrieval drills, short traces first, then long ones; piecewise-cosine learning rate over
 stages. Batches are a pure function of ``(seed, global_step)``, so a resumed run continues the
@@ -323,7 +323,7 @@ class LMModule(L.LightningModule):
         return export(self.model, self.cfg.export_dir)
 
     def gate(self) -> dict[str, float]:
-        """Full-cache generation check on ``gate_size`` dev problems (FACTS: gate on >= 95%)."""
+        """Full-cache generation check on ``gate_size`` dev problems (the gate: >= 95 % correct)."""
         from trainers.testbed_eval import generate_texts, score
 
         probs = task.problem_set("dev", self.cfg.gate_size, min_think=self.cfg.data.min_think, max_think=self.cfg.data.max_think)

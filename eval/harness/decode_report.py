@@ -1,4 +1,5 @@
-"""Output of ``scripts/bench_decode.py``: the per-position table, the latency plot and the JSON file."""
+"""Output of :mod:`.decode_bench` (``scripts/bench_decode.py``): the per-position table, the latency plot and
+the JSON file."""
 
 from __future__ import annotations
 
