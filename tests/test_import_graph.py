@@ -1,4 +1,4 @@
-"""Import-graph hygiene for the project's packages (issue #15).
+"""Import-graph hygiene for the project's packages.
 
 Walks every module of ``dynts``, ``trainers``, ``eval`` and ``data_pipeline`` with :mod:`ast`
 (imports inside functions included, relative imports resolved, ``if TYPE_CHECKING:`` blocks

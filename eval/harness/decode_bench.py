@@ -124,10 +124,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plan_chunks(seen: int, length: int, target_seen: int, target_length: int, budget: int, n_keep: int) -> list[int]:
-    """Chunk sizes (each <= K = budget - n_keep) taking a bounded cache from ``(seen, length)`` to
-    ``(target_seen, target_length)``, with the cache's rule: a chunk of ``q`` evicts to ``n_keep``
-    first when ``length + q > budget`` and ``length > n_keep``."""
+def plan_chunks(seen: int, length: int, target_seen: int, target_length: int, bounds: dynts.Budget,
+                n_keep: int) -> list[int]:
+    """Chunk sizes (each <= K = B - n_keep) taking a bounded cache from ``(seen, length)`` to
+    ``(target_seen, target_length)``, with the cache's event rule (:meth:`dynts.Budget.due`: a chunk of
+    ``q`` evicts to ``n_keep`` first when it would overflow ``B``)."""
+    budget = bounds.budget
     volume = budget - n_keep
     distance = target_seen - seen
     if distance < 0:
@@ -136,7 +138,7 @@ def plan_chunks(seen: int, length: int, target_seen: int, target_length: int, bu
     def feed(chunks: list[int]) -> int:
         current = length
         for q in chunks:
-            if current + q > budget and current > n_keep:
+            if bounds.due(current, q, n_keep):
                 current = n_keep
             current += q
             if current > budget:
@@ -210,7 +212,7 @@ def bench_positions(model, model_name: str, batch: int, methods: list[str], posi
             cache = lane.cache
             if lane.bounded:
                 chunks = plan_chunks(cache.seen, cache.length, position - n - warm, settings.budget - n - warm,
-                                     settings.budget, n_keep)
+                                     bounds, n_keep)
             else:
                 chunks = full_chunks(position - n - warm - cache.seen, settings.full_chunk)
             driver.advance(lane, chunks + [1] * warm)
