@@ -28,6 +28,7 @@ __all__ = [
     "keep_top",
     "make_evictor",
     "first_valid_mask",
+    "local_and_question_mask",
     "recent_mask",
     "register",
 ]
@@ -183,3 +184,10 @@ def first_valid_mask(info: TokenInfo, count: int) -> torch.Tensor:
     """``[b, n]`` True on the first ``count`` real (non-pad) slots of each row (attention sinks)."""
     rank = info.valid.long().cumsum(-1)
     return info.valid & (rank <= count)
+
+
+def local_and_question_mask(info: TokenInfo, keep_question: bool) -> torch.Tensor:
+    """``[b, n]`` True on the local window and, with ``keep_question``, the prompt: the slots the
+    attention-scored methods (H2O, SnapKV, R-KV and their ``+q`` presets) always keep."""
+    protected = recent_mask(info, info.local_window)
+    return protected | (info.segments == Segment.QUESTION) if keep_question else protected

@@ -15,13 +15,13 @@ from typing import ClassVar
 
 import torch
 
-from .base import Evictor, Segment, TokenInfo, keep_top, recent_mask, register
-from .options import check_flag
+from .base import Evictor, TokenInfo, keep_top, local_and_question_mask, register
+from .options import KeepsQuestion, check_flag
 
 
 @register("h2o")
 @dataclass
-class H2O(Evictor):
+class H2O(KeepsQuestion, Evictor):
     """Keep the local window + the tokens with the largest accumulated attention.
 
     Args:
@@ -38,13 +38,8 @@ class H2O(Evictor):
     def __post_init__(self) -> None:
         check_flag("keep_question", self.keep_question)
 
-    def protected_prefix(self, question_length: int) -> int:
-        return question_length if self.keep_question else 0
-
     def select(self, info: TokenInfo) -> torch.Tensor:
         if info.attention is None:
             raise RuntimeError("H2O needs accumulated attention; the cache must record 'attention'")
-        protected = recent_mask(info, info.local_window)
-        if self.keep_question:
-            protected = protected | (info.segments == Segment.QUESTION)
+        protected = local_and_question_mask(info, self.keep_question)
         return keep_top(info.attention.float().masked_fill(protected, float("inf")), info)

@@ -21,3 +21,13 @@ def check_window(observation_window: object) -> None:
 def check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False")
+
+
+class KeepsQuestion:
+    """The ``keep_question`` option of the attention-scored methods (their ``+q`` presets): the prompt is
+    protected at every event, so its leading slots never move (a paged engine may share their blocks)."""
+
+    keep_question: bool
+
+    def protected_prefix(self, question_length: int) -> int:
+        return question_length if self.keep_question else 0

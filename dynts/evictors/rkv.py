@@ -36,8 +36,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import Evictor, Segment, TokenInfo, keep_top, recent_mask, register
-from .options import check_flag, check_pooling, check_window
+from .base import Evictor, TokenInfo, keep_top, local_and_question_mask, register
+from .options import KeepsQuestion, check_flag, check_pooling, check_window
 from .snapkv import pooled_outside_window
 
 NORMALIZATIONS = ("all", "non_window")
@@ -98,7 +98,7 @@ def key_redundancy(
 
 @register("rkv")
 @dataclass
-class RKV(Evictor):
+class RKV(KeepsQuestion, Evictor):
     """Keep the local window + the slots of highest ``lambda * importance - (1 - lambda) * redundancy``.
 
     Args:
@@ -147,11 +147,6 @@ class RKV(Evictor):
         redundancy = key_redundancy(info.keys, info.valid, float(self.similarity_threshold))
         return self.mix_lambda * importance - (1.0 - self.mix_lambda) * redundancy
 
-    def protected_prefix(self, question_length: int) -> int:
-        return question_length if self.keep_question else 0
-
     def select(self, info: TokenInfo) -> torch.Tensor:
-        protected = recent_mask(info, info.local_window)
-        if self.keep_question:
-            protected = protected | (info.segments == Segment.QUESTION)
+        protected = local_and_question_mask(info, self.keep_question)
         return keep_top(self.scores(info).masked_fill(protected, float("inf")), info)

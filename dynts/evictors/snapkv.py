@@ -18,8 +18,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Evictor, Segment, TokenInfo, keep_top, recent_mask, register
-from .options import check_flag, check_pooling, check_window
+from .base import Evictor, TokenInfo, keep_top, local_and_question_mask, register
+from .options import KeepsQuestion, check_flag, check_pooling, check_window
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
@@ -47,7 +47,7 @@ def pooled_outside_window(scores: torch.Tensor, info: TokenInfo, kernel_size: in
 
 @register("snapkv")
 @dataclass
-class SnapKV(Evictor):
+class SnapKV(KeepsQuestion, Evictor):
     """Keep the local window + the tokens the observation window attends to most (pooled).
 
     Args:
@@ -74,15 +74,10 @@ class SnapKV(Evictor):
         check_pooling(self.kernel_size, self.pooling)
         check_flag("keep_question", self.keep_question)
 
-    def protected_prefix(self, question_length: int) -> int:
-        return question_length if self.keep_question else 0
-
     def select(self, info: TokenInfo) -> torch.Tensor:
         if info.window_attention is None:
             raise RuntimeError("SnapKV needs window attention; the cache must record 'window_attention'")
         votes = info.window_attention[:, -self.observation_window :].float().sum(1)  # [b, n]
         priority = pooled_outside_window(votes, info, self.kernel_size, self.pooling)
-        protected = recent_mask(info, info.local_window)
-        if self.keep_question:
-            protected = protected | (info.segments == Segment.QUESTION)
+        protected = local_and_question_mask(info, self.keep_question)
         return keep_top(priority.masked_fill(protected, float("inf")), info)
