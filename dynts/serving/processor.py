@@ -1,4 +1,4 @@
-"""Per-request eviction inside transformers' continuous batching (``ContinuousBatchProcessor``).
+"""Per-request eviction inside transformers' continuous batching: the engine's adapter onto :mod:`dynts.core`.
 
 One counter drives the engine: ``RequestState.position_offset`` is a request's RoPE position, its key
 length, its read/write indices through the block table, its block count and the scheduler's budget.
@@ -6,12 +6,26 @@ Here it counts the *stored* slots. A per-request ``shift`` (tokens evicted so fa
 request's slice of ``position_ids`` after the batch tensors are built, so RoPE positions stay
 absolute while the keys of the kept tokens sit contiguously at the front of the request's pages.
 
+Where the adapter meets transformers (every other call leads into the core:
+:class:`~dynts.core.policy.EvictionPolicy` on the scheduler side, :class:`~dynts.core.tracker.SlotTracker`
+on the worker side; both share one :class:`~dynts.core.slots.RequestSlots` per request):
+
+| transformers object | how dynts hooks it | what runs |
+|---|---|---|
+| ``ContinuousBatchProcessor`` | ``__class__`` swap in ``EvictingBatchingManager._create_batch_processor`` (transformers builds the processor inside its generation thread) | :class:`EvictingBatchProcessor` |
+| ``prepare_next_batch`` | override | ``_record_batch``: ``EvictionPolicy.open``, ``SlotTracker.attach`` / ``record``, positions shifted |
+| ``update_batch`` | override | ``SlotTracker.write_scores``; ``_evict_due``: ``EvictionPolicy.event`` -> ``SlotTracker.evict`` -> ``copy_plan`` -> ``_gather_rows`` / ``_pop_tail_blocks`` |
+| ``scheduler._get_waiting_candidates`` | instance attribute wrapped | ``_admissible``: ``EvictionPolicy.admit`` |
+| ``offloading_manager.offload_requests`` | instance attribute wrapped | preemptions counted; ``_after_preemption`` fails a request preempted after an event |
+| ``model_runner._sample`` | instance attribute replaced (per-request sampling only) | :class:`~dynts.serving.sampling.PerRequestSampler` |
+| the model's final norm | forward hook (the manager's) | ``stash_hidden``: a copy into a static buffer, CUDA-graph safe |
+
 At the end of every round (:meth:`EvictingBatchProcessor.update_batch`) each decoding request whose
-next token would overflow the budget (``stored + 1 > B``, the rule of :class:`dynts.BoundedCache`)
-has an eviction event: its :class:`~dynts.TokenInfo` goes to the evictor, the kept slots that move
-(:func:`~dynts.core.copy_plan`) are copied to the front of the request's pages in every layer, a
-bounded chunk of rows at a time (:meth:`EvictingBatchProcessor._gather_rows`), its tail blocks go back
-to the pool, and its row of the :class:`~dynts.core.SlotTable` is compacted the same way.
+next token would overflow the budget (:meth:`dynts.Budget.due`) has an eviction event: its
+:class:`~dynts.TokenInfo` goes to the evictor, the kept slots that move (:func:`~dynts.core.copy_plan`)
+are copied to the front of the request's pages in every layer, a bounded chunk of rows at a time
+(:meth:`EvictingBatchProcessor._gather_rows`), its tail blocks go back to the pool, and its row of the
+:class:`~dynts.core.SlotTable` is compacted the same way.
 
 DynTS scores are graph-safe: the forward (captured in a CUDA graph or not) only copies the final-norm
 output into a static buffer (:meth:`EvictingBatchProcessor.stash_hidden`, called by the manager's
