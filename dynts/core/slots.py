@@ -1,9 +1,15 @@
-"""Per-request slot metadata of a paged KV cache: one row per request in flight, one column per stored slot.
+"""Per-request eviction state and the evictor's view of stored slots, shared by every cache and engine.
 
-Column ``j`` of a request's row describes the ``j``-th KV entry the request stores, i.e. the entry
-the engine reads at logical index ``j`` through the request's block table. An eviction event gathers
-the kept columns to the front of the row, exactly as the K/V rows are gathered to the front of the
-request's pages, so the table and the cache always agree.
+* :class:`RequestSlots` -- the one per-request state of the paged engines (budget, ``n_keep``, shift,
+  reservation, labelling state, statistics) with the event test (:meth:`RequestSlots.due`, i.e.
+  :meth:`dynts.Budget.due`);
+* :func:`build_token_info` -- the one :class:`~dynts.evictors.TokenInfo` builder (dense cache, ragged
+  KV-Rescue cache, paged slot table) and :func:`check_scored`, the stale-score check;
+* :class:`SlotTable` -- the paged engines' per-slot metadata: one row per request in flight, one column
+  per stored slot. Column ``j`` of a request's row describes the ``j``-th KV entry the request stores,
+  i.e. the entry the engine reads at logical index ``j`` through the request's block table. An eviction
+  event gathers the kept columns to the front of the row, exactly as the K/V rows are gathered to the
+  front of the request's pages, so the table and the cache always agree.
 """
 
 from __future__ import annotations
