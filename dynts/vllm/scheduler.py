@@ -31,13 +31,16 @@ evicted first -- into the shared blocks.)
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..paged import EvictionSettings
 from .config import PluginConfig
 
-__all__ = ["SchedulerHooks", "StepPlan"]
+__all__ = ["TRACE_ROUNDS", "SchedulerHooks", "StepPlan"]
+
+TRACE_ROUNDS = 4096  # rounds of (blocks in use, requests running) kept: the most recent ones
 
 
 @dataclass
@@ -79,7 +82,7 @@ class SchedulerHooks:
         self.failed: set[str] = set()
         self.preemptions = 0
         self.peak_blocks_in_use = 0
-        self.block_trace: list[tuple[int, int]] = []  # (blocks in use, requests running) after every round
+        self.block_trace: deque[tuple[int, int]] = deque(maxlen=TRACE_ROUNDS)  # (blocks in use, running) per round
 
     # ------------------------------------------------------------------ per request
     def budget_of(self, request: Any) -> RequestBudget | None:
