@@ -35,9 +35,9 @@ def tiny_model(root: str) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import dynts
+    from dynts.models import load_tokenizer
 
-    tok = dynts.models.load_tokenizer("testbed")
+    tok = load_tokenizer("testbed")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generate", type=int, default=64)
     p.add_argument("--every", type=int, default=200)
     p.add_argument("--json", default=None)
+    p.add_argument("--stock", action="store_true", help="stock vLLM (no plugin) over the same requests, to compare")
     args = p.parse_args(argv)
 
     import torch
@@ -76,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     model = tiny_model(tempfile.mkdtemp(prefix="dynts-soak-"))
     llm = LLM(model=model, dtype="float32", block_size=32, enforce_eager=True, async_scheduling=False, seed=0,
               max_num_seqs=args.in_flight, max_model_len=256, enable_prefix_caching=True,
-              additional_config={"dynts": {"method": "window", "budget": 64, "local_window": 16}})
+              **({} if args.stock else
+                 {"additional_config": {"dynts": {"method": "window", "budget": 64, "local_window": 16}}}))
     engine = llm.llm_engine
     scheduler_hooks = engine.engine_core.engine_core.scheduler._dynts
-    worker, config = worker_hooks(llm), None
-    config = scheduler_hooks.config
+    worker = None if args.stock else worker_hooks(llm)
     g = torch.Generator().manual_seed(0)
     sent = done = 0
     samples, start = [], time.perf_counter()
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = torch.randint(4, 80, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist()
         budget = 48 + sent % 97  # a distinct per-request setting for most requests
         params = SamplingParams(temperature=0, max_tokens=args.generate, ignore_eos=True,
-                                extra_args={"dynts": {"budget": budget}})
+                                extra_args=None if args.stock else {"dynts": {"budget": budget}})
         engine.add_request(str(sent), {"prompt_token_ids": prompt}, params)
         sent += 1
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 if done % args.every == 0:
                     sample = {"finished": done, "rss_mib": round(rss_mib(), 1),
                               "seconds": round(time.perf_counter() - start, 1),
-                              **state_sizes(scheduler_hooks, worker, config)}
+                              **(state_sizes(scheduler_hooks, worker, scheduler_hooks.config) if worker else {})}
                     samples.append(sample)
                     print(json.dumps(sample), flush=True)
     if args.json:
