@@ -95,10 +95,12 @@ class SyncCounter:
 
 def cost_configs(args) -> list[dict | None]:
     """Stock, the plugin with nothing to evict, DynTS + predictor, StreamingLLM (at the first budget)."""
+    from dynts.models import checkpoints_dir
+
     budget, w = args.budgets[0], args.local_window
     above = args.prompt + args.generate + 1
     return [None, {"method": "streamingllm", "budget": above, "local_window": w, "label": f"plugin@{above} (no eviction)"},
-            {"method": "dynts", "budget": budget, "local_window": w, "predictor": args.predictor or "testbed-predictor"},
+            {"method": "dynts", "budget": budget, "local_window": w, "predictor": args.predictor or str(checkpoints_dir() / "testbed-predictor")},
             {"method": "streamingllm", "budget": budget, "local_window": w}]
 
 
@@ -138,7 +140,7 @@ def one_engine(spec: dict) -> dict:
 
     dynts = dict(spec["dynts"]) if spec["dynts"] else None
     label = dynts.pop("label", None) if dynts else None
-    if dynts and "predictor" in dynts:
+    if dynts and "predictor" in dynts and not os.path.isdir(dynts["predictor"]):
         dynts["predictor"] = str(resolve_path(dynts["predictor"]))
     extra = {"additional_config": {"dynts": dynts}} if dynts else {}
     llm = LLM(model=str(resolve_path(spec["model"])), dtype="float32", block_size=spec["block_size"],
