@@ -67,8 +67,10 @@ $(VVENV)/.installed: pyproject.toml
 	touch $@
 
 check-vllm: $(VVENV)/.installed
-	$(VVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_layouts.py tests/test_vllm_plugin.py tests/test_vllm_server.py \
-		tests/test_vllm_traces.py
+	$(VVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_layouts.py tests/test_vllm_checks.py tests/test_vllm_plugin.py \
+		tests/test_vllm_server.py tests/test_vllm_traces.py
+	# the next release's source (wheel unpacked, no engine run): every internal the plugin uses is there
+	$(VVENV)/bin/python scripts/check_vllm_release.py 0.33.0 --expect-missing 0
 
 clean:
 	rm -rf $(VENV) $(VVENV) .pytest_cache

@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="PNG path for blocks in use over time")
     p.add_argument("--json", default=None, help="write the numbers here")
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    p.add_argument("--cost", action="store_true", help="vllm: the plugin's cost table (stock, nothing evicted, "
+                   "dynts + predictor, streamingllm at the first budget) with host syncs counted")
     p.add_argument("--replot", default=None, help="draw --plot from a --json of an earlier run, run nothing")
     args = p.parse_args(argv)
     if args.replot:
@@ -159,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             settings = EvictionSettings(args.method, budget, args.local_window, predictor=args.predictor)
             runs.append(run(model, prompts, settings, args, num_blocks))
     base = runs[0]
+    if args.cost:
+        print(f"{'run':<30}{'tok/s':>9}{'x stock':>9}{'preempt':>9}{'evictions':>11}{'syncs/step':>12}{'syncs/event':>13}")
+        for r in runs:
+            print(f"{r['name']:<30}{r['tokens_per_s']:>9.1f}{r['tokens_per_s'] / base['tokens_per_s']:>9.3f}"
+                  f"{r['preemptions']:>9}{r['evictions']:>11}{r.get('syncs_per_plain_step', float('nan')):>12.2f}"
+                  f"{r.get('syncs_per_event_round', float('nan')):>13.2f}")
     header = f"{'run':<18}{'tok/s':>9}{'x':>7}{'in-flight max':>15}{'mean':>8}{'x':>7}{'preempt':>9}{'peak blk':>10}{'evictions':>11}"
     print(header)
     for r in runs:

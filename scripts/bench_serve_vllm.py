@@ -4,6 +4,11 @@ Each engine runs in its own process (``python scripts/bench_serve_vllm.py SPEC.j
 process-wide state) over the same prompts with ``ignore_eos`` and greedy decoding, at a fixed
 ``num_gpu_blocks_override`` pool, and reports what ``bench_serve.run`` reports for transformers: requests in
 flight per step, generated tokens/s, preemptions, peak blocks in use, evictions and the blocks-in-use trace.
+
+``--cost`` (``bench_serve.py --engine vllm --cost``) runs the plugin's cost table instead: stock vLLM, the plugin
+with a budget above every length (nothing evicted: the plugin's bookkeeping alone), DynTS with its predictor
+and StreamingLLM at ``--budgets``'s first budget; each plugin run counts the host syncs its worker hooks would
+make on a GPU (:class:`SyncCounter`), per decode step without an event and per eviction round.
 """
 
 from __future__ import annotations
@@ -19,13 +24,96 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
 
+class SyncCounter:
+    """Counts, inside the plugin's worker hooks, the operations that make the host wait for the device on a
+    GPU: a scalar read (``item``/``bool``), ``nonzero`` and boolean-mask indexing, ``tolist``/``numpy``/``cpu`` of
+    a tensor. On the CPU build nothing waits; the count says what a GPU run would pay."""
+
+    READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2"}
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                indices = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
+                if name in counter.READS or any(getattr(i, "dtype", None) is torch_bool for i in indices or ()):
+                    counter.now += 1
+                return func(*args, **(kwargs or {}))
+
+        import torch
+
+        torch_bool = torch.bool
+        self.mode, self.inside, self.now = Mode, False, 0
+        self.plain_steps = self.plain_syncs = self.event_rounds = self.event_syncs = 0
+        for name in ("tolist", "numpy", "cpu"):  # not dispatched as ops: count the calls
+            method = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _m=method, **k):
+                counter.now += counter.inside
+                return _m(t, *a, **k)
+            setattr(torch.Tensor, name, wrapped)
+
+    def _counted(self, method):
+        def run(*a, **k):
+            self.inside = True
+            try:
+                with self.mode():
+                    return method(*a, **k)
+            finally:
+                self.inside = False
+        return run
+
+    def install(self, hooks) -> None:
+        event = [False]
+        before, prepare, forward = (self._counted(m) for m in (hooks.before_step, hooks.after_prepare_inputs,
+                                                               hooks.after_forward))
+
+        def before_step(scheduler_output):
+            plan = getattr(scheduler_output, "dynts_plan", None)
+            event[0], self.now = bool(plan is not None and plan.events), 0
+            return before(scheduler_output)
+
+        def after_forward(output):
+            out = forward(output)
+            if event[0]:
+                self.event_rounds, self.event_syncs = self.event_rounds + 1, self.event_syncs + self.now
+            else:
+                self.plain_steps, self.plain_syncs = self.plain_steps + 1, self.plain_syncs + self.now
+            return out
+
+        hooks.before_step, hooks.after_prepare_inputs, hooks.after_forward = before_step, prepare, after_forward
+
+    def summary(self) -> dict:
+        return {"syncs_per_plain_step": self.plain_syncs / max(1, self.plain_steps),
+                "syncs_per_event_round": self.event_syncs / max(1, self.event_rounds),
+                "event_rounds": self.event_rounds, "plain_steps": self.plain_steps}
+
+
+def cost_configs(args) -> list[dict | None]:
+    """Stock, the plugin with nothing to evict, DynTS + predictor, StreamingLLM (at the first budget)."""
+    from dynts.models import checkpoints_dir
+
+    budget, w = args.budgets[0], args.local_window
+    above = args.prompt + args.generate + 1
+    return [None, {"method": "streamingllm", "budget": above, "local_window": w, "label": f"plugin@{above} (no eviction)"},
+            {"method": "dynts", "budget": budget, "local_window": w, "predictor": args.predictor or str(checkpoints_dir() / "testbed-predictor")},
+            {"method": "streamingllm", "budget": budget, "local_window": w}]
+
+
 def run_all(args, num_blocks: int) -> list[dict]:
-    """Stock vLLM, then ``args.method`` at every budget in ``args.budgets``, at one pool of ``num_blocks``."""
+    """Stock vLLM, then ``args.method`` at every budget in ``args.budgets`` (or the ``--cost`` runs), at one pool of
+    ``num_blocks``."""
     if args.page % 32:
         raise ValueError(f"--page {args.page}: vLLM's CPU attention needs a block size that is a multiple of 32")
     model = args.model or "testbed"
     configs = [None] + [{"method": args.method, "budget": b, "local_window": args.local_window,
                          **({"predictor": args.predictor} if args.predictor else {})} for b in args.budgets]
+    if getattr(args, "cost", False):
+        configs = cost_configs(args)
     runs = []
     for dynts in configs:
         spec = {"model": model, "dynts": dynts, "requests": args.requests, "prompt": args.prompt,
@@ -50,7 +138,11 @@ def one_engine(spec: dict) -> dict:
     from dynts.models import resolve_path
     from dynts.vllm.metrics import request_stats
 
-    extra = {"additional_config": {"dynts": spec["dynts"]}} if spec["dynts"] else {}
+    dynts = dict(spec["dynts"]) if spec["dynts"] else None
+    label = dynts.pop("label", None) if dynts else None
+    if dynts and "predictor" in dynts and not os.path.isdir(dynts["predictor"]):
+        dynts["predictor"] = str(resolve_path(dynts["predictor"]))
+    extra = {"additional_config": {"dynts": dynts}} if dynts else {}
     llm = LLM(model=str(resolve_path(spec["model"])), dtype="float32", block_size=spec["block_size"],
               num_gpu_blocks_override=spec["num_blocks"], max_model_len=spec["prompt"] + spec["generate"],
               max_num_batched_tokens=max(spec["max_batch_tokens"], spec["prompt"] + spec["generate"]),
@@ -65,6 +157,12 @@ def one_engine(spec: dict) -> dict:
         return original(request, *a, **k)
 
     scheduler._preempt_request = counted
+    syncs = None
+    if dynts:
+        executor = engine.engine_core.engine_core.model_executor
+        worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
+        syncs = SyncCounter()
+        syncs.install(worker.model_runner._dynts)
     vocab = llm.get_tokenizer().vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=spec["generate"], ignore_eos=True)
@@ -82,9 +180,10 @@ def one_engine(spec: dict) -> dict:
                       len(scheduler.running)))
     seconds = time.perf_counter() - start
     flight = [a for _, _, a in trace]
-    d = spec["dynts"]
+    d = dynts
     return {
-        "name": "vllm" if d is None else f"{d['method']}@{d['budget']}",
+        "name": "vllm" if d is None else label or f"{d['method']}@{d['budget']}",
+        **(syncs.summary() if syncs else {}),
         "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
         "in_flight_max": max(flight), "in_flight_mean": sum(flight) / len(flight),
         "preemptions": preemptions[0], "peak_blocks": max(b for _, b, _ in trace), "pool_blocks": spec["num_blocks"],

@@ -89,10 +89,9 @@ def assert_bounded_and_freed(result: dict, budget: int) -> None:
     assert result["free_blocks_at_end"] == result["num_blocks"] - 1  # every block back (block 0 is vLLM's null block)
 
 
-def test_internals_exist_and_version_range():
-    from dynts.vllm import check_vllm_version, missing_internals
+def test_version_range():
+    from dynts.vllm import check_vllm_version
 
-    assert missing_internals() == []
     check_vllm_version()
     with pytest.raises(ImportError, match=r"vllm>=0.32.0,<0.33.0.*found 0.31.0"):
         check_vllm_version("0.31.0")
@@ -251,17 +250,46 @@ def test_preempted_requests_fail_loudly_or_stay_exact(tmp_path, testbed):
     assert result["free_blocks_at_end"] == result["num_blocks"] - 1
 
 
-def test_tensor_parallel_ranks_select_the_same_slots(tmp_path, testbed):
-    """TP=2 (two worker processes on the CPU build): each rank scores and selects on its own, from replicated
-    final hidden states, with no communication; the request stays token-identical to dynts.generate."""
+def test_mixed_methods_sharing_a_prompt_reuse_only_their_protected_prefix(tmp_path, tiny_models):
+    """One 100-token prompt (blocks of 32), three methods: `window` keeping the question caches its three full
+    blocks; `streamingllm` with 32 sinks keeps only the first block in place, so its prefix-cache hit stops
+    there (a longer hit would compact into blocks the first request reads); a second `window` request reuses
+    all three. Each request is token-identical to dynts.generate on it alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
+    torch.manual_seed(3)
+    shared = torch.randint(4, 80, (100,)).tolist()
+    budget, window = 160, 32
+    methods = [{"method": "window", "method_options": {"keep_question": True}},
+               {"method": "streamingllm", "method_options": {"sink_size": 32}},
+               {"method": "window", "method_options": {"keep_question": True}}]
+    requests = [{"prompt_token_ids": shared, "max_tokens": 200, "arrive_at_step": s, "extra_args": {"dynts": m}}
+                for s, m in zip((0, 4, 8), methods)]
+    engine = {"method": "window", "budget": budget, "local_window": window}
+    result = run_engine(tmp_path, tiny_models["llama"], requests, additional_config={"dynts": engine},
+                        enable_prefix_caching=True)
+    assert_bounded_and_freed(result, budget)
+    assert result["prefix_hits"] == {"0": 0, "1": 32, "2": 96}
+    assert result["max_block_refcount"] > 1
+    for i, m in enumerate(methods):
+        want = reference(model, None, shared, 200, budget=budget, local_window=window, **m)
+        assert result["outputs"][str(i)]["token_ids"] == want, f"request {i} ({m['method']})"
+        assert result["request_stats"][str(i)]["evictions"] > 0
+
+
+def test_tensor_parallel_dynts_with_its_predictor(tmp_path, testbed):
+    """TP=2 (two worker processes on the CPU build), DynTS with its predictor: every rank scores, the first
+    rank's kept slots are broadcast at each event; the requests stay token-identical to dynts.generate."""
     model, tok = testbed
     budget, window = 64, 16
-    prompt = fresh_questions(1)[0]
-    engine = {"method": "streamingllm", "budget": budget, "local_window": window}
-    result = run_engine(tmp_path, TESTBED, [{"prompt_token_ids": prompt, "max_tokens": 300}],
+    prompts = fresh_questions(2)
+    engine = {"method": "dynts", "budget": budget, "local_window": window, "predictor": str(PREDICTOR)}
+    result = run_engine(tmp_path, TESTBED, [{"prompt_token_ids": p, "max_tokens": 300} for p in prompts],
                         env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, additional_config={"dynts": engine},
                         tensor_parallel_size=2, distributed_executor_backend="mp", num_gpu_blocks_override=40)
     assert_bounded_and_freed(result, budget)
-    assert result["request_stats"]["0"]["evictions"] > 0
-    want = reference(model, tok, prompt, 300, method="streamingllm", budget=budget, local_window=window)
-    assert result["outputs"]["0"]["token_ids"] == want
+    for i, p in enumerate(prompts):
+        assert result["request_stats"][str(i)]["evictions"] > 0
+        want = reference(model, tok, p, 300, method="dynts", budget=budget, local_window=window, predictor=PREDICTOR)
+        assert result["outputs"][str(i)]["token_ids"] == want, f"request {i}"

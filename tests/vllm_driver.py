@@ -4,7 +4,8 @@
 [{"prompt_token_ids", "max_tokens", "extra_args", "arrive_at_step"}]}``. Requests arrive at their step
 (``arrive_at_step``: 0 = before the first step), so later ones join while others decode. Prints
 ``"admit_all": true`` switches the plugin's admission control off (vLLM then preempts under a tight pool).
-``{"outputs": {rid: {"token_ids", "finish_reason"}}, "max_stored": {rid: n}, "stats": ..., "request_stats": ...}``
+``{"outputs": {rid: {"token_ids", "finish_reason"}}, "max_stored": {rid: n}, "prefix_hits": {rid: tokens}, "stats": ...,
+"request_stats": ...}``
 (``request_stats``: what each finished ``RequestOutput`` carries, :func:`dynts.vllm.metrics.request_stats`).
 Used by tests/test_vllm_plugin.py (an engine per process: vLLM keeps process-wide state).
 """
@@ -35,6 +36,16 @@ def main(spec_path: str) -> None:  # noqa: C901
     hooks = getattr(scheduler, "_dynts", None)
     if spec.get("admit_all"):  # switch admission control off: let vLLM preempt
         hooks.admissible = lambda waiting: len(waiting)
+    hits: dict[str, int] = {}  # prefix-cache hit tokens per request (its first lookup)
+    if hooks is not None:
+        lookup = scheduler.kv_cache_manager.get_computed_blocks
+
+        def counted(request, *a, **k):
+            out = lookup(request, *a, **k)
+            hits.setdefault(request.request_id, out[1])
+            return out
+
+        scheduler.kv_cache_manager.get_computed_blocks = counted
     pending = sorted(enumerate(spec["requests"]), key=lambda p: p[1].get("arrive_at_step", 0))
     outputs, max_stored, per_request, step = {}, {}, {}, 0
     shared_blocks = 0
@@ -68,6 +79,7 @@ def main(spec_path: str) -> None:  # noqa: C901
         "outputs": outputs,
         "max_stored": {external(k): v for k, v in max_stored.items()},
         "max_block_refcount": shared_blocks,
+        "prefix_hits": {external(k): v for k, v in hits.items()},
         "free_blocks_at_end": pool.get_num_free_blocks(),
         "num_blocks": pool.num_gpu_blocks,
         "steps": step,

@@ -139,15 +139,10 @@ class EvictionPolicy:
 
     def preempted(self, rid: str) -> bool:
         """The engine preempted the request; True when it must fail (it evicted: a re-prefill would replay
-        a different trajectory). A request preempted before its first event starts afresh."""
+        a different trajectory). Before its first event the re-prefill is exact and it goes on."""
         self.preemptions += 1
         entry = self.requests.get(rid)
-        if entry is None:
-            return False
-        if entry.evictions > 0:
-            return True
-        del self.requests[rid]
-        return False
+        return entry is not None and entry.evictions > 0
 
     def after_round(self, blocks_in_use: int, trace_row: tuple) -> None:
         """Record the pool after a round: the peak, and the adapter's ``trace_row`` in the bounded trace."""

@@ -80,20 +80,22 @@ def copy_plan(kept: torch.Tensor, physical: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class SlotTracker:
-    """Per-request slot metadata, event rule, evictor calls and statistics of one engine.
+    """Per-request slot metadata, scores and evictor calls of one engine's worker.
 
     Args:
         settings: the engine's default :class:`EvictionSettings` (a request may bring its own, see :meth:`open`).
         device: where the slot table (and the evictor's inputs) live: the model's device.
         think_end: the thinking delimiter's token ids (:func:`dynts.thinking.think_end_ids`); ``None``:
             every generated token is thinking.
+        table: the :class:`SlotTable` to use (an engine that sizes it up front, e.g. vLLM at worker init);
+            default one that grows by doubling.
     """
 
     def __init__(self, settings: EvictionSettings, device: torch.device | str,
-                 think_end: Sequence[int] | None) -> None:
+                 think_end: Sequence[int] | None, table: SlotTable | None = None) -> None:
         self.settings = settings
         self.delimiter = DelimiterMatcher(think_end) if think_end is not None else None
-        self.table = SlotTable(torch.device(device), width=max(256, settings.budget or 0))
+        self.table = table if table is not None else SlotTable(torch.device(device), width=max(256, settings.bounds.budget if settings.bounds else 0))
         self.slots: dict[str, RequestSlots] = {}
         self.pending_scores: tuple[torch.Tensor, torch.Tensor, int] | None = None
 

@@ -3,14 +3,16 @@
 Installed with ``pip install 'dynts-lrm[vllm]'`` (entry point ``dynts = dynts.vllm:register``); vLLM
 calls :func:`register` in each of its processes. Inert unless the engine is configured::
 
-    vllm serve MODEL --no-async-scheduling \\
+    VLLM_USE_V2_MODEL_RUNNER=0 vllm serve MODEL --no-async-scheduling \\
         --additional-config '{"dynts": {"method": "dynts", "budget": 4096, "local_window": 512,
                                         "retention": 0.4, "predictor": "DIR"}}'
 
-or ``vllm.LLM(MODEL, async_scheduling=False, additional_config={"dynts": {...}})``. A request may bring
+or ``vllm.LLM(MODEL, async_scheduling=False, additional_config={"dynts": {...}})`` with
+``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment (``dynts serve MODEL --engine vllm`` sets both). Settings the
+plugin is not tested with are refused before the model loads (:mod:`dynts.vllm.checks`). A request may bring
 its own ``method``/``budget``/``local_window``/``retention`` in ``SamplingParams.extra_args``
 (``{"dynts": {...}}``; over HTTP ``vllm_xargs`` ``dynts_method``, ``dynts_budget``, ...). See
-``docs/serving.md``.
+``docs/vllm.md``.
 """
 
 from __future__ import annotations

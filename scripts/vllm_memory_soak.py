@@ -1,0 +1,122 @@
+"""A long run of the dynts plugin in vLLM: resident memory and the plugin's per-request state stay flat.
+
+``python scripts/vllm_memory_soak.py --requests 2000`` (the vLLM venv) runs a tiny random Llama (2 layers,
+hidden 64, the testbed tokenizer) in one process -- front end, engine core and worker
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) -- over ``--requests`` short requests, ``--in-flight`` at a
+time, every one evicting (``window``, ``B = 64``) and each with its own per-request budget (more distinct
+settings than the plugin keeps variants of). Every ``--every`` finished requests it prints the process's
+RSS and the sizes of the plugin's state: scheduler requests/peaks/trace, worker slots/finished/table,
+per-request variants. ``--json PATH`` writes the samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def tiny_model(root: str) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dynts.models import load_tokenizer
+
+    tok = load_tokenizer("testbed")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).eval().save_pretrained(root)
+    tok.save_pretrained(root)
+    return root
+
+
+def worker_hooks(llm):
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
+    return worker.model_runner._dynts
+
+
+def state_sizes(scheduler_hooks, worker, config) -> dict:
+    table = worker.tracker.table
+    return {"sched_requests": len(scheduler_hooks.requests), "sched_peaks": len(scheduler_hooks.peaks),
+            "block_trace": len(scheduler_hooks.block_trace), "worker_slots": len(worker.tracker.slots),
+            "worker_finished": len(worker.tracker.finished), "table": f"{table.rows}x{table.width}",
+            "variants": len(config._variants)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--in-flight", type=int, default=32)
+    p.add_argument("--generate", type=int, default=64)
+    p.add_argument("--every", type=int, default=200)
+    p.add_argument("--json", default=None)
+    p.add_argument("--stock", action="store_true", help="stock vLLM (no plugin) over the same requests, to compare")
+    args = p.parse_args(argv)
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    model = tiny_model(tempfile.mkdtemp(prefix="dynts-soak-"))
+    llm = LLM(model=model, dtype="float32", block_size=32, enforce_eager=True, async_scheduling=False, seed=0,
+              max_num_seqs=args.in_flight, max_model_len=256, enable_prefix_caching=True,
+              **({} if args.stock else
+                 {"additional_config": {"dynts": {"method": "window", "budget": 64, "local_window": 16}}}))
+    engine = llm.llm_engine
+    scheduler_hooks = engine.engine_core.engine_core.scheduler._dynts
+    worker = None if args.stock else worker_hooks(llm)
+    g = torch.Generator().manual_seed(0)
+    sent = done = 0
+    samples, start = [], time.perf_counter()
+
+    def send() -> None:
+        nonlocal sent
+        prompt = torch.randint(4, 80, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist()
+        budget = 48 + sent % 97  # a distinct per-request setting for most requests
+        params = SamplingParams(temperature=0, max_tokens=args.generate, ignore_eos=True,
+                                extra_args=None if args.stock else {"dynts": {"budget": budget}})
+        engine.add_request(str(sent), {"prompt_token_ids": prompt}, params)
+        sent += 1
+
+    while done < args.requests:
+        while sent < args.requests and sent - done < args.in_flight:
+            send()
+        for out in engine.step():
+            if out.finished:
+                done += 1
+                if done % args.every == 0:
+                    sample = {"finished": done, "rss_mib": round(rss_mib(), 1),
+                              "seconds": round(time.perf_counter() - start, 1),
+                              **(state_sizes(scheduler_hooks, worker, scheduler_hooks.config) if worker else {})}
+                    samples.append(sample)
+                    print(json.dumps(sample), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(samples, f, indent=1)
+    after_warmup = [s["rss_mib"] for s in samples[1:]]
+    if after_warmup:
+        print(f"RSS after warm-up: {min(after_warmup):.1f} .. {max(after_warmup):.1f} MiB "
+              f"(+{max(after_warmup) - after_warmup[0]:.1f} over {samples[-1]['finished'] - samples[1]['finished']} "
+              "requests)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
