@@ -8,7 +8,8 @@ import torch
 
 import dynts
 from dynts.core.budget import Budget
-from dynts.rescue import load_prm, rescue_generate
+from dynts.core import EvictionSettings
+from dynts.rescue import RescueConfig, load_prm, rescue_generate
 from dynts.rescue.engine import Policy
 from conftest import tiny_model
 from rescue_tiny import DELIMITER, step_model, tiny_prm, word_tokenizer
@@ -42,9 +43,13 @@ def test_rescue_generate_with_the_paper_budget():
     tok = word_tokenizer()
     prm = load_prm((tiny_prm(), tok), kind="token", separator=DELIMITER)
     paper = Budget.from_paper(12, headroom=4, local_window=4)
-    kw = dict(base_method="window", n_base=2, n_helper=2, step_delimiter=DELIMITER, detector=None, seed=0, think_end=None,
-              max_steps=5, max_step_tokens=8, max_tokens=30)
+    config = RescueConfig(n_base=2, n_helper=2, step_delimiter=DELIMITER, detector=None, seed=0, max_steps=5,
+                          max_step_tokens=8, max_tokens=30)
+    kw = dict(method="window", think_end=None, config=config)
     out = rescue_generate(step_model(0), step_model(1), prm, tok, ["<bos> w5 w9 w20 w33"], budget=paper, **kw)
     same = rescue_generate(step_model(0), step_model(1), prm, tok, ["<bos> w5 w9 w20 w33"], budget=16, local_window=4, **kw)
+    settings = EvictionSettings("window", paper, think_end=None)  # the settings object instead of its keywords
+    given = rescue_generate(step_model(0), step_model(1), prm, tok, ["<bos> w5 w9 w20 w33"], eviction=settings, config=config)
+    assert [s.tokens for s in given.problems[0].steps] == [s.tokens for s in out.problems[0].steps]
     assert out.stats["budget"] == 16 and out.stats["n_keep_sizing"] == "headroom"
     assert out.problems[0].steps and same.stats["n_keep_sizing"] == "paper"

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import dynts.rescue.engine as engine
-from dynts.rescue import DegenerationDetector, Sampler, candidate_generator, load_prm, rescue_generate
+from dynts.rescue import DegenerationDetector, RescueConfig, Sampler, candidate_generator, load_prm, rescue_generate
 from dynts.rescue.detok import TextTail
 from dynts.rescue.hostsync import count_host_reads
 from rescue_tiny import DELIMITER, step_model, tiny_prm, word_tokenizer
@@ -64,9 +64,10 @@ def test_one_host_read_per_decode_step_and_no_vocabulary_copy(monkeypatch):
     monkeypatch.setattr(engine.Policy, "decode", counting)
     detector = DegenerationDetector(entropy_threshold=4.6, entropy_window=2, guard=3, compress_threshold=0.3,
                                     compress_window=40, loop=dict(repeat_ngram=3))
-    rescue_generate(step_model(0), step_model(1), prm, tok, ["<bos> w5 w9 w20 w33", "<bos> w40 w41"], base_method="window",
-                    budget=16, local_window=4, n_base=3, n_helper=2, step_delimiter=DELIMITER, detector=detector, seed=3,
-                    think_end=None, max_steps=6, max_step_tokens=8, max_tokens=40)
+    rescue_generate(step_model(0), step_model(1), prm, tok, ["<bos> w5 w9 w20 w33", "<bos> w40 w41"], method="window",
+                    budget=16, local_window=4, think_end=None,
+                    config=RescueConfig(n_base=3, n_helper=2, step_delimiter=DELIMITER, detector=detector, seed=3,
+                                        max_steps=6, max_step_tokens=8, max_tokens=40))
     assert counted["steps"] > 20
     assert counted["reads"] <= counted["steps"]
     vocab = len(tok)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import dynts
-from dynts.rescue import DegenerationDetector, Sampler, StepRequest, candidate_generator, load_prm, rescue_generate
+from dynts.core import EvictionSettings
+from dynts.rescue import DegenerationDetector, RescueConfig, Sampler, StepRequest, candidate_generator, load_prm, rescue_generate
 from rescue_tiny import DELIMITER, DELIMITER_ID, step_model, tiny_prm, word_tokenizer
 
 EOS = 2
@@ -75,9 +76,9 @@ def test_best_of_n_matches_hand_written_loop(setup, method):
     base, _, prm, tok = setup
     predictor = dynts.ImportancePredictor(base.config.hidden_size)
     budget, n, seed = 16, 3, 7
-    out = rescue_generate(base, None, prm, tok, PROMPTS, base_method=method, budget=budget, local_window=4,
-                          predictor=predictor, n_base=n, n_helper=0, step_delimiter=DELIMITER, detector=None,
-                          seed=seed, think_end=None, **CAPS)
+    out = rescue_generate(base, None, prm, tok, PROMPTS, method=method, budget=budget, local_window=4,
+                          predictor=predictor, think_end=None,
+                          config=RescueConfig(n_base=n, n_helper=0, step_delimiter=DELIMITER, detector=None, seed=seed, **CAPS))
     evicted = 0
     for i, (prompt, result) in enumerate(zip(PROMPTS, out.problems)):
         expected = hand_written_best_of_n(base, prm, tok, prompt, i, method=method, budget=budget, n=n, seed=seed,
@@ -121,9 +122,9 @@ def test_committed_states_equal_fresh_re_encode(setup, method):
     base, helper, prm, tok = setup
     predictor = dynts.ImportancePredictor(base.config.hidden_size)
     budget, seed = 14, 3
-    out = rescue_generate(base, helper, prm, tok, PROMPTS, base_method=method, budget=budget, local_window=4,
-                          predictor=predictor, n_base=3, n_helper=2, step_delimiter=DELIMITER, detector=None,
-                          seed=seed, think_end=None, **CAPS)
+    out = rescue_generate(base, helper, prm, tok, PROMPTS, method=method, budget=budget, local_window=4,
+                          predictor=predictor, think_end=None,
+                          config=RescueConfig(n_base=3, n_helper=2, step_delimiter=DELIMITER, detector=None, seed=seed, **CAPS))
     sources = [s for p in out.problems for s in p.sources]
     assert "base" in sources and "helper" in sources  # both kinds of commit are exercised
     for i, (prompt, result) in enumerate(zip(PROMPTS, out.problems)):
@@ -137,10 +138,10 @@ def test_committed_states_equal_fresh_re_encode(setup, method):
 
 def test_batching_does_not_change_results(setup):
     base, helper, prm, tok = setup
-    kw = dict(base_method="window", budget=16, local_window=4, n_base=3, n_helper=2, step_delimiter=DELIMITER,
-              detector=None, seed=1, think_end=None, **CAPS)
-    wide = rescue_generate(base, helper, prm, tok, PROMPTS, max_rows=64, **kw)
-    narrow = rescue_generate(base, helper, prm, tok, PROMPTS, max_rows=3, **kw)  # one problem in flight
+    kw = dict(method="window", budget=16, local_window=4, think_end=None)
+    step = dict(n_base=3, n_helper=2, step_delimiter=DELIMITER, detector=None, seed=1, **CAPS)
+    wide = rescue_generate(base, helper, prm, tok, PROMPTS, config=RescueConfig(max_rows=64, **step), **kw)
+    narrow = rescue_generate(base, helper, prm, tok, PROMPTS, config=RescueConfig(max_rows=3, **step), **kw)  # one problem in flight
     assert [p.tokens for p in wide.problems] == [p.tokens for p in narrow.problems]
     assert [p.sources for p in wide.problems] == [p.sources for p in narrow.problems]
 
@@ -148,34 +149,41 @@ def test_batching_does_not_change_results(setup):
 def test_detector_aborts_base_candidates(setup):
     base, helper, prm, tok = setup
     always = DegenerationDetector(entropy_threshold=0.01, entropy_window=1, guard=1, compress_threshold=None)
-    kw = dict(base_method="window", budget=16, local_window=4, step_delimiter=DELIMITER, seed=2, think_end=None, **CAPS)
-    out = rescue_generate(base, helper, prm, tok, PROMPTS, n_base=3, n_helper=2, detector=always, **kw)
+    kw = dict(method="window", budget=16, local_window=4, think_end=None)
+    step = dict(step_delimiter=DELIMITER, seed=2, detector=always, **CAPS)
+    out = rescue_generate(base, helper, prm, tok, PROMPTS, config=RescueConfig(n_base=3, n_helper=2, **step), **kw)
     for p in out.problems:
         assert p.sources == ["helper"] * len(p.steps)  # every base candidate was aborted at its first token
         s = p.stats
         assert s["early_exits"] == s["base_candidates"] == s["base_tokens"] == 3 * len(p.steps) == s["exit_entropy"]
     assert out.stats["early_exit_fraction"] == 1.0 and out.stats["helper_share"] == 1.0
-    alone = rescue_generate(base, None, prm, tok, PROMPTS[:1], n_base=3, n_helper=0, detector=always, **kw)
+    alone = rescue_generate(base, None, prm, tok, PROMPTS[:1], config=RescueConfig(n_base=3, n_helper=0, **step), **kw)
     assert alone.problems[0].end == "degenerate" and alone.problems[0].steps == []
 
 
 def test_bad_input(setup):
     base, helper, prm, tok = setup
-    kw = dict(base_method="window", budget=16, local_window=4, step_delimiter=DELIMITER)
+    kw = dict(method="window", budget=16, local_window=4, config=RescueConfig(step_delimiter=DELIMITER))
     with pytest.raises(ValueError, match="n_base \\+ n_helper"):
-        rescue_generate(base, helper, prm, tok, PROMPTS, n_base=0, n_helper=0, **kw)
+        rescue_generate(base, helper, prm, tok, PROMPTS, **{**kw, "config": RescueConfig(n_base=0, n_helper=0)})
     other = word_tokenizer(extra=("<extra_0>",))
     with pytest.raises(ValueError, match="helper_tokenizer"):
         rescue_generate(base, helper, prm, tok, PROMPTS, helper_tokenizer=other, **kw)
     with pytest.raises(ValueError, match="step_delimiter"):
-        rescue_generate(base, helper, prm, tok, PROMPTS, **{**kw, "step_delimiter": "\n\n"})
+        rescue_generate(base, helper, prm, tok, PROMPTS, **{**kw, "config": RescueConfig(step_delimiter="\n\n")})
     with pytest.raises(ValueError, match="predictor"):
-        rescue_generate(base, helper, prm, tok, PROMPTS, **{**kw, "base_method": "dynts"})
+        rescue_generate(base, helper, prm, tok, PROMPTS, **{**kw, "method": "dynts"})
     with pytest.raises(ValueError, match="budget"):
         rescue_generate(base, helper, prm, tok, ["<bos> " + "w5 " * 30], **kw)
     with pytest.raises(ValueError, match="helper"):
-        rescue_generate(base, None, prm, tok, PROMPTS, n_helper=2, **kw)
+        rescue_generate(base, None, prm, tok, PROMPTS, **{**kw, "config": RescueConfig(n_helper=2, step_delimiter=DELIMITER)})
     with pytest.raises(ValueError, match="prm"):
         rescue_generate(base, helper, None, tok, PROMPTS, **kw)
     with pytest.raises(ValueError, match="max_step_tokens"):
-        rescue_generate(base, helper, prm, tok, PROMPTS, max_step_tokens=0, **kw)
+        RescueConfig(max_step_tokens=0)
+    with pytest.raises(TypeError, match=r"config=RescueConfig\(n_base=\.\.\.\)"):
+        rescue_generate(base, helper, prm, tok, PROMPTS, n_base=3, **kw)  # a step-search field as a keyword
+    with pytest.raises(TypeError, match="method="):
+        rescue_generate(base, helper, prm, tok, PROMPTS, base_method="window", **kw)
+    with pytest.raises(ValueError, match="not both"):
+        rescue_generate(base, helper, prm, tok, PROMPTS, eviction=EvictionSettings("window", 16, 4), **kw)

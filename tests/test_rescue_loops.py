@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynts.rescue import DegenerationDetector, StepLoopDetector, load_prm, rescue_generate
+from dynts.rescue import DegenerationDetector, RescueConfig, StepLoopDetector, load_prm, rescue_generate
 from rescue_tiny import DELIMITER, DELIMITER_ID, step_model, tiny_prm, word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,9 +68,10 @@ def test_rescue_generate_screens_repeating_base_candidates():
 
     detector = DegenerationDetector(entropy_threshold=None, compress_threshold=None, loop=dict(repeat_ngram=2, max_pattern_size=0))
     out = rescue_generate(step_model(0), step_model(1), prm, tok, ["<bos> w5 w9 w20 w33", "<bos> w40 w41"],
-                          base_method="window", budget=16, local_window=4, n_base=3, n_helper=2, step_delimiter=DELIMITER,
-                          detector=detector, temperature=1.5, top_k=6, seed=3, think_end=None, max_steps=10,
-                          max_step_tokens=8, max_tokens=60, on_candidate=record)
+                          method="window", budget=16, local_window=4, think_end=None, on_candidate=record,
+                          config=RescueConfig(n_base=3, n_helper=2, step_delimiter=DELIMITER, detector=detector,
+                                              temperature=1.5, top_k=6, seed=3, max_steps=10, max_step_tokens=8,
+                                              max_tokens=60))
     screened = kept = 0
     for source, status, reason, score, tokens, committed in seen:
         grams = {tuple(s[i : i + 2]) for s in committed for s in [[t for t in s if t != DELIMITER_ID]] for i in range(len(s) - 1)}

@@ -3,12 +3,13 @@ evicted base model with a small full-context helper, chosen by a process reward 
 online detector that aborts degenerate base candidates. Any registered evictor (DynTS included)
 can be the base's.
 
-    from dynts.rescue import rescue_generate
-    out = rescue_generate(base, helper, "testbed-prm", tokenizer, prompts, base_method="dynts",
+    from dynts.rescue import RescueConfig, rescue_generate
+    out = rescue_generate(base, helper, "testbed-prm", tokenizer, prompts, method="dynts",
                           budget=64, local_window=16, predictor="checkpoints/testbed-predictor",
-                          n_base=4, n_helper=4, step_delimiter=";")
+                          config=RescueConfig(n_base=4, n_helper=4, step_delimiter=";"))
 """
 
+from .config import RescueConfig
 from .detector import CandidateScreen, DegenerationDetector, gzip_ratio
 from .interleave import delimiter_token_ids, rescue_generate
 from .likelihood import LikelihoodPRM
@@ -28,6 +29,7 @@ __all__ = [
     "ProductPRM",
     "QwenMathPRM",
     "RaggedCache",
+    "RescueConfig",
     "RescueResult",
     "Sampler",
     "Step",

@@ -31,10 +31,27 @@ from __future__ import annotations
 import gzip
 from collections import deque
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .loops import StepLoopDetector
 
-__all__ = ["CandidateScreen", "DegenerationDetector", "gzip_ratio"]
+__all__ = ["CandidateScreen", "DegenerationDetector", "gzip_ratio", "resolve_option"]
+
+T = TypeVar("T")
+
+
+def resolve_option(name: str, value: T | dict | bool | None, cls: type[T]) -> T | None:
+    """An optional component given as itself, a dict of its fields, ``True`` (its defaults) or
+    ``None``/``False`` (off)."""
+    if value is True:
+        return cls()
+    if isinstance(value, dict):
+        return cls(**value)
+    if value is None or value is False:
+        return None
+    if not isinstance(value, cls):
+        raise ValueError(f"{name}={value!r} must be a {cls.__name__}, a dict of its fields, True, or None/False (off)")
+    return value
 
 
 def gzip_ratio(text: str) -> float:
@@ -69,14 +86,7 @@ class DegenerationDetector:
     loop: StepLoopDetector | dict | bool | None = None
 
     def __post_init__(self) -> None:
-        if self.loop is True:
-            self.loop = StepLoopDetector()
-        elif isinstance(self.loop, dict):
-            self.loop = StepLoopDetector(**self.loop)
-        elif self.loop is False:
-            self.loop = None
-        if self.loop is not None and not isinstance(self.loop, StepLoopDetector):
-            raise ValueError(f"loop={self.loop!r} must be a StepLoopDetector, a dict of its fields, True or None")
+        self.loop = resolve_option("loop", self.loop, StepLoopDetector)
         if self.loop is not None and not self.loop.enabled:
             self.loop = None
         if self.entropy_threshold is not None and not self.entropy_threshold > 0:

@@ -19,22 +19,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..core.budget import Budget
-from ..predictor import load_predictor
+from ..core.settings import EVICTION_FIELDS, EvictionSettings
 from ..prompts import encode_prompts
-from ..predictor import ImportancePredictor
 from ..thinking import think_end_ids
-from .detector import DegenerationDetector
+from .config import RescueConfig
 from .engine import Candidate, Policy, State
 from .loops import StepHistory
 from .prm import StepRequest, StepScorer, load_prm
 from .results import ProblemResult, RescueResult, Step, summarize
-from .sampling import Sampler, candidate_generator
+from .sampling import candidate_generator
 
 __all__ = ["delimiter_token_ids", "rescue_generate"]
 
@@ -82,11 +79,6 @@ def _question(prompt: Any) -> str:
     return users[-1] if users else str(prompt[-1]["content"])
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low}")
-
-
 def rescue_generate(
     base: torch.nn.Module,
     helper: torch.nn.Module | None,
@@ -94,30 +86,15 @@ def rescue_generate(
     tokenizer: Any,
     prompts: str | Sequence[str] | Sequence[Sequence[dict]],
     *,
+    config: RescueConfig | None = None,
+    eviction: EvictionSettings | None = None,
     helper_tokenizer: Any = None,
-    base_method: str = "dynts",
-    budget: int | Budget | None = None,
-    local_window: int | None = None,
-    retention: float = 0.4,
-    predictor: ImportancePredictor | str | Path | None = None,
-    method_options: dict[str, Any] | None = None,
-    n_base: int = 4,
-    n_helper: int = 4,
-    step_delimiter: str = "\n\n",
-    max_steps: int = 1024,
-    max_step_tokens: int = 512,
-    max_tokens: int = 4096,
-    detector: DegenerationDetector | dict | bool | None = True,
-    temperature: float = 0.8,
-    top_p: float = 0.95,
-    top_k: int = 20,
-    seed: int = 0,
-    think_end: str | int | Sequence[int] | None = "</think>",
-    max_rows: int = 64,
     progress: Callable[[int, ProblemResult], None] | None = None,
     on_candidate: Callable[[Candidate], None] | None = None,
+    **keywords: Any,
 ) -> RescueResult:
-    """Decode ``prompts`` with KV-Rescue (or, with ``n_helper=0``, eviction-only stepwise best-of-N).
+    """Decode ``prompts`` with KV-Rescue (or, with ``n_helper=0``, eviction-only stepwise best-of-N),
+    as in the KV-Rescue paper (Method, Algorithm 1; the fork-based engine of Appendix C).
 
     Args:
         base: the evicted base model; helper: the full-context helper (``None`` iff ``n_helper=0``).
@@ -127,19 +104,15 @@ def rescue_generate(
         tokenizer: the base tokenizer; ``helper_tokenizer`` must have the same vocabulary (the two
             models extend one token trajectory).
         prompts: a string, strings, or chat message lists (the chat template is applied).
-        base_method, budget, local_window, retention, predictor, method_options: the base's eviction
-            (as in :func:`dynts.generate`; ``dynts`` needs ``predictor``). ``budget`` is the physical
-            bound ``B`` or a :class:`~dynts.core.budget.Budget`, e.g. the paper's
+        config: the step search (:class:`RescueConfig`: candidates per model, step delimiter, caps,
+            detector, sampling, seed, batch rows); its defaults when omitted.
+        eviction: the base's eviction as an :class:`~dynts.core.EvictionSettings`, or instead
+        **keywords: its keywords, as in :func:`dynts.generate`: ``method`` (default ``"dynts"``, which
+            needs ``predictor``), ``budget``, ``local_window``, ``retention``, ``predictor``,
+            ``think_end``, ``method_options``. ``budget`` is the physical bound ``B`` or a
+            :class:`~dynts.core.budget.Budget`, e.g. the paper's
             ``Budget.from_paper(score_selected=64, headroom=128, local_window=16)`` (64 entries kept
-            at each event, at most 192 held).
-        n_base, n_helper: candidates per step from each model (``n_base + n_helper >= 1``).
-        step_delimiter: text ending a step (paper: ``"\\n\\n"``; the testbed: ``";"``).
-        max_steps, max_step_tokens, max_tokens: caps on committed steps, tokens per candidate and
-            committed output tokens.
-        detector: the online degeneration detector for base candidates: ``True`` (paper defaults),
-            a :class:`DegenerationDetector`, a dict of its fields, or ``None``/``False`` (off).
-        temperature, top_p, top_k: sampling (paper: 0.8, 0.95, 20); ``seed``: candidate streams.
-        max_rows: most candidate rows per batched forward (sets how many problems are in flight).
+            at each event, at most 192 held). The helper keeps its full cache.
         progress: called as ``progress(index, result)`` when a problem finishes.
         on_candidate: called with every decoded :class:`~dynts.rescue.engine.Candidate` after scoring
             (its tokens, status, PRM score and detector ``screen`` statistics: for calibration).
@@ -152,11 +125,67 @@ def rescue_generate(
         the last two from the cross-step loop screen ``detector.loop``), ``helper_steps``, ``helper_share``,
         ``base_encoded_tokens`` (helper steps the base absorbed), ``end``.
     """
-    for name, value, low in (("n_base", n_base, 0), ("n_helper", n_helper, 0), ("max_steps", max_steps, 1),
-                             ("max_step_tokens", max_step_tokens, 1), ("max_tokens", max_tokens, 1), ("max_rows", max_rows, 1)):
-        _check_int(name, value, low)
-    if n_base + n_helper < 1:
-        raise ValueError(f"n_base + n_helper must be >= 1 (got n_base={n_base}, n_helper={n_helper}); e.g. n_base=4, n_helper=4")
+    settings = EvictionSettings.resolve(eviction, keywords)
+    if keywords:
+        raise TypeError(f"rescue_generate() got unexpected keywords {sorted(keywords)}; " + _keyword_hint(keywords))
+    config = RescueConfig() if config is None else config
+    if not isinstance(config, RescueConfig):
+        raise ValueError(f"config must be a RescueConfig, got {type(config).__name__}")
+    run = _prepare(base, helper, prm, tokenizer, config, settings, helper_tokenizer, on_candidate)
+
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        prompts = [prompts]
+    problems = []
+    detector = config.detector
+    for i, prompt in enumerate(prompts):
+        ids, mask = encode_prompts(tokenizer, [prompt])
+        prompt_ids = ids[0][mask[0].bool()].tolist()
+        settings.check_prompt(len(prompt_ids))
+        history = detector.loop.history(run.stop_ids) if detector is not None and detector.loop is not None and config.n_base else None
+        problems.append(_Problem(i, _question(prompt), prompt_ids, history=history))
+    in_flight = max(1, config.max_rows // config.width)
+
+    start = time.perf_counter()
+    pending = list(problems)
+    active: list[_Problem] = []
+    results: dict[int, ProblemResult] = {}
+    while pending or active:
+        while pending and len(active) < in_flight:
+            p = pending.pop(0)
+            p.base = run.base.prefill(p.prompt_ids) if config.n_base else None
+            p.helper = run.helper.prefill(p.prompt_ids) if run.helper else None
+            active.append(p)
+        run.round(active)
+        for p in [p for p in active if p.end]:
+            active.remove(p)
+            results[p.index] = _finish(p, tokenizer)
+            if progress is not None:
+                progress(p.index, results[p.index])
+    seconds = time.perf_counter() - start
+    ordered = [results[i] for i in range(len(problems))]
+    stats = summarize(ordered)
+    bounds = settings.bounds
+    stats.update({"seconds": seconds, "n_base": config.n_base, "n_helper": config.n_helper,
+                  "base_method": settings.evictor.name, "budget": bounds.budget if bounds else None,
+                  "n_keep_sizing": bounds.sizing if bounds else None, "base_forwards": run.base.forwards,
+                  "helper_forwards": run.helper.forwards if run.helper else 0})
+    return RescueResult(ordered, stats)
+
+
+def _keyword_hint(keywords: dict[str, Any]) -> str:
+    """How to pass what ``keywords`` meant (step-search fields go in a :class:`RescueConfig`)."""
+    config = sorted(set(keywords) & RescueConfig.field_names())
+    if config:
+        return f"pass config=RescueConfig({', '.join(f'{k}=...' for k in config)})"
+    if "base_method" in keywords:
+        return "the base's eviction method is method=..."
+    return f"the eviction keywords are {list(EVICTION_FIELDS)}"
+
+
+def _prepare(base, helper, prm, tokenizer, config: RescueConfig, settings: EvictionSettings, helper_tokenizer,
+             on_candidate) -> "_Run":
+    """Check the models against ``config`` and build the two policies, the scorer and the token sets."""
+    n_base, n_helper = config.n_base, config.n_helper
     if n_helper and helper is None:
         raise ValueError(f"n_helper={n_helper} needs a helper model; pass helper=... or n_helper=0 (best-of-N)")
     if helper_tokenizer is not None and helper_tokenizer is not tokenizer:
@@ -167,22 +196,13 @@ def rescue_generate(
             )
     if prm is None and n_base + n_helper > 1:
         raise ValueError(f"{n_base + n_helper} candidates per step need a prm=... to choose between them")
-    scorer = load_prm(prm, step_delimiter=step_delimiter) if prm is not None else None
-    if detector is True:
-        detector = DegenerationDetector()
-    elif isinstance(detector, dict):
-        detector = DegenerationDetector(**detector)
-    elif detector is False:
-        detector = None
-    if detector is not None and not isinstance(detector, DegenerationDetector):
-        raise ValueError(f"detector={detector!r} must be True, False/None, a dict or a DegenerationDetector")
-    sampler = Sampler(temperature, top_k, top_p)
+    scorer = load_prm(prm, step_delimiter=config.step_delimiter) if prm is not None else None
 
-    stop_ids = delimiter_token_ids(tokenizer, step_delimiter)
+    stop_ids = delimiter_token_ids(tokenizer, config.step_delimiter)
     if not stop_ids:
         raise ValueError(
-            f"step_delimiter={step_delimiter!r} is not in any token of the tokenizer's vocabulary; pass the text "
-            "the model writes between steps (e.g. '\\n\\n' for Qwen2.5-Math, ';' for the testbed)"
+            f"step_delimiter={config.step_delimiter!r} is not in any token of the tokenizer's vocabulary; pass the "
+            "text the model writes between steps (e.g. '\\n\\n' for Qwen2.5-Math, ';' for the testbed)"
         )
     eos_ids = set()
     configs = [base] + ([helper] if n_helper else [])
@@ -191,159 +211,132 @@ def rescue_generate(
         eos_ids |= {source} if isinstance(source, int) else set(source or [])
     eos_ids = frozenset(eos_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
-    think_id = think_end_ids(tokenizer, think_end)
+    think_id = think_end_ids(tokenizer, settings.think_end)
     if think_id is not None and tokenizer.pad_token_id in think_id:
         think_id = None  # the vocabulary has no such token (it encodes to padding)
 
-    from ..evictors import make_evictor
-
-    evictor = make_evictor(base_method, **(method_options or {}))
-    if hasattr(evictor, "bind"):
-        evictor.bind(tokenizer)
-    bounds = None
-    if evictor.bounded:
-        if isinstance(budget, Budget):  # e.g. Budget.from_paper(score_selected=64, headroom=128)
-            bounds = budget
-        elif budget is None or local_window is None:
-            raise ValueError(f"base_method={evictor.name!r} needs budget=... and local_window=... (e.g. 64 and 16)")
-        else:
-            bounds = Budget(budget, local_window, retention)
-    if "scores" in evictor.requires:
-        if predictor is None:
-            raise ValueError(f"base_method={evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
-        predictor = load_predictor(predictor, base)
-    base_policy = Policy(base, evictor, bounds, predictor=predictor, think_end_token_id=think_id, pad_token_id=pad_id)
+    settings.evictor.bind(tokenizer)
+    base_policy = Policy(base, settings.evictor, settings.bounds, predictor=settings.load_predictor(base),
+                         think_end_token_id=think_id, pad_token_id=pad_id)
     helper_policy = Policy(helper, "full", think_end_token_id=think_id, pad_token_id=pad_id) if n_helper else None
-
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
-        prompts = [prompts]
-    problems = []
-    for i, prompt in enumerate(prompts):
-        ids, mask = encode_prompts(tokenizer, [prompt])
-        prompt_ids = ids[0][mask[0].bool()].tolist()
-        if bounds is not None:
-            bounds.check_question(len(prompt_ids))
-        history = detector.loop.history(stop_ids) if detector is not None and detector.loop is not None and n_base else None
-        problems.append(_Problem(i, _question(prompt), prompt_ids, history=history))
-    width = max(n_base, n_helper)
-    in_flight = max(1, max_rows // width)
-
-    start = time.perf_counter()
-    pending = list(problems)
-    active: list[_Problem] = []
-    results: dict[int, ProblemResult] = {}
-    while pending or active:
-        while pending and len(active) < in_flight:
-            p = pending.pop(0)
-            p.base = base_policy.prefill(p.prompt_ids) if n_base else None
-            p.helper = helper_policy.prefill(p.prompt_ids) if helper_policy else None
-            active.append(p)
-        _round(active, base_policy, helper_policy, scorer, sampler, detector, tokenizer, n_base, n_helper,
-               stop_ids, eos_ids, seed, max_step_tokens, max_tokens, max_steps, on_candidate)
-        for p in [p for p in active if p.end]:
-            active.remove(p)
-            results[p.index] = _finish(p, tokenizer)
-            if progress is not None:
-                progress(p.index, results[p.index])
-    seconds = time.perf_counter() - start
-    ordered = [results[i] for i in range(len(problems))]
-    stats = summarize(ordered)
-    stats.update({"seconds": seconds, "n_base": n_base, "n_helper": n_helper, "base_method": evictor.name,
-                  "budget": bounds.budget if bounds else None,
-                  "n_keep_sizing": bounds.sizing if bounds else None, "base_forwards": base_policy.forwards,
-                  "helper_forwards": helper_policy.forwards if helper_policy else 0})
-    return RescueResult(ordered, stats)
+    return _Run(config, tokenizer, base_policy, helper_policy, scorer, stop_ids, eos_ids, on_candidate)
 
 
-def _round(active, base_policy, helper_policy, scorer, sampler, detector, tokenizer, n_base, n_helper,
-           stop_ids, eos_ids, seed, max_step_tokens, max_tokens, max_steps, on_candidate=None) -> None:
-    """One step for every active problem: fork, decode, screen, score, commit."""
-    decode_text = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-    by_problem: dict[int, list[Candidate]] = {p.index: [] for p in active}
-    for policy, source, copies in ((base_policy, "base", n_base), (helper_policy, "helper", n_helper)):
-        if not copies:
-            continue
-        states = [p.base if source == "base" else p.helper for p in active]
-        cache, logits = policy.fork(states, copies)
-        candidates = []
+@dataclass
+class _Run:
+    """What every round of one :func:`rescue_generate` call shares."""
+
+    config: RescueConfig
+    tokenizer: Any
+    base: Policy
+    helper: Policy | None
+    scorer: StepScorer | None
+    stop_ids: frozenset[int]
+    eos_ids: frozenset[int]
+    on_candidate: Callable[[Candidate], None] | None = None
+
+    def round(self, active: list[_Problem]) -> None:
+        """One step for every active problem: fork, decode, screen, score, commit."""
+        by_problem = self._decode(active)
+        pool = {p.index: [c for c in by_problem[p.index] if c.complete] for p in active}
+        self._score(active, pool)
+        if self.on_candidate is not None:
+            for p in active:
+                for c in by_problem[p.index]:
+                    self.on_candidate(c)
+        self._commit(active, pool)
+
+    def _decode(self, active: list[_Problem]) -> dict[int, list[Candidate]]:
+        """Fork and decode every model's candidates for ``active``; the loop screen runs on finished base ones."""
+        config, detector, tokenizer = self.config, self.config.detector, self.tokenizer
+        decode_text = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        by_problem: dict[int, list[Candidate]] = {p.index: [] for p in active}
+        for policy, source, copies in ((self.base, "base", config.n_base), (self.helper, "helper", config.n_helper)):
+            if not copies:
+                continue
+            states = [p.base if source == "base" else p.helper for p in active]
+            cache, logits = policy.fork(states, copies)
+            candidates = []
+            for p in active:
+                limit = min(config.max_step_tokens, config.max_tokens - p.output_tokens)
+                context = tokenizer.decode(p.prompt_ids + [t for s in p.steps for t in s.tokens]) if (
+                    detector is not None and detector.include_context and source == "base") else ""
+                for j in range(copies):
+                    screen = detector.screen(context) if (detector is not None and detector.enabled and source == "base") else None
+                    gen = candidate_generator(config.seed, p.index, len(p.steps), source, j)
+                    candidates.append(Candidate(p, source, j, gen, limit, screen))
+            policy.decode(cache, logits, candidates, config.sampler, stop_ids=self.stop_ids, eos_ids=self.eos_ids,
+                          decode_text=decode_text)
+            for c in candidates:
+                by_problem[c.owner.index].append(c)
+                counters = c.owner.counters
+                counters[f"{source}_tokens"] += len(c.tokens)
+                counters[f"{source}_candidates"] += 1
+                if c.status in ("delimiter", "cap") and source == "base" and c.owner.history is not None:
+                    reason = c.owner.history.check(c.tokens)  # cross-step loop screen, before PRM scoring
+                    if reason:
+                        c.status, c.abort_reason = "aborted", reason
+                if c.status == "aborted":
+                    counters["early_exits"] += 1
+                    counters[f"exit_{c.abort_reason}"] += 1
+        return by_problem
+
+    def _score(self, active: list[_Problem], pool: dict[int, list[Candidate]]) -> None:
+        """The PRM's score of every complete candidate, in one call."""
+        if self.scorer is None:
+            return
+        requests, owners = [], []
         for p in active:
-            limit = min(max_step_tokens, max_tokens - p.output_tokens)
-            context = tokenizer.decode(p.prompt_ids + [t for s in p.steps for t in s.tokens]) if (
-                detector is not None and detector.include_context and source == "base") else ""
-            for j in range(copies):
-                screen = detector.screen(context) if (detector is not None and detector.enabled and source == "base") else None
-                gen = candidate_generator(seed, p.index, len(p.steps), source, j)
-                candidates.append(Candidate(p, source, j, gen, limit, screen))
-        policy.decode(cache, logits, candidates, sampler, stop_ids=stop_ids, eos_ids=eos_ids, decode_text=decode_text)
-        for c in candidates:
-            by_problem[c.owner.index].append(c)
-            counters = c.owner.counters
-            counters[f"{source}_tokens"] += len(c.tokens)
-            counters[f"{source}_candidates"] += 1
-            if c.status in ("delimiter", "cap") and source == "base" and c.owner.history is not None:
-                reason = c.owner.history.check(c.tokens)  # cross-step loop screen, before PRM scoring
-                if reason:
-                    c.status, c.abort_reason = "aborted", reason
-            if c.status == "aborted":
-                counters["early_exits"] += 1
-                counters[f"exit_{c.abort_reason}"] += 1
+            for c in pool[p.index]:
+                requests.append(StepRequest(p.question, p.prompt_ids, [s.tokens for s in p.steps], c.tokens, self.tokenizer))
+                owners.append(c)
+        if requests:
+            for c, score in zip(owners, self.scorer.score(requests)):
+                c.score = score
+                c.owner.counters["scored_candidates"] += 1
 
-    pool = {p.index: [c for c in by_problem[p.index] if c.complete] for p in active}
-    requests, owners = [], []
-    for p in active:
-        if scorer is None:
-            continue
-        for c in pool[p.index]:
-            requests.append(StepRequest(p.question, p.prompt_ids, [s.tokens for s in p.steps], c.tokens, tokenizer))
-            owners.append(c)
-    if requests:
-        for c, score in zip(owners, scorer.score(requests)):
-            c.score = score
-            c.owner.counters["scored_candidates"] += 1
-    if on_candidate is not None:
+    def _commit(self, active: list[_Problem], pool: dict[int, list[Candidate]]) -> None:
+        """Commit each problem's best candidate; the other model encodes the step in one batched forward."""
+        config = self.config
+        base_appends: list[tuple[_Problem, list[int]]] = []
+        helper_appends: list[tuple[_Problem, list[int]]] = []
         for p in active:
-            for c in by_problem[p.index]:
-                on_candidate(c)
-
-    base_appends: list[tuple[_Problem, list[int]]] = []
-    helper_appends: list[tuple[_Problem, list[int]]] = []
-    for p in active:
-        options = pool[p.index]
-        if not options:
-            p.end = "degenerate"
-            continue
-        best = max(range(len(options)), key=lambda i: (options[i].score if options[i].score is not None else 0.0, -i))
-        win = options[best]
-        text = tokenizer.decode(win.tokens, skip_special_tokens=True)
-        p.steps.append(Step(list(win.tokens), text, win.source, win.score, win.index))
-        if p.history is not None:
-            p.history.commit(win.tokens)
-        if win.status == "eos":
-            p.end = "eos"
-        elif p.output_tokens >= max_tokens:
-            p.end = "max_tokens"
-        elif len(p.steps) >= max_steps:
-            p.end = "max_steps"
-        if p.end:
-            continue
-        if win.source == "base":
-            p.base = win.state
-            if helper_policy is not None:
-                helper_appends.append((p, win.tokens))
-        else:
-            p.helper = win.state
-            if n_base:
-                base_appends.append((p, win.tokens))
-    if helper_appends:
-        states = helper_policy.append([p.helper for p, _ in helper_appends], [t for _, t in helper_appends])
-        for (p, tokens), state in zip(helper_appends, states):
-            p.helper = state
-            p.counters["helper_encoded_tokens"] += len(tokens)
-    if base_appends:
-        states = base_policy.append([p.base for p, _ in base_appends], [t for _, t in base_appends])
-        for (p, tokens), state in zip(base_appends, states):
-            p.base = state
-            p.counters["base_encoded_tokens"] += len(tokens)
+            options = pool[p.index]
+            if not options:
+                p.end = "degenerate"
+                continue
+            best = max(range(len(options)), key=lambda i: (options[i].score if options[i].score is not None else 0.0, -i))
+            win = options[best]
+            text = self.tokenizer.decode(win.tokens, skip_special_tokens=True)
+            p.steps.append(Step(list(win.tokens), text, win.source, win.score, win.index))
+            if p.history is not None:
+                p.history.commit(win.tokens)
+            if win.status == "eos":
+                p.end = "eos"
+            elif p.output_tokens >= config.max_tokens:
+                p.end = "max_tokens"
+            elif len(p.steps) >= config.max_steps:
+                p.end = "max_steps"
+            if p.end:
+                continue
+            if win.source == "base":
+                p.base = win.state
+                if self.helper is not None:
+                    helper_appends.append((p, win.tokens))
+            else:
+                p.helper = win.state
+                if config.n_base:
+                    base_appends.append((p, win.tokens))
+        if helper_appends:
+            states = self.helper.append([p.helper for p, _ in helper_appends], [t for _, t in helper_appends])
+            for (p, tokens), state in zip(helper_appends, states):
+                p.helper = state
+                p.counters["helper_encoded_tokens"] += len(tokens)
+        if base_appends:
+            states = self.base.append([p.base for p, _ in base_appends], [t for _, t in base_appends])
+            for (p, tokens), state in zip(base_appends, states):
+                p.base = state
+                p.counters["base_encoded_tokens"] += len(tokens)
 
 
 def _finish(p: _Problem, tokenizer: Any) -> ProblemResult:

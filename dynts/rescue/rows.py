@@ -33,7 +33,8 @@ from typing import Sequence
 import torch
 
 from ..cache import BoundedCache, CacheStats, incoming_tokens
-from ..evictors.base import Segment, TokenInfo
+from ..core.slots import build_token_info
+from ..evictors.base import Segment
 from ..kernels import compact_torch_
 
 __all__ = ["RaggedCache"]
@@ -94,8 +95,7 @@ class RaggedCache(BoundedCache):
             segments = torch.where(new_valid, int(Segment.QUESTION), int(Segment.PAD))
         else:
             if self.bounded:
-                B = self.budget.budget
-                due = [r + n > B and r > k for r, n, k in zip(self.row_real, counts, self.row_keep)]
+                due = [self.budget.due(r, n, k) for r, n, k in zip(self.row_real, counts, self.row_keep)]
                 if any(due):
                     self.evict_rows(due)
             # padding never closes the thinking segment, whatever its id
@@ -127,7 +127,7 @@ class RaggedCache(BoundedCache):
         down to its ``n_keep``; returns the rows evicted (host list)."""
         if not self.bounded:
             return [False] * self.batch_size
-        due = [r > self.budget.budget for r in self.row_real]
+        due = [self.budget.due(r, 0, k) for r, k in zip(self.row_real, self.row_keep)]
         if any(due):
             self.evict_rows(due)
         return due
@@ -145,7 +145,9 @@ class RaggedCache(BoundedCache):
             groups.setdefault((self.row_keep[r], self.row_question[r]), []).append(r)
         for (n_keep, question), members in groups.items():
             index = torch.tensor(members, dtype=torch.long).to(keep.device, non_blocking=True)
-            kept = self.evictor(_subset(info, index, n_keep, question))
+            keys = None if info.keys is None else info.keys[index]
+            subset = build_token_info(self, self.length, n_keep, info.local_window, question, rows=index, keys=keys)
+            kept = self.evictor(subset)
             row_keep = torch.zeros(len(members), info.shape[1], dtype=torch.bool, device=kept.device)
             keep[index] = row_keep.scatter_(1, kept, True)
         after = [self.row_keep[r] if d else real for r, (d, real) in enumerate(zip(due, self.row_real))]
@@ -273,19 +275,3 @@ class RaggedCache(BoundedCache):
         new.stats = CacheStats()
         return new
 
-
-def _subset(info: TokenInfo, rows: torch.Tensor, n_keep: int, question_length: int) -> TokenInfo:
-    """The :class:`TokenInfo` of ``rows`` only, with their own ``n_keep`` and question length."""
-    pick = lambda t: None if t is None else t[rows]  # noqa: E731
-    return TokenInfo(
-        positions=info.positions[rows],
-        segments=info.segments[rows],
-        token_ids=info.token_ids[rows],
-        n_keep=int(n_keep),
-        local_window=info.local_window,
-        question_length=int(question_length),
-        scores=pick(info.scores),
-        attention=pick(info.attention),
-        window_attention=pick(info.window_attention),
-        keys=pick(info.keys),
-    )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,7 +39,7 @@ from dynts.predictor import find_predictor
 from dynts.rescue.results import EXIT_SIGNALS
 from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
 
-__all__ = ["RescueEvalConfig", "SETTINGS", "calibrate", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
+__all__ = ["RescueEvalConfig", "SETTINGS", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
 
 SETTINGS = ("full", "helper", "evict", "bon", "kvr", "kvr-noexit")
 STEPWISE = ("bon", "kvr", "kvr-noexit")
@@ -106,6 +105,23 @@ class RescueEvalConfig:
         if self.paper_budget:
             return Budget.from_paper(self.budget, self.headroom, self.local_window)
         return Budget(self.budget, self.local_window, self.retention)
+
+    def eviction(self, method: str):
+        """The base's :class:`~dynts.core.EvictionSettings` under ``method`` (``"full"``: no eviction)."""
+        from dynts.core import EvictionSettings
+
+        return EvictionSettings(method, self.bounds(), self.local_window, self.retention, self.predictor,
+                                self.think_end, self.method_options.get(method))
+
+    def step_search(self, n_helper: int, max_tokens: int, detector: Any):
+        """The :class:`~dynts.rescue.RescueConfig` of a stepwise cell (``n`` base candidates, ``n_helper``
+        helper ones, each cell's ``max_tokens`` and ``detector``)."""
+        from dynts.rescue import RescueConfig
+
+        return RescueConfig(n_base=self.n, n_helper=n_helper, step_delimiter=self.delimiter, max_steps=self.max_steps,
+                            max_step_tokens=self.max_step_tokens, max_tokens=max_tokens, detector=detector,
+                            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                            max_rows=self.max_rows)
 
     def cell_settings(self, setting: str, method: str | None) -> dict[str, Any]:
         """What a cell's result depends on (its file is reused only when these match)."""
@@ -199,22 +215,21 @@ def load_model(name: str, **load_options: Any):
     return dynts.load(name, **load_options)
 
 
-def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, bounded: bool, max_tokens: int) -> tuple[list[str], list[int], float]:
-    """Plain sampling (``dynts.generate``) of every prompt; texts, generated lengths and seconds."""
+def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, max_tokens: int) -> tuple[list[str], list[int], float]:
+    """Plain sampling (``dynts.generate``) of every prompt under ``method`` (``"full"``: the full cache);
+    texts, generated lengths and seconds."""
     import dynts
 
     from dynts.prompts import pad_rows, pad_id
 
     texts, lengths, seconds = [], [], 0.0
     pad = pad_id(tokenizer)
-    kw = dict(budget=config.bounds(), local_window=config.local_window, retention=config.retention,
-              predictor=config.predictor, method_options=config.method_options.get(method)) if bounded else {}
+    eviction = config.eviction(method)
     for start in range(0, len(prompts), 32):
         torch.manual_seed(config.seed * 1_000_003 + start)
         ids, mask = pad_rows(prompts[start : start + 32], pad)
-        out = dynts.generate(model, tokenizer, input_ids=ids, attention_mask=mask, method=method, max_new_tokens=max_tokens,
-                             think_end=config.think_end, do_sample=True, temperature=config.temperature,
-                             top_p=config.top_p, top_k=config.top_k, **kw)
+        out = dynts.generate(model, tokenizer, input_ids=ids, attention_mask=mask, eviction=eviction, max_new_tokens=max_tokens,
+                             do_sample=True, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
         texts += out.texts
         lengths += out.stats["lengths"]
         seconds += out.stats["seconds"]
@@ -231,7 +246,7 @@ def _cell(config: RescueEvalConfig, setting: str, method: str | None, models: di
     if setting in ("full", "helper", "evict"):
         model, tok = models["helper"] if setting == "helper" else models["base"]
         name = method if setting == "evict" else "full"
-        texts, lengths, _ = _plain(model, tok, prompts, config, name, setting == "evict", max_tokens)
+        texts, lengths, _ = _plain(model, tok, prompts, config, name, max_tokens)
         for ex, text, length in zip(bench.examples, texts, lengths):
             steps = text.count(config.delimiter) + (not text.rstrip().endswith(config.delimiter.strip() or config.delimiter))
             records.append({"id": ex.id, "text": text, "output_tokens": length, "committed_steps": steps,
@@ -241,14 +256,8 @@ def _cell(config: RescueEvalConfig, setting: str, method: str | None, models: di
         helper = models["helper"][0] if setting != "bon" else None
         detector = None if setting in ("bon", "kvr-noexit") else (config.detector or True)
         chats = [[{"role": "user", "content": p}] for p in models["messages"]]
-        result = rescue_generate(
-            base, helper, models["prm"], tokenizer, chats, base_method=method, budget=config.bounds(),
-            local_window=config.local_window, retention=config.retention, predictor=config.predictor,
-            method_options=config.method_options.get(method), n_base=config.n, n_helper=0 if setting == "bon" else config.n,
-            step_delimiter=config.delimiter, max_steps=config.max_steps, max_step_tokens=config.max_step_tokens,
-            max_tokens=max_tokens, detector=detector, temperature=config.temperature, top_p=config.top_p,
-            top_k=config.top_k, seed=config.seed, think_end=config.think_end, max_rows=config.max_rows,
-        )
+        search = config.step_search(0 if setting == "bon" else config.n, max_tokens, detector)
+        result = rescue_generate(base, helper, models["prm"], tokenizer, chats, config=search, eviction=config.eviction(method))
         for ex, problem in zip(bench.examples, result.problems):
             records.append({"id": ex.id, "text": problem.text, "ended": problem.end, "sources": "".join(s[0] for s in problem.sources),
                             **{k: v for k, v in problem.stats.items() if k != "end"}})
@@ -410,67 +419,3 @@ def summary_table(summary: dict[str, Any]) -> str:
             lines.append(f"| {r['setting']} | {r['method'] or '–'} | {r['problems']} | {r['wrong']} | "
                          + " | ".join(str(r[k]) for k in DEGENERATION_CLASSES) + " |")
     return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------ detector calibration
-
-
-def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = False) -> dict[str, Any]:
-    """Paper Fig. 3 for a new model: run eviction-only best-of-N with a detector that never fires and
-    record, per base candidate, the peak moving-average entropy and the lowest gzip ratio. Candidates
-    that ran to ``max_step_tokens`` without a delimiter are the runaways (label-free proxy); the
-    result lists each signal's quantiles for both groups and the firing rates of candidate
-    thresholds, to pick ``tau_ent`` / ``tau_cmp`` on a dev set. With ``verify`` (testbed only) it
-    also reports the PRM's AUROC at telling the candidates the exact step checker accepts from the
-    ones it rejects."""
-    from eval.harness.benchmarks import load_benchmark
-    from eval.harness.prompts import user_message
-
-    from dynts.rescue import DegenerationDetector, rescue_generate
-
-    bench = load_benchmark(config.benchmark).head(config.limit)
-    (base, tokenizer) = load_model(config.base, **config.load_options)
-    prm = load_eval_prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
-    options = {**config.detector, "entropy_threshold": 1e9, "compress_threshold": 1e-9}
-    rows: list[tuple[bool, float, float]] = []
-    judged: list[tuple[float, int]] = []  # (PRM score, exact verifier label) of complete candidates (testbed)
-
-    def record(c) -> None:
-        if c.source == "base" and c.screen is not None:
-            rows.append((c.status == "cap", c.screen.max_mean_entropy, c.screen.min_ratio))
-        if verify and c.complete and c.score is not None:
-            steps = [s.text for s in c.owner.steps] + [tokenizer.decode(c.tokens, skip_special_tokens=True)]
-            judged.append((c.score, int(testbed_step_verifier(c.owner.question, steps))))
-
-    chats = [[{"role": "user", "content": user_message(e, bench)}] for e in bench.examples]
-    rescue_generate(base, None, prm, tokenizer, chats, base_method=method, budget=config.bounds(),
-                    local_window=config.local_window, retention=config.retention, predictor=config.predictor,
-                    method_options=config.method_options.get(method), n_base=config.n, n_helper=0,
-                    step_delimiter=config.delimiter, max_steps=config.max_steps, max_step_tokens=config.max_step_tokens,
-                    max_tokens=config.max_tokens or bench.max_new_tokens, detector=DegenerationDetector(**options),
-                    temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=config.seed,
-                    think_end=config.think_end, max_rows=config.max_rows, on_candidate=record)
-    result: dict[str, Any] = {"candidates": len(rows), "capped": sum(r[0] for r in rows)}
-    if verify:
-        from trainers.testbed_prm import auroc
-
-        result["prm_vs_verifier"] = {"candidates": len(judged), "accepted": sum(y for _, y in judged),
-                                     "auroc": auroc([x for x, _ in judged], [y for _, y in judged])}
-    for name, col, higher in (("entropy", 1, True), ("gzip", 2, False)):
-        groups = {g: sorted(r[col] for r in rows if r[0] == (g == "capped") and math.isfinite(r[col])) for g in ("capped", "other")}
-        result[name] = {g: [v[int(q * (len(v) - 1))] for q in (0.05, 0.25, 0.5, 0.75, 0.95)] if v else [] for g, v in groups.items()}
-        cuts = sorted({round(v, 2) for vs in groups.values() for v in vs})
-        rates = []
-        for cut in cuts:
-            rates.append((cut, *(sum((v > cut) if higher else (v < cut) for v in groups[g]) / max(1, len(groups[g]))
-                                 for g in ("capped", "other"))))
-        result[name]["firing(cut, capped, other)"] = rates[:: max(1, len(rates) // 25)]
-    log(json.dumps({k: v for k, v in result.items() if k not in ("entropy", "gzip")}))
-    for name in ("entropy", "gzip"):
-        log(f"{name}: quantiles 5/25/50/75/95% capped {_rounded(result[name]['capped'])} other {_rounded(result[name]['other'])}")
-        log("  firing rate at cut (capped, other): " + " ".join(f"{c:g}:({a:.2f},{b:.2f})" for c, a, b in result[name]["firing(cut, capped, other)"]))
-    return result
-
-
-def _rounded(values: Sequence[float]) -> list[float]:
-    return [round(v, 3) for v in values]

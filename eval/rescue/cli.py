@@ -1,4 +1,5 @@
-"""``dynts rescue {bench,generate,calibrate}``: the command line of :mod:`eval.rescue.bench`."""
+"""``dynts rescue {bench,generate,calibrate}``: the command line of :mod:`eval.rescue.bench` and
+:mod:`eval.rescue.calibrate`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from dynts.core.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
-from eval.rescue.bench import RescueEvalConfig, SETTINGS, evaluate, summary_table, calibrate, load_eval_prm, helper_options, load_model
+from eval.rescue.bench import RescueEvalConfig, SETTINGS, evaluate, summary_table, load_eval_prm, helper_options, load_model
+from eval.rescue.calibrate import calibrate
 
 __all__ = ["main"]
 
@@ -120,21 +122,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dynts.rescue import rescue_generate
+    from dynts.rescue import RescueConfig, rescue_generate
 
     options = load_kwargs(args, given_only=True)
     base, tokenizer = load_model(args.base, **options)
     helper = load_model(args.helper, **helper_options(options))[0] if args.n_helper else None
     prm = load_eval_prm(args.prm, args.delimiter, args.trust_remote_code, options)
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else list(args.prompts)
-    out = rescue_generate(
-        base, helper, prm, tokenizer, prompts, base_method=args.method,
-        budget=Budget.from_paper(args.budget, args.headroom, args.local_window) if args.paper_budget else args.budget,
-        local_window=args.local_window, retention=args.retention, predictor=args.predictor, n_base=args.n_base,
-        n_helper=args.n_helper, step_delimiter=args.delimiter, max_steps=args.max_steps,
+    search = RescueConfig(
+        n_base=args.n_base, n_helper=args.n_helper, step_delimiter=args.delimiter, max_steps=args.max_steps,
         max_step_tokens=args.max_step_tokens, max_tokens=args.max_tokens or 4096,
         detector=None if args.no_detector else _detector(args), temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,
+    )
+    out = rescue_generate(
+        base, helper, prm, tokenizer, prompts, config=search, method=args.method,
+        budget=Budget.from_paper(args.budget, args.headroom, args.local_window) if args.paper_budget else args.budget,
+        local_window=args.local_window, retention=args.retention, predictor=args.predictor,
     )
     if args.json:
         print(json.dumps({"stats": out.stats, "problems": [
