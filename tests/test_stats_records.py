@@ -116,3 +116,21 @@ def _write(directory, key, ids):
     rows = [{"question": i, "sample": 0, "correct": True} for i in range(len(ids))]
     write_record(directory, eval_record(key, {}, ids, 1, rows))
     return directory
+
+
+def test_rescue_table_recomputes_from_records(tmp_path):
+    """A committed rescue run: the table from records alone equals the table from results.json + cells."""
+    import shutil
+    from pathlib import Path
+
+    from eval.rescue.table import main as table_main
+
+    run = tmp_path / "B64-N4"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "reports/rescue/B64-N4", run)
+    assert table_main([str(run), "--write-records", "--method", "window,rkv,dynts", "--write", str(tmp_path / "a.md")]) == 0
+    assert sum(f.stat().st_size for f in (run / "records").iterdir()) < 150_000
+    shutil.rmtree(run / "cells")
+    (run / "results.json").unlink()
+    assert table_main([str(run), "--from-records", "--method", "window,rkv,dynts", "--write", str(tmp_path / "b.md")]) == 0
+    a, b = (tmp_path / "a.md").read_text(), (tmp_path / "b.md").read_text()
+    assert a == b and "| **0.13** [-1.00, 0.80] |" in a and "+73.0 [+64.0, +81.0], p 2.1e-22" in a
