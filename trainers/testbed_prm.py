@@ -333,8 +333,8 @@ class PRMModule(L.LightningModule):
         return out
 
     def gate(self) -> dict[str, float]:
-        """AUROC of correct vs corrupted steps on held-out ("test") traces."""
-        rows = heldout("test", self.cfg.gate_size, self.cfg)
+        """AUROC of correct vs corrupted steps on held-out traces of the gate set (``task.GATE``)."""
+        rows = heldout(task.GATE, self.cfg.gate_size, self.cfg)
         scores, labels = step_scores(self.model, rows)
         result = {"gate_auroc": auroc(scores, labels), "gate_steps": len(labels), "gate_wrong_steps": labels.count(0)}
         answers = []  # the same rows labelled only at the answer's ";"
@@ -347,7 +347,7 @@ class PRMModule(L.LightningModule):
             result.update({"gate_answer_auroc": auroc(scores, labels), "gate_answers": len(labels), "gate_wrong_answers": labels.count(0)})
         if self.cfg.order_prob > 0:  # the held-out step-order negatives
             for kind in ORDER_KINDS:
-                rows = order_heldout("test", self.cfg.gate_size, kind, self.cfg.data.min_think, self.cfg.data.max_think)
+                rows = order_heldout(task.GATE, self.cfg.gate_size, kind, self.cfg.data.min_think, self.cfg.data.max_think)
                 scores, labels = step_scores(self.model, rows)
                 result[f"gate_{kind}_auroc"] = auroc(scores, labels)
         return result
@@ -375,8 +375,8 @@ def step_requests(rows: Sequence[tuple[list[str], list[int]]], tokenizer: Any) -
 
 
 def scorer_gate(scorer: Any, n: int, tokenizer: Any, cfg: PRMConfig | None = None) -> dict[str, float]:
-    """AUROC of any :class:`~dynts.rescue.StepScorer` on the PRM gate set (held-out "test" traces)."""
-    requests, labels = step_requests(heldout("test", n, cfg or PRMConfig(data=DataConfig(min_think=60, max_think=700))), tokenizer)
+    """AUROC of any :class:`~dynts.rescue.StepScorer` on the PRM gate set (held-out traces of ``task.GATE``)."""
+    requests, labels = step_requests(heldout(task.GATE, n, cfg or PRMConfig(data=DataConfig(min_think=60, max_think=700))), tokenizer)
     scores = scorer.score(requests)
     return {"gate_auroc": auroc(scores, labels), "gate_steps": len(labels), "gate_wrong_steps": labels.count(0)}
 
@@ -394,10 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = Qwen2ForTokenClassification.from_pretrained(args.prm).eval()
     cfg = PRMConfig(data=DataConfig(min_think=60, max_think=700), corrupt_prob=0.5, answer_prob=0.5)
     out: dict[str, Any] = {"prm": args.prm}
-    scores, labels = step_scores(model, heldout("test", args.n, cfg))
+    scores, labels = step_scores(model, heldout(task.GATE, args.n, cfg))
     out["digits_operands_answers"] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
     for kind in ORDER_KINDS:
-        scores, labels = step_scores(model, order_heldout("test", args.n, kind))
+        scores, labels = step_scores(model, order_heldout(task.GATE, args.n, kind))
         out[kind] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
     print(json.dumps(out, indent=1))
     return 0

@@ -84,14 +84,14 @@ def attention_ranks(model: Any, tokenizer: Any, problems: Sequence[task.Problem]
 
 
 def prm_auroc(model: Any, n: int = 200, config: str | Path = "configs/testbed/prm.yaml") -> dict[str, Any]:
-    """AUROC of correct vs corrupted steps on held-out ("test") reference traces, corrupted as in
+    """AUROC of correct vs corrupted steps on held-out reference traces of the gate set (``task.GATE``), corrupted as in
     training (trace lengths from the PRM config when it exists)."""
     import yaml
 
     from trainers.testbed_prm import PRMConfig, auroc, heldout, step_scores
 
     cfg = PRMConfig.from_dict(yaml.safe_load(Path(config).read_text())) if Path(config).is_file() else PRMConfig()
-    scores, labels = step_scores(model, heldout("test", n, cfg))
+    scores, labels = step_scores(model, heldout(task.GATE, n, cfg))
     return {"auroc": auroc(scores, labels), "steps": len(labels), "wrong_steps": labels.count(0), "traces": n,
             "think_range": [cfg.data.min_think, cfg.data.max_think]}
 

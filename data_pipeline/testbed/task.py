@@ -10,9 +10,11 @@ Everything is word-level; one word is one token (see ``tokenizer.py``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 PAD, UNK, BOS, EOS, THINK, END_THINK, SEP = "<pad>", "<unk>", "<bos>", "<eos>", "<think>", "</think>", ";"
 VARIABLES: tuple[str, ...] = ("a", "b", "c", "d", "e")
@@ -219,18 +221,70 @@ def make_drill(
     return tokens, roles
 
 
+# Named sets (``problem_set``'s first argument; a set's namespace is the part before any ``:``):
+#   ``dev`` / ``test`` / ``val``  choices, checkpoint selection, validation (problem ``i`` seeded by
+#                                 ``"{set}:{i}"``: the same problem whatever the length range is, the
+#                                 committed numbers' sets);
+#   ``gate``                      the PRM gates and AUROC tools (``GATE``);
+#   ``confirm``                   the final tables only (``CONFIRM``): refused outside
+#                                 :func:`final_tables`, which only the table commands enter;
+#   ``train...``                  refused: training draws its own ``"train:..."`` seeds.
+# ``gate`` and ``confirm`` seed problem ``i`` by ``"{set}:{min_think}-{max_think}:{i}"``, so other
+# length ranges give other problems (``dev``/``test`` share them across ranges:
+# :func:`shared_questions` measures it).
+GATE = "gate"
+CONFIRM = "confirm"
+FRESH_NAMESPACES: tuple[str, ...] = (GATE, CONFIRM)
+FINAL_ONLY: tuple[str, ...] = (CONFIRM,)
+_FINAL_TABLES: contextvars.ContextVar[bool] = contextvars.ContextVar("final_tables", default=False)
+
+
+@contextlib.contextmanager
+def final_tables() -> Iterator[None]:
+    """Inside this block (and only there) :func:`problem_set` serves the ``confirm`` namespace.
+    Only the commands that produce final tables enter it, on their explicit ``--final``
+    (``dynts eval --final``, ``dynts demo --final``); ``tests/test_namespaces.py`` checks that no
+    other module does."""
+    token = _FINAL_TABLES.set(True)
+    try:
+        yield
+    finally:
+        _FINAL_TABLES.reset(token)
+
+
+def namespace(name_or_seed: str | int) -> str:
+    """The namespace of a set name: the part before any ``:`` (``"confirm:chain"`` -> ``"confirm"``)."""
+    return str(name_or_seed).split(":", 1)[0]
+
+
 def problem_set(name_or_seed: str | int, n: int, min_think: int = 150, max_think: int = 900, **kw: object) -> list[Problem]:
-    """``n`` fixed problems; problem ``i`` of set ``s`` is seeded by the string ``"{s}:{i}"``.
+    """``n`` fixed problems; problem ``i`` of set ``s`` is seeded by the string ``"{s}:{i}"``
+    (``gate`` and ``confirm``: ``"{s}:{min_think}-{max_think}:{i}"``, the namespaces above).
 
     Training draws from the ``"train:..."`` namespace, so named sets stay fresh.
     """
     base = str(name_or_seed)
     if base.startswith("train"):
         raise ValueError("the 'train' namespace is reserved for training data")
-    return [
-        make_problem(f"{base}:{i}", min_think=min_think, max_think=max_think, name=f"{base}:{i}", **kw)  # type: ignore[arg-type]
-        for i in range(n)
-    ]
+    space = namespace(base)
+    if space in FINAL_ONLY and not _FINAL_TABLES.get():
+        raise ValueError(
+            f"problem_set({base!r}): the {space!r} namespace is read only by the final tables; "
+            f"choose, gate and tune on set=dev, set=test or set={GATE}, or produce a final table with "
+            "dynts eval --final / dynts demo --final")
+    if space in FRESH_NAMESPACES:
+        extra = "".join(f",{k}={v}" for k, v in sorted(kw.items()))
+        seeds = [f"{base}:{min_think}-{max_think}{extra}:{i}" for i in range(n)]
+    else:
+        seeds = [f"{base}:{i}" for i in range(n)]
+    return [make_problem(s, min_think=min_think, max_think=max_think, name=s, **kw) for s in seeds]  # type: ignore[arg-type]
+
+
+def shared_questions(problems: Sequence[Problem], others: Sequence[Problem]) -> list[str]:
+    """Names of the ``problems`` whose question (operand values and asked key: all a model is
+    shown) is also the question of one of ``others``: the overlap of two sets."""
+    seen = {(p.operands, p.asked) for p in others}
+    return [p.name for p in problems if (p.operands, p.asked) in seen]
 
 
 # ---------------------------------------------------------------- parsing and checking

@@ -19,11 +19,13 @@ Re-running the same command resumes: finished cells are skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import sys
 from pathlib import Path
 
+from data_pipeline.testbed.task import final_tables
 from dynts.cli_options import add_load_arguments, load_kwargs, set_threads
 
 from .methods import ABLATIONS, CONTROLS, QUESTION_PROTECTED
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads (default: torch's choice; 1 is much faster for tiny models on a busy machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list benchmarks, methods and ablation presets, then exit")
+    p.add_argument("--final", action="store_true",
+                   help="this run produces a final table: only then may a testbed benchmark read set=confirm "
+                        "(choose and tune on set=dev/test, never on confirm)")
     add_load_arguments(p)
     return p
 
@@ -192,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
         config = config_from_args(args)
         print(f"dynts eval: run dir {config.run_dir}", file=sys.stderr)
-        results = run(config, load_options=load_kwargs(args, given_only=True))
+        with final_tables() if args.final else contextlib.nullcontext():
+            results = run(config, load_options=load_kwargs(args, given_only=True))
     except ValueError as err:
         print(f"dynts eval: error: {err}", file=sys.stderr)
         return 2

@@ -1,15 +1,21 @@
 """One method against the others, budget by budget: the tables ``docs/evaluation.md`` prints.
 
-``python -m eval.harness.compare RUN_DIR [--against dynts] [--write]`` reads every finished cell of a run
-(``cells/*.json``, whichever command wrote them) and prints
+``python -m eval.harness.compare RUN_DIR [--against dynts] [--write] [--from-records]`` reads every
+finished cell of a run (``cells/*.json``, whichever command wrote them) with its per-problem results
+(``records/<key>.json``, :mod:`eval.harness.records`, else ``samples/<key>.jsonl``) and prints
 
-1. pass@1 % +- one standard error, one row per method, one column per budget (the full cache first);
-2. for each other method and budget, ``against - method`` in points and the standard error of that
-   difference, ``sqrt(se_a^2 + se_b^2)`` (conservative: it ignores that both ran on the same
-   questions), with a verdict: ``leads`` (difference >= 2 SE), ``trails`` (<= -2 SE) or ``within 2 SE``.
+1. pass@1 % and its bootstrap 95 % CI (questions resampled, 10,000 times, seed 0), one row per method,
+   one column per budget (the full cache first);
+2. for each other method and budget, ``against - method`` in points, **paired** on the same
+   questions: the paired bootstrap 95 % CI of the difference, McNemar's exact test over the
+   (question, sample) pairs (right under one method only), the sign test over per-question scores,
+   and a verdict: ``leads`` (the CI above 0), ``trails`` (below 0) or ``CI includes 0``;
+3. what the runs wrote: mean generated tokens, loop %, truncated %, evictions per sample.
 
-``--write`` also renders those cells as the run's ``results.{json,csv,md}`` and plots (runs filled by
-several ``dynts eval`` commands, e.g. one per budget, get one table).
+Cells without per-problem results fall back to ``pass@1 ± SE`` and the unpaired
+``sqrt(se_a^2 + se_b^2)`` (``leads`` = at least 2 SE). ``--from-records`` recomputes all tables from
+``records/*.json`` alone (a report directory with nothing else); ``--write`` also renders the cells
+as the run's ``results.{json,csv,md}`` and plots.
 """
 
 from __future__ import annotations
@@ -20,14 +26,59 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["compare", "finished_cells", "main", "pivot"]
+from .records import eval_record, per_question, read_records, unpack_bits
+from .stats import bootstrap_ci, mcnemar_exact, paired_difference, sign_test
 
+__all__ = ["cells_from_records", "compare", "finished_cells", "main", "pivot",
+           "record_of_samples", "records_of", "written"]
 
 def finished_cells(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every finished cell of a run directory, the full cache first, then by method and budget."""
     cells = [json.loads(p.read_text()) for p in sorted((Path(run_dir) / "cells").glob("*.json"))]
+    return _ordered(cells)
+
+
+def _ordered(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     order = {m: i for i, m in enumerate(dict.fromkeys(c["method"]["label"] for c in cells))}
     return sorted(cells, key=lambda c: (c.get("budget") is not None, order[c["method"]["label"]], c.get("budget") or 0))
+
+
+def record_of_samples(cell: dict[str, Any], samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The per-problem record of a finished cell from its ``samples/<key>.jsonl`` rows."""
+    rows = sorted(samples, key=lambda r: (r["question"], r["sample"]))
+    k = cell.get("k") or len({r["sample"] for r in rows})
+    settings = {f: cell[f] for f in ("benchmark", "method", "budget", "local_window", "retention", "predictor") if f in cell}
+    return eval_record(cell["key"], settings, [r["id"] for r in rows[::k]], k, rows)
+
+
+def records_of(run_dir: str | Path, cells: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Decoded per-problem records by cell key: ``records/<key>.json``, else built from
+    ``samples/<key>.jsonl``; cells with neither are left out."""
+    run_dir = Path(run_dir)
+    stored = {r["key"]: r for r in read_records(run_dir)}
+    out = {}
+    for c in cells:
+        key = c.get("key")
+        if key in stored:
+            out[key] = stored[key]
+        elif key and (run_dir / "samples" / f"{key}.jsonl").is_file():
+            lines = (run_dir / "samples" / f"{key}.jsonl").read_text(encoding="utf-8").splitlines()
+            rec = record_of_samples(c, [json.loads(line) for line in lines if line.strip()])
+            n = len(rec["ids"]) * rec["k"]
+            out[key] = {**rec, "bits": {f: unpack_bits(v, n) for f, v in rec["bits"].items()}}
+    return out
+
+
+def cells_from_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cell results (method, budget, pass@1 and its SE over questions) recomputed from records alone."""
+    cells = []
+    for rec in records:
+        scores = per_question(rec)
+        mean = sum(scores) / len(scores)
+        se = math.sqrt(sum((x - mean) ** 2 for x in scores) / len(scores)) / math.sqrt(len(scores))
+        cells.append({**rec["cell"], "key": rec["key"], "questions": len(scores), "k": rec["k"],
+                      "pass@1": mean, "pass@1_se": se})
+    return _ordered(cells)
 
 
 def _cells(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[int], dict[tuple[str, int | None], dict[str, Any]]]:
@@ -36,26 +87,52 @@ def _cells(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[int], dic
     return methods, budgets, {(r["method"]["label"], r.get("budget")): r for r in results}
 
 
-def pivot(results: Sequence[dict[str, Any]]) -> str:
-    """pass@1 % +- 1 SE per method (rows) and budget (columns); the full cache spans the row."""
+def _accuracy(cell: dict[str, Any], records: dict[str, dict[str, Any]]) -> str:
+    rec = records.get(cell.get("key"))
+    if rec is None:
+        return f"{100 * cell['pass@1']:.1f} ± {100 * cell['pass@1_se']:.1f}"
+    lo, hi = bootstrap_ci(per_question(rec))
+    return f"{100 * cell['pass@1']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def pivot(results: Sequence[dict[str, Any]], records: dict[str, dict[str, Any]] | None = None) -> str:
+    """pass@1 % per method (rows) and budget (columns), with its bootstrap 95 % CI where the cell
+    has per-problem ``records`` (by cell key), else ± 1 SE; the full cache spans the row."""
+    records = records or {}
     methods, budgets, cells = _cells(results)
     lines = ["| method | " + " | ".join(f"B = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for m in methods:
         if (m, None) in cells:
-            r = cells[(m, None)]
-            lines.append(f"| {m} (no eviction) | {100 * r['pass@1']:.1f} ± {100 * r['pass@1_se']:.1f} |" + " |" * (len(budgets) - 1))
+            lines.append(f"| {m} (no eviction) | {_accuracy(cells[(m, None)], records)} |" + " |" * (len(budgets) - 1))
             continue
-        row = [f"{100 * cells[(m, b)]['pass@1']:.1f} ± {100 * cells[(m, b)]['pass@1_se']:.1f}" if (m, b) in cells else "" for b in budgets]
+        row = [_accuracy(cells[(m, b)], records) if (m, b) in cells else "" for b in budgets]
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def compare(results: Sequence[dict[str, Any]], against: str = "dynts") -> str:
-    """``against`` minus every other bounded method, in points, with the SE of the difference."""
+def _paired(a: dict[str, Any], o: dict[str, Any]) -> dict[str, Any]:
+    if a["ids"] != o["ids"] or a["k"] != o["k"]:
+        raise ValueError(f"cells {a['key']} and {o['key']} ran on other questions (or another k); "
+                         "pair only cells of one benchmark and k (one run directory)")
+    diff = paired_difference(per_question(a), per_question(o))
+    return {**diff, "mcnemar": mcnemar_exact(a["bits"]["correct"], o["bits"]["correct"]),
+            "sign": sign_test(per_question(a), per_question(o))}
+
+
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p >= 1e-4 else f"{p:.0e}"
+
+
+def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None) -> str:
+    """``against`` minus every other bounded method, in points: paired (CI, McNemar, sign test) where
+    both cells have per-problem ``records``, else the unpaired SE of the difference."""
+    records = records or {}
     methods, budgets, cells = _cells(results)
     if not any((against, b) in cells for b in budgets):
         raise ValueError(f"against={against!r} has no bounded cell in these results; methods: {methods}")
-    lines = [f"| {against} minus | " + " | ".join(f"B = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    paired = [f"| {against} minus | B | points | paired 95 % CI | right only under {against} / the other | "
+              "McNemar exact p | sign test + / - (p) | verdict |", "|---|---|---|---|---|---|---|---|"]
+    unpaired = [f"| {against} minus (unpaired) | " + " | ".join(f"B = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for m in methods:
         if m == against or not any((m, b) in cells for b in budgets):
             continue
@@ -65,29 +142,68 @@ def compare(results: Sequence[dict[str, Any]], against: str = "dynts") -> str:
                 row.append("")
                 continue
             a, o = cells[(against, b)], cells[(m, b)]
+            ra, ro = records.get(a.get("key")), records.get(o.get("key"))
+            if ra is not None and ro is not None:
+                t = _paired(ra, ro)
+                verdict = "leads" if t["lo"] > 0 else "trails" if t["hi"] < 0 else "CI includes 0"
+                mc, sg = t["mcnemar"], t["sign"]
+                paired.append(f"| {m} | {b} | {100 * t['diff']:+.1f} | [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}] | "
+                              f"{mc['only_a']} / {mc['only_b']} | {_p(mc['p'])} | {sg['plus']} / {sg['minus']} ({_p(sg['p'])}) | {verdict} |")
+                row.append("")
+                continue
             diff = 100 * (a["pass@1"] - o["pass@1"])
             se = 100 * math.hypot(a["pass@1_se"], o["pass@1_se"])
             verdict = "leads" if diff >= 2 * se else "trails" if diff <= -2 * se else "within 2 SE"
             row.append(f"{diff:+.1f} ± {se:.1f} ({verdict})")
-        lines.append(f"| {m} | " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        if any(row):
+            unpaired.append(f"| {m} | " + " | ".join(row) + " |")
+    tables = [t for t, head in ((paired, 2), (unpaired, 2)) if len(t) > head]
+    return "\n\n".join("\n".join(t) for t in tables)
+
+
+def written(results: Sequence[dict[str, Any]], records: dict[str, dict[str, Any]]) -> str:
+    """Per cell with records: mean generated tokens, loop %, truncated %, evictions per sample."""
+    lines = ["| method | B | pass@1 % | mean tokens | loop % | truncated % | evictions/sample |", "|---|---|---|---|---|---|---|"]
+    for c in results:
+        rec = records.get(c.get("key"))
+        if rec is None:
+            continue
+        n = len(rec["bits"]["correct"])
+        mean = lambda f: sum(rec["ints"][f]) / n  # noqa: E731
+        share = lambda f: 100 * sum(rec["bits"][f]) / n  # noqa: E731
+        lines.append(f"| {c['method']['label']} | {c.get('budget') or '–'} | {_accuracy(c, records)} | {mean('tokens'):.0f} | "
+                     f"{share('looped'):.1f} | {share('truncated'):.1f} | {mean('evictions'):.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.harness.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="a dynts eval run directory (its results.json)")
+    parser.add_argument("run_dir", help="a dynts eval run directory, or a report directory holding records/*.json")
     parser.add_argument("--against", default="dynts", help="the method every other one is compared with")
     parser.add_argument("--write", action="store_true", help="render all finished cells as results.{json,csv,md} and plots")
+    parser.add_argument("--from-records", action="store_true", help="recompute every table from records/*.json alone")
     args = parser.parse_args(argv)
-    results = finished_cells(args.run_dir)
-    if not results:
-        parser.error(f"{args.run_dir} has no finished cells (cells/*.json); give the --run-dir of a dynts eval run")
-    if args.write:
-        from .report import write_reports
+    if args.from_records:
+        if args.write:
+            parser.error("--write renders cells/*.json; --from-records reads records only: give one of them")
+        recs = read_records(args.run_dir)
+        if not recs:
+            parser.error(f"{args.run_dir} has no records/*.json; a dynts eval run writes them next to its cells")
+        records = {r["key"]: r for r in recs}
+        results = cells_from_records(recs)
+    else:
+        results = finished_cells(args.run_dir)
+        if not results:
+            parser.error(f"{args.run_dir} has no finished cells (cells/*.json); give the --run-dir of a dynts eval run "
+                         "(or --from-records for a report directory)")
+        records = records_of(args.run_dir, results)
+        if args.write:
+            from .report import write_reports
 
-        write_reports(args.run_dir, results)
-    print(pivot(results) + "\n\n" + compare(results, args.against))
+            write_reports(args.run_dir, results)
+    tables = [pivot(results, records), compare(results, args.against, records), written(results, records)]
+    print("\n\n".join(t for t in tables if t))
     return 0
 
 

@@ -9,10 +9,12 @@ Run: ``python -m eval.harness.demo`` (a few minutes on 2 CPU cores). It is a ``d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 from pathlib import Path
 
+from data_pipeline.testbed.task import final_tables
 from dynts.cli_options import add_load_arguments, load_kwargs
 
 __all__ = ["main"]
@@ -47,6 +49,8 @@ def demo_methods(have_predictor: bool) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.harness.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100, help="testbed problems")
+    parser.add_argument("--set", default="test", help="testbed problem set (set=confirm needs --final)")
+    parser.add_argument("--final", action="store_true", help="this demo produces a final table: only then may --set be confirm")
     parser.add_argument("--budget", type=int, default=96, help="cache budget B (~ a quarter of the ~350-token mean trace)")
     parser.add_argument("--local-window", type=int, default=32)
     parser.add_argument("--retention", type=float, default=0.4)
@@ -85,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh:
         shutil.rmtree(run_dir, ignore_errors=True)
 
+    benchmark = f"testbed:n={args.n}" + ("" if args.set == "test" else f",set={args.set}")
+
     def make() -> EvalConfig:
         return EvalConfig(
-            model="testbed", benchmarks=[f"testbed:n={args.n}"], methods=methods, budgets=[args.budget],
+            model="testbed", benchmarks=[benchmark], methods=methods, budgets=[args.budget],
             local_windows=[args.local_window], retentions=[args.retention], k=1, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens,
             predictor=str(predictor) if have_predictor else None, run_dir=run_dir,
@@ -95,14 +101,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = make()
-        try:
-            results = run(config, load_options=load_options)
-        except ValueError as err:
-            if "other settings" not in str(err):
-                raise
-            print(f"demo: checkpoints changed since the last demo; starting over in {run_dir}", file=sys.stderr)
-            shutil.rmtree(run_dir)
-            results = run(make(), load_options=load_options)
+        with final_tables() if args.final else contextlib.nullcontext():
+            try:
+                results = run(config, load_options=load_options)
+            except ValueError as err:
+                if "other settings" not in str(err):
+                    raise
+                print(f"demo: checkpoints changed since the last demo; starting over in {run_dir}", file=sys.stderr)
+                shutil.rmtree(run_dir)
+                results = run(make(), load_options=load_options)
     except ValueError as err:
         print(f"demo: error: {err}", file=sys.stderr)
         return 2

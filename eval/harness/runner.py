@@ -11,6 +11,7 @@ Layout of a run directory::
     cells/<key>.json           one finished cell: settings + metrics (written last, atomically)
     cells/<key>.partial.jsonl  finished batches of an unfinished cell (one JSON line per batch)
     samples/<key>.jsonl        every sample of a finished cell: text, extracted answer, correct
+    records/<key>.json         its compact per-problem record (:mod:`eval.harness.records`)
     results.{json,csv,md}      rendered after every cell (:mod:`eval.harness.report`)
     accuracy_vs_*.png          plots, rendered when the run ends
 
@@ -40,6 +41,7 @@ from .benchmarks import Benchmark, load_benchmark
 from .config import EvalConfig
 from .methods import MethodSpec
 from .prompts import encode_prompts, user_message
+from .records import eval_record, write_record
 
 __all__ = ["Cell", "EvalConfig", "plan_cells", "run", "summarize", "write_atomic"]
 
@@ -279,6 +281,8 @@ def run_cell(ctx: _Context, cell: Cell, config: EvalConfig, bar: Callable | None
     batches = [done[j] for j in range(len(plan))]
     records = sorted((r for b in batches for r in b["records"]), key=lambda r: (r["question"], r["sample"]))
     write_atomic(config.run_dir / "samples" / f"{cell.key}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    ids = [e.id for e in ctx.bench.examples[: len(ctx.prompt_ids)]]
+    write_record(config.run_dir, eval_record(cell.key, cell.as_dict(), ids, config.k, records))
     prompt = statistics.mean(len(ids) for ids in ctx.prompt_ids)
     n_keep = None if cell.budget is None else dynts.Budget(cell.budget, cell.local_window, cell.retention).n_keep(round(prompt))
     result = {

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from dynts.io import write_atomic
+from eval.rescue.table import write_records
 from dynts.predictor import find_predictor
 from dynts.rescue.results import EXIT_SIGNALS
 from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
@@ -334,6 +335,7 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
         summary["degeneration"] = degeneration(results, bench)
     write_atomic(out / "results.json", json.dumps(summary, indent=2, default=str))
     write_atomic(out / "results.md", summary_table(summary))
+    write_records(out)  # records/<key>.json: the compact per-problem results (eval.rescue.table)
     return summary
 
 

@@ -1,0 +1,136 @@
+"""Paired statistics (hand-checkable numbers), per-problem records (round trip) and the tables
+recomputed from records alone."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from eval.harness import compare as cmp
+from eval.harness.records import cell_record, eval_record, pack_bits, per_question, read_records, unpack_bits, write_record
+from eval.harness.stats import bootstrap_ci, mcnemar_exact, paired_difference, ratio_ci, sign_test
+
+
+def test_mcnemar_exact_by_hand():
+    # 8 pairs right only under a, 2 only under b, 5 both, 3 neither: p = 2 P(X <= 2 | 10, 1/2) = 2 * 56 / 1024
+    a = [True] * 8 + [False] * 2 + [True] * 5 + [False] * 3
+    b = [False] * 8 + [True] * 2 + [True] * 5 + [False] * 3
+    t = mcnemar_exact(a, b)
+    assert (t["only_a"], t["only_b"]) == (8, 2) and t["p"] == pytest.approx(112 / 1024)
+    assert sign_test(a, b) == {"plus": 8, "minus": 2, "p": pytest.approx(112 / 1024)}  # k = 1: the same test
+    assert mcnemar_exact([True, False], [True, False])["p"] == 1.0  # no discordant pair
+    with pytest.raises(ValueError, match="pair them"):
+        mcnemar_exact([True], [True, False])
+
+
+def test_sign_test_drops_ties_on_per_question_scores():
+    t = sign_test([1.0, 0.5, 0.5, 0.0], [0.5, 0.5, 0.0, 0.0])  # + , tie, +, tie
+    assert (t["plus"], t["minus"]) == (2, 0) and t["p"] == pytest.approx(0.5)
+
+
+def test_paired_bootstrap_contains_the_true_difference():
+    rng = random.Random(1)
+    b = [rng.random() < 0.6 for _ in range(2000)]
+    a = [x or rng.random() < 0.25 for x in b]  # a fixes a quarter of b's misses: true difference 0.4 * 0.25 = 0.10
+    t = paired_difference(a, b)
+    assert t["lo"] < 0.10 < t["hi"] and t["lo"] > 0
+    assert t["hi"] - t["lo"] < 0.04  # paired: much tighter than the unpaired ~ +- 0.06
+    assert paired_difference(a, b) == t  # seeded
+    assert bootstrap_ci([0.5] * 10) == (0.5, 0.5)
+    lo, hi = bootstrap_ci([1] * 90 + [0] * 10)
+    assert lo < 0.9 < hi and 0.8 < lo and hi < 0.97
+
+
+def test_ratio_ci_drops_undefined_resamples():
+    full, bon, kvr = [1] * 20, [1] * 10 + [0] * 10, [1] * 18 + [0] * 2
+    lo, hi = ratio_ci([full, bon, kvr], lambda f, b, k: (k - b) / (f - b))
+    assert lo < 0.8 < hi <= 1.0
+    assert ratio_ci([[1, 1], [1, 1], [1, 1]], lambda f, b, k: (k - b) / (f - b)) is None  # never a gap
+
+
+def test_records_round_trip(tmp_path):
+    assert pack_bits([True, False, True]) == "a0" and unpack_bits("a0", 3) == [True, False, True]
+    with pytest.raises(ValueError, match="hex digits"):
+        unpack_bits("a0ff", 3)
+    bits = [random.Random(i).random() < 0.5 for i in range(203)]
+    assert unpack_bits(pack_bits(bits), 203) == bits
+    rows = [{"question": q, "sample": s, "correct": (q + s) % 2 == 0, "tokens": 10 * q + s, "looped": s == 1}
+            for q in range(3) for s in range(2)]
+    rec = eval_record("c1", {"method": {"label": "dynts"}, "budget": 64}, ["p0", "p1", "p2"], 2, rows[::-1])
+    path = write_record(tmp_path, rec)
+    assert path == tmp_path / "records" / "c1.json" and len(path.read_text()) < 400
+    (back,) = read_records(tmp_path)
+    assert back["bits"]["correct"] == [True, False, False, True, True, False] and back["ints"]["tokens"] == [0, 1, 10, 11, 20, 21]
+    assert per_question(back) == [0.5, 0.5, 0.5] and per_question(back, "looped") == [0.5] * 3
+    with pytest.raises(ValueError, match="one row per question and sample"):
+        cell_record("c2", {}, ["p0"], 2, rows[:1], ("correct",))
+
+
+def _run_dir(tmp_path):
+    """Two bounded cells and the full cache on 10 questions, k = 1, as dynts eval writes them."""
+    right = {"full": range(10), "dynts": range(9), "h2o": [0, 1, 2, 9]}
+    for label, ok in right.items():
+        budget = None if label == "full" else 64
+        cell = {"key": label, "benchmark": "testbed:n=10", "method": {"label": label}, "budget": budget, "k": 1,
+                "pass@1": len(ok) / 10, "pass@1_se": 0.1}
+        (tmp_path / "cells").mkdir(exist_ok=True)
+        (tmp_path / "cells" / f"{label}.json").write_text(json.dumps(cell))
+        samples = [{"question": q, "sample": 0, "id": f"test:{q}", "correct": q in ok, "tokens": 100 + q,
+                    "looped": False, "truncated": False, "evictions": 0 if budget is None else 3} for q in range(10)]
+        (tmp_path / "samples").mkdir(exist_ok=True)
+        (tmp_path / "samples" / f"{label}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return tmp_path
+
+
+def test_compare_is_paired_and_recomputes_from_records(tmp_path, capsys):
+    run = _run_dir(tmp_path)
+    assert cmp.main([str(run)]) == 0
+    from_run = capsys.readouterr().out
+    # dynts right on 6 questions h2o misses, h2o on 1 dynts misses: McNemar p = 2 * 8 / 128
+    assert "| h2o | 64 | +50.0 |" in from_run and "| 6 / 1 | 0.12 | 6 / 1 (0.12) |" in from_run
+    assert "| dynts | 90.0 [" in from_run or "| dynts | 90.0 [" in from_run.replace(" (no eviction)", "")
+    # write the compact records (as a dynts eval run does), drop everything else, recompute
+    for cell in cmp.finished_cells(run):
+        samples = [json.loads(x) for x in (run / "samples" / f"{cell['key']}.jsonl").read_text().splitlines()]
+        write_record(run, cmp.record_of_samples(cell, samples))
+    for sub in ("cells", "samples"):
+        for f in (run / sub).iterdir():
+            f.unlink()
+    assert cmp.main([str(run), "--from-records"]) == 0
+    assert capsys.readouterr().out == from_run
+    with pytest.raises(SystemExit):
+        cmp.main([str(run), "--from-records", "--write"])
+
+
+def test_pairing_refuses_other_questions(tmp_path):
+    a = read_records(_write(tmp_path, "a", ["q0", "q1"]))[0]
+    b = read_records(_write(tmp_path / "b", "b", ["q0", "q2"]))[0]
+    cells = [{"key": "a", "method": {"label": "dynts"}, "budget": 64, "pass@1": 1, "pass@1_se": 0},
+             {"key": "b", "method": {"label": "h2o"}, "budget": 64, "pass@1": 1, "pass@1_se": 0}]
+    with pytest.raises(ValueError, match="other questions"):
+        cmp.compare(cells, records={"a": a, "b": b})
+
+
+def _write(directory, key, ids):
+    rows = [{"question": i, "sample": 0, "correct": True} for i in range(len(ids))]
+    write_record(directory, eval_record(key, {}, ids, 1, rows))
+    return directory
+
+
+def test_rescue_table_recomputes_from_records(tmp_path):
+    """A committed rescue run: the table from records alone equals the table from results.json + cells."""
+    import shutil
+    from pathlib import Path
+
+    from eval.rescue.table import main as table_main
+
+    run = tmp_path / "B64-N4"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "reports/rescue/B64-N4", run)
+    assert table_main([str(run), "--write-records", "--method", "window,rkv,dynts", "--write", str(tmp_path / "a.md")]) == 0
+    assert sum(f.stat().st_size for f in (run / "records").iterdir()) < 150_000
+    shutil.rmtree(run / "cells")
+    (run / "results.json").unlink()
+    assert table_main([str(run), "--from-records", "--method", "window,rkv,dynts", "--write", str(tmp_path / "b.md")]) == 0
+    a, b = (tmp_path / "a.md").read_text(), (tmp_path / "b.md").read_text()
+    assert a == b and "| **0.13** [-1.00, 0.80] |" in a and "+73.0 [+64.0, +81.0], p 2.1e-22" in a
