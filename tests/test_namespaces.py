@@ -12,7 +12,7 @@ from data_pipeline.testbed import task
 
 ROOT = Path(__file__).resolve().parents[1]
 # the only modules that may enter task.final_tables(): the commands that produce final tables
-FINAL_TABLE_COMMANDS = {"eval/harness/cli.py", "eval/harness/demo.py"}
+FINAL_TABLE_COMMANDS = {"eval/harness/cli.py", "eval/harness/demo.py", "eval/rescue/cli.py"}
 SCANNED = ("dynts", "trainers", "eval", "data_pipeline", "scripts")
 
 
@@ -128,3 +128,23 @@ def test_no_training_gate_or_tuning_path_reads_confirm():
             elif name in ("CONFIRM", "FINAL_ONLY") or (name == "final_tables" and rel not in FINAL_TABLE_COMMANDS):
                 offenders.append(f"{rel}:{node.lineno}: {name}")
     assert offenders == [], "the confirm namespace is for the final tables only: " + "; ".join(offenders)
+
+
+def test_rescue_bench_opts_in_with_final(monkeypatch, tmp_path):
+    """``dynts rescue bench --final`` runs inside final_tables(); without it set=confirm is refused."""
+    from eval.harness import benchmarks
+    from eval.rescue import cli
+
+    seen = []
+
+    def fake_evaluate(config):
+        seen.append(len(benchmarks.load_benchmark(config.benchmark).examples))
+        return {}
+
+    monkeypatch.setattr(cli, "evaluate", fake_evaluate)
+    monkeypatch.setattr(cli, "summary_table", lambda summary: "")
+    argv = ["bench", "--benchmark", "testbed:n=2,set=confirm", "--method", "window", "--out", str(tmp_path / "run")]
+    with pytest.raises(ValueError, match="final"):
+        cli.main(argv)
+    assert not seen
+    assert cli.main(argv + ["--final"]) == 0 and seen == [2]

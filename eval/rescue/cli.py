@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from data_pipeline.testbed.task import final_tables
 from dynts.core.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
@@ -101,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--degen-steps", type=int, default=None, help="steps that make an incorrect trajectory degenerate")
     bench.add_argument("--max-rows", type=int, default=64, help="candidate rows per batched forward")
     bench.add_argument("--out", required=True, help="run directory (re-run to resume)")
+    bench.add_argument("--final", action="store_true",
+                       help="this run produces a final table: only then may a testbed benchmark read set=confirm")
     _common(bench)
     cal = sub.add_parser("calibrate", help="detector statistics of best-of-N base candidates (paper Fig. 3), to pick thresholds")
     cal.add_argument("--benchmark", required=True)
@@ -180,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), max_rows=args.max_rows,
         trust_remote_code=args.trust_remote_code, load_options=load_kwargs(args, given_only=True),
     )
-    summary = evaluate(config)
+    with final_tables() if args.final else contextlib.nullcontext():
+        summary = evaluate(config)
     print(summary_table(summary))
     print(f"wrote {Path(config.out) / 'results.md'}")
     return 0
