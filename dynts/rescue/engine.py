@@ -151,7 +151,7 @@ class Policy:
         cache = RaggedCache.stack(_group_rows([(s.cache, s.row) for s in states]))
         logits = self.forward(cache, ids, valid.bool(), [len(t) for t in tokens])
         if self.bounded:
-            cache.evict()  # rows over n_keep after the step are evicted now (paper: "then applies eviction")
+            cache.evict_overflow()  # rows over n_keep after the step are evicted now (paper: "then applies eviction")
         cache = RaggedCache.stack([(cache, range(len(states)))])  # squeeze the padding out of each row
         return [State(cache, i, logits[i] if len(t) else s.logits) for i, (s, t) in enumerate(zip(states, tokens))]
 

@@ -122,7 +122,13 @@ class RaggedCache(BoundedCache):
         self.seen = max(self.seen, max(self.row_seen))
 
     # ------------------------------------------------------------------ eviction
-    def evict(self) -> list[bool]:
+    def evict(self) -> torch.Tensor:
+        """Not for ragged rows: each row keeps its own count, so no ``[b, n_keep]`` kept tensor exists.
+        Use :meth:`evict_overflow` (rows over the budget) or :meth:`evict_rows`."""
+        raise TypeError("RaggedCache rows evict on their own schedule: call evict_overflow() (every row over the "
+                        "budget) or evict_rows(due) instead of evict()")
+
+    def evict_overflow(self) -> list[bool]:
         """Evict every row holding more real tokens than the budget (e.g. after a multi-token forward)
         down to its ``n_keep``; returns the rows evicted (host list)."""
         if not self.bounded:
