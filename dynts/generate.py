@@ -81,8 +81,7 @@ def generate(
             Sampling follows ``model.generation_config`` (e.g. an R1 model's T=0.6, top-p 0.95)
             unless given here; pass ``do_sample=False`` for greedy decoding.
     """
-    generate_kwargs = keywords
-    settings = EvictionSettings.resolve(eviction, generate_kwargs)
+    settings = EvictionSettings.resolve(eviction, keywords)  # what remains goes to model.generate
     evictor = settings.evictor
     if tokenizer is not None:
         evictor.bind(tokenizer)
@@ -112,8 +111,8 @@ def generate(
     cache = build_cache(model, evictor, bounds, think_end_ids(tokenizer, settings.think_end), **static)
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    if tokenizer is not None and generate_kwargs.get("pad_token_id") is None:
-        generate_kwargs["pad_token_id"] = pad_id(tokenizer)
+    if tokenizer is not None and keywords.get("pad_token_id") is None:
+        keywords["pad_token_id"] = pad_id(tokenizer)
     cache_kw = cache_keyword(model)  # generate validates its keywords against forward's (hf_compat)
     start = time.perf_counter()
     with ExitStack() as stack:
@@ -126,11 +125,11 @@ def generate(
             attention_mask=attention_mask,
             max_new_tokens=max_new_tokens,
             **{cache_kw: cache},
-            **generate_kwargs,
+            **keywords,
         )
     seconds = time.perf_counter() - start
     sequences = out[:, prompt_length:]
-    lengths = _generated_lengths(sequences, model.generation_config.eos_token_id, generate_kwargs)
+    lengths = _generated_lengths(sequences, model.generation_config.eos_token_id, keywords)
     new_tokens = int(sum(lengths))
     stats = {
         "method": evictor.name,

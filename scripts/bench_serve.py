@@ -25,8 +25,6 @@ import math
 import os
 import time
 
-import sys
-
 import torch
 
 

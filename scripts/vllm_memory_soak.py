@@ -55,10 +55,10 @@ def worker_hooks(llm):
 
 def state_sizes(scheduler_hooks, worker, config) -> dict:
     table = worker.tracker.table
-    return {"sched_requests": len(scheduler_hooks.requests), "sched_peaks": len(scheduler_hooks.peaks),
-            "block_trace": len(scheduler_hooks.block_trace), "worker_slots": len(worker.tracker.slots),
-            "worker_finished": len(worker.tracker.finished), "table": f"{table.rows}x{table.width}",
-            "variants": len(config._variants)}
+    policy = scheduler_hooks.policy
+    return {"sched_requests": len(policy.requests), "block_trace": len(policy.block_trace),
+            "worker_slots": len(worker.tracker.slots), "table": f"{table.rows}x{table.width}",
+            "variants": config.variants}
 
 
 def main(argv: list[str] | None = None) -> int:

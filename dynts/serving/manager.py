@@ -118,14 +118,9 @@ class EvictingBatchingManager(ContinuousBatchingManager):
         p = self.last_processor
         if p is None:
             return {}
-        return {
-            "preemptions": p.preemptions,
-            "peak_blocks_in_use": p.peak_blocks_in_use,
-            "blocks_in_use": p.blocks_in_use(),
-            "free_blocks": p.free_blocks_in_pool(),
-            "num_blocks": p.cache.num_blocks,
-            "block_trace": list(p.block_trace),
-        }
+        # block_trace rows: (seconds since the engine started, blocks in use, requests in flight)
+        return p.policy.engine_stats(blocks_in_use=p.blocks_in_use(), free_blocks=p.free_blocks_in_pool(),
+                                     num_blocks=p.cache.num_blocks)
 
     def _stash_hidden(self, module, args, output) -> None:
         """Forward hook on the final norm: copy its output into the processor's static buffer (captured

@@ -157,19 +157,6 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         """The tracker's :class:`~dynts.core.SlotTable`."""
         return self.tracker.table
 
-    @property
-    def preemptions(self) -> int:
-        return self.policy.preemptions
-
-    @property
-    def peak_blocks_in_use(self) -> int:
-        return self.policy.peak_blocks_in_use
-
-    @property
-    def block_trace(self):
-        """``(seconds since attach, blocks in use, requests in flight)`` after each of the last rounds."""
-        return self.policy.block_trace
-
     def reset(self) -> None:
         super().reset()
         if hasattr(self, "settings"):

@@ -118,7 +118,7 @@ class Server:
                 requests_running=len(p.scheduler.active_requests),
                 requests_waiting=len(p.scheduler.waiting_requests) + self.manager.input_queue.qsize(),
                 kv_blocks=p.allocator.num_blocks, kv_blocks_in_use=in_use,
-                kv_blocks_free=free, kv_block_tokens=p.page, preemptions=p.preemptions,
+                kv_blocks_free=free, kv_block_tokens=p.page, preemptions=p.policy.preemptions,
             )
         return out
 

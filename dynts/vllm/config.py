@@ -87,6 +87,11 @@ class PluginConfig:
     def predictor(self) -> Any:
         return self.settings.predictor
 
+    @property
+    def variants(self) -> int:
+        """Per-request settings variants cached now (at most :data:`MAX_VARIANTS`)."""
+        return len(self._variants)
+
     def for_request(self, extra_args: Mapping[str, Any] | None) -> EvictionSettings:
         """The settings one request runs with (the engine's, or its overrides on top)."""
         overrides = request_overrides(extra_args)

@@ -66,19 +66,6 @@ class SchedulerHooks:
         self.failed: set[str] = set()
 
     # ------------------------------------------------------------------ per request
-    @property
-    def requests(self) -> dict[str, RequestSlots]:
-        """The requests the scheduler side tracks (one :class:`~dynts.core.RequestSlots` each)."""
-        return self.policy.requests
-
-    @property
-    def block_trace(self):
-        return self.policy.block_trace
-
-    @property
-    def preemptions(self) -> int:
-        return self.policy.preemptions
-
     def entry(self, request: Any) -> RequestSlots:
         """The request's entry, opened with its own settings (the engine's, or its ``extra_args`` overrides)."""
         entry = self.policy.get(request.request_id)

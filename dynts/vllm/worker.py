@@ -91,6 +91,7 @@ class WorkerHooks:
                                    table=SlotTable(torch.device(runner.device), rows=rows, width=width))
         self.predictor = self._predictor(runner) if config.settings.needs_scores else None
         self.shifts: dict[str, int] = {}
+        self.untracked: set[str] = set()  # requests that can never evict (no scores needed): nothing recorded
 
     # ------------------------------------------------------------------ setup
     @staticmethod
@@ -158,6 +159,7 @@ class WorkerHooks:
             if rid in self.tracker.slots:
                 self.tracker.release(rid)
             self.shifts.pop(rid, None)
+            self.untracked.discard(rid)
         plan = getattr(scheduler_output, "dynts_plan", None)
         if plan is None:
             return
@@ -219,9 +221,15 @@ class WorkerHooks:
             computed = int(batch.num_computed_tokens_cpu[i])
             shift = self.shifts.get(rid, 0)
             shift_rows[i] = shift
+            if rid in self.untracked:
+                continue
             entry = self.tracker.slots.get(rid)
             if entry is None:
-                entry = self.tracker.open(rid, int(batch.num_prompt_tokens[i]), settings=self.settings_of(rid))
+                settings, prompt = self.settings_of(rid), int(batch.num_prompt_tokens[i])
+                if self.predictor is None and self._never_evicts(rid, settings, prompt):
+                    self.untracked.add(rid)
+                    continue
+                entry = self.tracker.open(rid, prompt, settings=settings)
                 if computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
                     cached.append(Forward(entry, 0, 0, batch.token_ids_cpu[i, :computed].tolist()))
             forwards.append(Forward(entry, computed, computed - shift, batch.token_ids_cpu[i, computed : computed + q].tolist()))
@@ -239,6 +247,16 @@ class WorkerHooks:
         stored_positions = runner.positions[:total] - per_token.to(runner.positions.device, runner.positions.dtype,
                                                                    non_blocking=True)
         batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], stored_positions)
+
+    def _never_evicts(self, rid: str, settings: Any, prompt_length: int) -> bool:
+        """True when the request can never have an event: its prompt + ``max_tokens`` fit the budget (or it runs
+        the full cache). Its slot metadata would never be read, so it is not recorded (without a predictor, no
+        hidden-state rows need to line up with the recorded tokens)."""
+        if settings.bounds is None:
+            return True
+        params = self.runner.requests[rid].sampling_params
+        longest = prompt_length + (params.max_tokens if params is not None and params.max_tokens else 1 << 62)
+        return not settings.bounds.due(longest - 1, 1, settings.n_keep(prompt_length))
 
     def after_forward(self, output: Any) -> None:
         """Score the recorded tokens from the model's final-norm hidden states ``[T', h]``."""
