@@ -42,7 +42,7 @@ from ..thinking import DelimiterMatcher
 from .scores import PredictorScores
 from .layers import BoundedLayer, StaticBoundedLayer, incoming_tokens, mark_static
 
-__all__ = ["BoundedCache", "BoundedLayer", "CacheStats"]
+__all__ = ["BoundedCache", "CacheStats"]
 
 
 @dataclass
