@@ -78,14 +78,16 @@ class EvictionPolicy:
         """Blocks a request may hold at most (its admission reserves them): ``min(B, prompt + new)`` slots."""
         return self.blocks(settings.reserved_slots(prompt_length, max_new_tokens))
 
-    def open(self, rid: str, settings: EvictionSettings, prompt_length: int,
-             max_new_tokens: int | None) -> RequestSlots:
-        """The request's entry, created on first use."""
+    def open(self, rid: str, settings: EvictionSettings, prompt_length: int, max_new_tokens: int | None,
+             reserved_blocks: int | None = None) -> RequestSlots:
+        """The request's entry, created on first use. ``reserved_blocks``: the engine's own count when its
+        reservation is not :meth:`reservation` of this prompt (transformers after a soft reset)."""
         entry = self.requests.get(rid)
         if entry is None:
+            if reserved_blocks is None:
+                reserved_blocks = self.reservation(settings, prompt_length, max_new_tokens)
             entry = RequestSlots(
-                settings, prompt_length, settings.n_keep(prompt_length),
-                reserved_blocks=self.reservation(settings, prompt_length, max_new_tokens),
+                settings, prompt_length, settings.n_keep(prompt_length), reserved_blocks=reserved_blocks,
                 protected=settings.evictor.protected_prefix(prompt_length) if settings.bounded else prompt_length,
             )
             self.requests[rid] = entry

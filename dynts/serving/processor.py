@@ -239,8 +239,8 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         """The request's one entry: the policy's (reservation, shift, statistics), tracked by the slot table."""
         entry = self.slots.get(state.request_id)
         if entry is None:
-            entry = self.policy.open(state.request_id, self.settings, prompt_length(state), None)
-            entry.reserved_blocks = self.reservation(state)
+            entry = self.policy.open(state.request_id, self.settings, prompt_length(state), None,
+                                     reserved_blocks=self.reservation(state))
             self.tracker.attach(state.request_id, entry)
         return entry
 
