@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     p.add_argument("--cost", action="store_true", help="vllm: the plugin's cost table (stock, nothing evicted, "
                    "dynts + predictor, streamingllm at the first budget) with host syncs counted")
+    p.add_argument("--repeats", type=int, default=3, help="vllm --cost: interleaved runs of every engine (medians)")
     p.add_argument("--replot", default=None, help="draw --plot from a --json of an earlier run, run nothing")
     args = p.parse_args(argv)
     if args.replot:
@@ -160,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run(model, prompts, settings, args, num_blocks))
     base = runs[0]
     if args.cost:
-        print(f"{'run':<30}{'tok/s':>9}{'x stock':>9}{'preempt':>9}{'evictions':>11}{'syncs/step':>12}{'syncs/event':>13}")
-        for r in runs:
-            print(f"{r['name']:<30}{r['tokens_per_s']:>9.1f}{r['tokens_per_s'] / base['tokens_per_s']:>9.3f}"
+        print(f"{'run':<30}{'tok/s':>9}{'x stock':>9}{'x (cpu)':>9}{'hooks us/step':>15}{'hooks %':>9}{'preempt':>9}"
+              f"{'evictions':>11}{'syncs/step':>12}{'syncs/event':>13}")
+        for r in runs:  # x stock: the median over repeats of the ratio to the same repeat's stock run (wall, CPU time)
+            print(f"{r['name']:<30}{r['tokens_per_s']:>9.1f}{r['x_stock']:>9.3f}{r['x_stock_cpu']:>9.3f}"
+                  f"{r['hook_us_per_step']:>15.0f}{100 * r['hook_share']:>9.2f}"
                   f"{r['preemptions']:>9}{r['evictions']:>11}{r.get('syncs_per_plain_step', float('nan')):>12.2f}"
                   f"{r.get('syncs_per_event_round', float('nan')):>13.2f}")
     header = f"{'run':<18}{'tok/s':>9}{'x':>7}{'in-flight max':>15}{'mean':>8}{'x':>7}{'preempt':>9}{'peak blk':>10}{'evictions':>11}"

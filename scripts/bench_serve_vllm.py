@@ -7,14 +7,17 @@ flight per step, generated tokens/s, preemptions, peak blocks in use, evictions 
 
 ``--cost`` (``bench_serve.py --engine vllm --cost``) runs the plugin's cost table instead: stock vLLM, the plugin
 with a budget above every length (nothing evicted: the plugin's bookkeeping alone), DynTS with its predictor
-and StreamingLLM at ``--budgets``'s first budget; each plugin run counts the host syncs its worker hooks would
-make on a GPU (:class:`SyncCounter`), per decode step without an event and per eviction round.
+and StreamingLLM at ``--budgets``'s first budget, ``--repeats`` times in interleaved order (the machine's load
+drifts: each repeat compares the engines a few seconds apart). Timed runs count nothing; one extra run of
+each plugin configuration counts the host syncs its worker hooks would make on a GPU (:class:`SyncCounter`,
+a dispatch mode that slows every op it sees), per decode step without an event and per eviction round.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,6 +96,30 @@ class SyncCounter:
                 "event_rounds": self.event_rounds, "plain_steps": self.plain_steps}
 
 
+SCHEDULER_HOOKS = ("before_schedule", "admissible", "after_schedule", "shift", "cache_limit", "on_preempt", "forget")
+WORKER_HOOKS = ("before_step", "after_prepare_inputs", "after_forward")
+
+
+class HookClock:
+    """Wall time spent inside the plugin's hooks (scheduler and worker), summed over a run: the plugin's own share
+    of each step, which the machine's load moves far less than a tokens/s ratio."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self, hooks, names) -> None:
+        for name in names:
+            method = getattr(hooks, name)
+
+            def timed(*a, _m=method, **k):
+                t = time.perf_counter()
+                try:
+                    return _m(*a, **k)
+                finally:
+                    self.seconds += time.perf_counter() - t
+            setattr(hooks, name, timed)
+
+
 def cost_configs(args) -> list[dict | None]:
     """Stock, the plugin with nothing to evict, DynTS + predictor, StreamingLLM (at the first budget)."""
     from dynts.models import checkpoints_dir
@@ -114,20 +141,44 @@ def run_all(args, num_blocks: int) -> list[dict]:
                          **({"predictor": args.predictor} if args.predictor else {})} for b in args.budgets]
     if getattr(args, "cost", False):
         configs = cost_configs(args)
+    spec = {"model": model, "requests": args.requests, "prompt": args.prompt, "generate": args.generate,
+            "block_size": args.page, "num_blocks": num_blocks, "max_batch_tokens": args.max_batch_tokens}
+    if not getattr(args, "cost", False):
+        return [engine_run({**spec, "dynts": dynts}) for dynts in configs]
+    repeats = max(1, getattr(args, "repeats", 1))
+    timed = [[engine_run({**spec, "dynts": dynts}) for dynts in configs] for _ in range(repeats)]  # interleaved
     runs = []
-    for dynts in configs:
-        spec = {"model": model, "dynts": dynts, "requests": args.requests, "prompt": args.prompt,
-                "generate": args.generate, "block_size": args.page, "num_blocks": num_blocks,
-                "max_batch_tokens": args.max_batch_tokens}
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(spec, f)
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), f.name], capture_output=True, text=True)
-        os.unlink(f.name)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
-        if proc.returncode or not lines:
-            raise RuntimeError(f"the engine run failed:\n{proc.stderr[-3000:]}")
-        runs.append(json.loads(lines[-1][6:]))
+    for i, dynts in enumerate(configs):
+        series = [rep[i] for rep in timed]
+        run = dict(min(series, key=lambda r: abs(r["tokens_per_s"] - statistics.median(x["tokens_per_s"] for x in series))))
+        run["tokens_per_s_runs"] = [r["tokens_per_s"] for r in series]
+        run["tokens_per_s"] = statistics.median(run["tokens_per_s_runs"])
+        # paired: this engine against the stock run of the same repeat, a few seconds apart
+        run["x_stock_runs"] = [r["tokens_per_s"] / rep[0]["tokens_per_s"] for r, rep in zip(series, timed)]
+        run["x_stock"] = statistics.median(run["x_stock_runs"])
+        run["x_stock_cpu"] = statistics.median(rep[0]["cpu_seconds"] / r["cpu_seconds"] for r, rep in zip(series, timed))
+        run["hook_share"] = statistics.median(r["hook_share"] for r in series)
+        run["hook_us_per_step"] = statistics.median(1e6 * r["hook_seconds"] / r["steps"] for r in series)
+        if dynts is not None:  # an untimed run with the sync counter
+            counted = engine_run({**spec, "dynts": dynts, "count_syncs": True})
+            run.update({k: counted[k] for k in SYNC_FIELDS})
+        runs.append(run)
     return runs
+
+
+SYNC_FIELDS = ("syncs_per_plain_step", "syncs_per_event_round", "event_rounds", "plain_steps")
+
+
+def engine_run(spec: dict) -> dict:
+    """One engine over the prompts, in its own process (vLLM keeps process-wide state)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f.name], capture_output=True, text=True)
+    os.unlink(f.name)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the engine run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][6:])
 
 
 def one_engine(spec: dict) -> dict:
@@ -157,12 +208,16 @@ def one_engine(spec: dict) -> dict:
         return original(request, *a, **k)
 
     scheduler._preempt_request = counted
-    syncs = None
+    syncs, clock = None, HookClock()
     if dynts:
         executor = engine.engine_core.engine_core.model_executor
         worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
-        syncs = SyncCounter()
-        syncs.install(worker.model_runner._dynts)
+        if spec.get("count_syncs"):
+            syncs = SyncCounter()
+            syncs.install(worker.model_runner._dynts)
+        else:
+            clock.install(scheduler._dynts, SCHEDULER_HOOKS)
+            clock.install(worker.model_runner._dynts, WORKER_HOOKS)
     vocab = llm.get_tokenizer().vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=spec["generate"], ignore_eos=True)
@@ -170,7 +225,7 @@ def one_engine(spec: dict) -> dict:
         prompt = torch.randint(4, vocab, (spec["prompt"],), generator=g).tolist()
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     pool = scheduler.kv_cache_manager.block_pool
-    trace, tokens, evictions, start = [], 0, 0, time.perf_counter()
+    trace, tokens, evictions, start, cpu = [], 0, 0, time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
@@ -178,13 +233,14 @@ def one_engine(spec: dict) -> dict:
                 evictions += sum(s["evictions"] for s in request_stats(out.kv_transfer_params) or ())
         trace.append((time.perf_counter() - start, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
                       len(scheduler.running)))
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     flight = [a for _, _, a in trace]
     d = dynts
     return {
         "name": "vllm" if d is None else label or f"{d['method']}@{d['budget']}",
         **(syncs.summary() if syncs else {}),
-        "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+        "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "cpu_seconds": cpu,
+        "steps": len(trace), "hook_seconds": clock.seconds, "hook_share": clock.seconds / seconds,
         "in_flight_max": max(flight), "in_flight_mean": sum(flight) / len(flight),
         "preemptions": preemptions[0], "peak_blocks": max(b for _, b, _ in trace), "pool_blocks": spec["num_blocks"],
         "evictions": evictions,

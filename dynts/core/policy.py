@@ -89,6 +89,7 @@ class EvictionPolicy:
             entry = RequestSlots(
                 settings, prompt_length, settings.n_keep(prompt_length), reserved_blocks=reserved_blocks,
                 protected=settings.evictor.protected_prefix(prompt_length) if settings.bounded else prompt_length,
+                may_evict=settings.may_evict(prompt_length, max_new_tokens),
             )
             self.requests[rid] = entry
         return entry

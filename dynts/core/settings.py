@@ -133,6 +133,15 @@ class EvictionSettings:
         """Entries kept at an event for this prompt length (``None`` for the full cache)."""
         return self.bounds.n_keep(question_length) if self.bounds is not None else None
 
+    def may_evict(self, prompt_length: int, max_new_tokens: int | None) -> bool:
+        """False when a request can never have an event (:meth:`Budget.due`): it runs the full cache, or its
+        prompt + ``max_new_tokens`` fit the budget. ``None``: no length limit (it may evict)."""
+        if self.bounds is None:
+            return False
+        if max_new_tokens is None:
+            return True
+        return self.bounds.due(prompt_length + max_new_tokens - 1, 1, self.bounds.n_keep(prompt_length))
+
     def reserved_slots(self, prompt_length: int, max_new_tokens: int | None) -> int:
         """The most KV slots a request of this prompt can ever hold: ``min(B, prompt + new)``."""
         longest = prompt_length + (max_new_tokens if max_new_tokens is not None else math.inf)

@@ -42,6 +42,8 @@ class RequestSlots:
         n_keep: slots kept at an eviction event (``None`` without a budget).
         reserved_blocks: blocks the request may hold at most (admission reserves them).
         protected: leading slots its method keeps at every event (they never move; prefix caching may share them).
+        may_evict: False when its length limit keeps it within the budget (:meth:`EvictionSettings.may_evict`):
+            no event can come, the per-round event check skips it.
         row: the request's row in the :class:`SlotTable` (``-1``: none, the scheduler's copy).
         shift: tokens evicted so far; absolute position = stored index + ``shift`` for new tokens.
         answer: the labelling state (:class:`~dynts.core.segments.AnswerState`).
@@ -53,6 +55,7 @@ class RequestSlots:
     n_keep: int | None
     reserved_blocks: int = 0
     protected: int = 0
+    may_evict: bool = True
     row: int = -1
     shift: int = 0
     answer: AnswerState = field(default_factory=AnswerState)
@@ -69,7 +72,7 @@ class RequestSlots:
 
     def due(self, stored: int, incoming: int = 1) -> bool:
         """True when ``incoming`` tokens on top of ``stored`` would overflow the budget (:meth:`Budget.due`)."""
-        return self.n_keep is not None and self.settings.bounds.due(stored, incoming, self.n_keep)
+        return self.may_evict and self.n_keep is not None and self.settings.bounds.due(stored, incoming, self.n_keep)
 
     def evicted(self, stored: int) -> None:
         """Count one event that kept ``n_keep`` of ``stored`` slots; later tokens shift by the evicted ones."""

@@ -71,7 +71,7 @@ class SchedulerHooks:
         entry = self.policy.get(request.request_id)
         if entry is None:
             settings = self.config.for_request(request.sampling_params.extra_args if request.sampling_params else None)
-            entry = self.policy.open(request.request_id, settings, request.num_prompt_tokens, request.max_tokens or 0)
+            entry = self.policy.open(request.request_id, settings, request.num_prompt_tokens, request.max_tokens)
         return entry
 
     def budget_of(self, request: Any) -> RequestSlots | None:
@@ -118,8 +118,8 @@ class SchedulerHooks:
         blocks go back to the pool."""
         plan = StepPlan()
         for request in self.scheduler.running:
-            entry = self.budget_of(request)
-            if entry is None:
+            entry = self.entry(request)
+            if not entry.may_evict:  # the full cache, or its length limit fits the budget
                 continue
             decoding = request.num_computed_tokens >= max(request.num_prompt_tokens, request.num_tokens - 1)
             if not decoding:
@@ -146,6 +146,8 @@ class SchedulerHooks:
     def admissible(self, waiting: list[Any]) -> int:
         """How many of the waiting requests (FIFO) fit next to what the running bounded requests may still
         claim (:meth:`EvictionPolicy.admit`); a full-cache or resumed request reserves nothing."""
+        if not waiting:
+            return 0
         free = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         claimed = self.policy.claimed((self.budget_of(r), len(self._blocks(r.request_id))) for r in self.scheduler.running)
         needs = []

@@ -30,6 +30,7 @@ construction, whatever rounding its own all-reduce produced.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -98,7 +99,11 @@ class WorkerHooks:
     def _tokenizer(runner: Any) -> Any:
         from transformers import AutoTokenizer
 
+        from ..models import load_tokenizer
+
         mc = runner.model_config
+        if os.path.isdir(mc.tokenizer):  # dynts' one loading rule (a word-level tokenizer.json loads as saved)
+            return load_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         return AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
                                              trust_remote_code=mc.trust_remote_code)
 
@@ -235,7 +240,8 @@ class WorkerHooks:
             forwards.append(Forward(entry, computed, computed - shift, batch.token_ids_cpu[i, computed : computed + q].tolist()))
         if cached:
             self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
-        self.tracker.record(forwards, score=self.predictor is not None)
+        if forwards:
+            self.tracker.record(forwards, score=self.predictor is not None)
         if not shift_rows.any():
             return
         total = int(num_scheduled_tokens[:num_reqs].sum())
@@ -249,14 +255,11 @@ class WorkerHooks:
         batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], stored_positions)
 
     def _never_evicts(self, rid: str, settings: Any, prompt_length: int) -> bool:
-        """True when the request can never have an event: its prompt + ``max_tokens`` fit the budget (or it runs
-        the full cache). Its slot metadata would never be read, so it is not recorded (without a predictor, no
-        hidden-state rows need to line up with the recorded tokens)."""
-        if settings.bounds is None:
-            return True
+        """True when the request can never have an event (:meth:`EvictionSettings.may_evict`, the scheduler's rule
+        too). Its slot metadata would never be read, so it is not recorded (without a predictor, no hidden-state
+        rows need to line up with the recorded tokens)."""
         params = self.runner.requests[rid].sampling_params
-        longest = prompt_length + (params.max_tokens if params is not None and params.max_tokens else 1 << 62)
-        return not settings.bounds.due(longest - 1, 1, settings.n_keep(prompt_length))
+        return not settings.may_evict(prompt_length, params.max_tokens if params is not None else None)
 
     def after_forward(self, output: Any) -> None:
         """Score the recorded tokens from the model's final-norm hidden states ``[T', h]``."""
