@@ -9,7 +9,7 @@ flight per step, generated tokens/s, preemptions, peak blocks in use, evictions 
 with a budget above every length (nothing evicted: the plugin's bookkeeping alone), DynTS with its predictor
 and StreamingLLM at ``--budgets``'s first budget, ``--repeats`` times in interleaved order (the machine's load
 drifts: each repeat compares the engines a few seconds apart). Timed runs count nothing; one extra run of
-each plugin configuration counts the host syncs its worker hooks would make on a GPU (:class:`SyncCounter`,
+each plugin configuration counts the host syncs its worker hooks would make on a GPU (:class:`eval.harness.syncs.SyncCounter`,
 a dispatch mode that slows every op it sees), per decode step without an event and per eviction round.
 """
 
@@ -26,74 +26,7 @@ import time
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
-
-class SyncCounter:
-    """Counts, inside the plugin's worker hooks, the operations that make the host wait for the device on a
-    GPU: a scalar read (``item``/``bool``), ``nonzero`` and boolean-mask indexing, ``tolist``/``numpy``/``cpu`` of
-    a tensor. On the CPU build nothing waits; the count says what a GPU run would pay."""
-
-    READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2"}
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.__name__.split(".")[0]
-                indices = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
-                if name in counter.READS or any(getattr(i, "dtype", None) is torch_bool for i in indices or ()):
-                    counter.now += 1
-                return func(*args, **(kwargs or {}))
-
-        import torch
-
-        torch_bool = torch.bool
-        self.mode, self.inside, self.now = Mode, False, 0
-        self.plain_steps = self.plain_syncs = self.event_rounds = self.event_syncs = 0
-        for name in ("tolist", "numpy", "cpu"):  # not dispatched as ops: count the calls
-            method = getattr(torch.Tensor, name)
-
-            def wrapped(t, *a, _m=method, **k):
-                counter.now += counter.inside
-                return _m(t, *a, **k)
-            setattr(torch.Tensor, name, wrapped)
-
-    def _counted(self, method):
-        def run(*a, **k):
-            self.inside = True
-            try:
-                with self.mode():
-                    return method(*a, **k)
-            finally:
-                self.inside = False
-        return run
-
-    def install(self, hooks) -> None:
-        event = [False]
-        before, prepare, forward = (self._counted(m) for m in (hooks.before_step, hooks.after_prepare_inputs,
-                                                               hooks.after_forward))
-
-        def before_step(scheduler_output):
-            plan = getattr(scheduler_output, "dynts_plan", None)
-            event[0], self.now = bool(plan is not None and plan.events), 0
-            return before(scheduler_output)
-
-        def after_forward(output):
-            out = forward(output)
-            if event[0]:
-                self.event_rounds, self.event_syncs = self.event_rounds + 1, self.event_syncs + self.now
-            else:
-                self.plain_steps, self.plain_syncs = self.plain_steps + 1, self.plain_syncs + self.now
-            return out
-
-        hooks.before_step, hooks.after_prepare_inputs, hooks.after_forward = before_step, prepare, after_forward
-
-    def summary(self) -> dict:
-        return {"syncs_per_plain_step": self.plain_syncs / max(1, self.plain_steps),
-                "syncs_per_event_round": self.event_syncs / max(1, self.event_rounds),
-                "event_rounds": self.event_rounds, "plain_steps": self.plain_steps}
+from eval.harness.syncs import SyncCounter  # noqa: E402  (shared with scripts/bench_vllm_hooks.py)
 
 
 SCHEDULER_HOOKS = ("before_schedule", "admissible", "after_schedule", "shift", "cache_limit", "on_preempt", "forget")

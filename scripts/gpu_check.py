@@ -27,11 +27,14 @@ Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finish
     model at L = 8k / 16k / 32k, B = 2k / 4k, batch 1 and 16, eager and compiled: speedup vs the full
     cache, t / t_full(B), peak KV and GPU memory (combinations in :func:`plan`'s order; what did not
     fit in time or memory is listed under ``skipped``).
-(9) ``vllm``: the vLLM plugin's slot copy for FlashAttention's layout (``dynts.vllm.layouts``) on the
-    device at the R1-7B attention shape (28 layers, 4 KV heads, head 128, block 16, bf16): one eviction
-    round of 32 requests at B = 4096, exact against a reference gather, its time and peak scratch. The
-    engine itself needs vLLM, which the GPU image lacks (its wheel is far over what a call can carry):
-    ``engine`` says whether it was importable.
+(9) ``vllm``: the vLLM plugin's worker side at the R1-7B attention shape (28 layers, 4 KV heads, head 128,
+    block 16, bf16), without vLLM's engine (the GPU image lacks vLLM, whose wheel is far over what a call can
+    carry; ``engine`` says whether it was importable): the slot copy of one eviction round of 32 requests at
+    B = 4096 on FLASH_ATTN's KV cache as vLLM 0.32 allocates it (default layout ``LBNHC``; ``LBHNC`` beside it),
+    exact against a reference gather, median of 10 after a warm-up (CUDA events), its peak scratch; the worker
+    hooks (``scripts/bench_vllm_hooks.py``: DynTS + a random predictor, 256 rows decoding one token each, on a
+    stand-in model runner): microseconds and host syncs per plain decode step and per eviction round, after a
+    small run that checks every row's stored K/V against the evictor's decisions.
 
 Run it there (the device tool's ``run``, ``timeout_s=600``; the image has no install of this checkout,
 ``PYTHONPATH=$PWD`` puts its packages on the path)::
@@ -444,19 +447,46 @@ def decode_bench(model, args, shape: dict, dtype, result: dict, left, save) -> N
         save()
 
 
+def _timed_ms(fn, repeat: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of ``repeat`` calls of ``fn()`` after one warm-up call: CUDA events on CUDA,
+    ``perf_counter`` around a synchronize elsewhere."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
 def vllm_check(device: torch.device, dry_run: bool) -> dict:
-    """The plugin's FlashAttention slot copy: one round, ``requests`` evicting from ``B`` to ``n_keep``."""
+    """The plugin's worker side without vLLM's engine: (a) the FlashAttention slot copy of one eviction round
+    (``requests`` evicting from ``B`` to ``n_keep``) on the KV cache as vLLM 0.32 allocates it (one allocation,
+    FLASH_ATTN's logical ``[blocks, kv_heads, block_size, 2 * head]`` views in its default physical layout
+    ``LBNHC``), exact against a reference gather, warmed median of ``repeats``, and the same on the contiguous
+    ``LBHNC`` views for comparison; (b) the worker hooks per plain decode step and per eviction round on a
+    stand-in runner (:mod:`eval.harness.vllm_hooks_bench`), with their host syncs, after a small run that
+    checks every row's stored K/V against the evictor's decisions."""
     import importlib.util
 
     from dynts.core import copy_plan
     from dynts.vllm.layouts import COPY_CHUNK, copy_slots_paged
+    from eval.harness.vllm_hooks_bench import SHAPES, HooksBenchSettings, run_hooks_bench, vllm_kv_caches
 
     layers, heads, head, block = (2, 2, 16, 16) if dry_run else (28, 4, 128, 16)
     requests, budget, n_keep = (4, 64, 40) if dry_run else (32, 4096, 2662)
     dtype = torch.float32 if dry_run else torch.bfloat16
+    repeats = 3 if dry_run else 10
     per_request = budget // block
-    caches = [torch.randn(requests * per_request + 1, heads, block, 2 * head, device=device, dtype=dtype)
-              for _ in range(layers)]
+    num_blocks = requests * per_request + 1
     g = torch.Generator(device="cpu").manual_seed(0)
     order = torch.randperm(requests * per_request, generator=g) + 1  # scattered blocks, block 0 unused
     slot = torch.arange(budget)
@@ -466,27 +496,63 @@ def vllm_check(device: torch.device, dry_run: bool) -> dict:
     kept = torch.stack([torch.cat([torch.arange(q), torch.sort(torch.randperm(budget - q, generator=g)[: n_keep - q] + q).values])
                         for _ in range(requests)]).to(device)
     src, dst = copy_plan(kept, physical)
-    reference = [c.clone() for c in caches[:1]]
-    flat = reference[0].transpose(1, 2).reshape(-1, heads, 2 * head)
-    flat[dst] = flat[src].clone()
-    expected = flat.reshape(reference[0].shape[0], block, heads, 2 * head).transpose(1, 2)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    for lo in range(0, src.numel(), COPY_CHUNK):
+    out: dict = {"layout": "LBNHC", "layers": layers, "requests": requests, "budget": budget, "n_keep": n_keep,
+                 "moved_slots": int(src.numel()), "repeats": repeats, "copy_ms_by_layout": {}}
+    ok = True
+    for layout in ("LBNHC", "LBHNC"):  # vLLM's default for FLASH_ATTN first; LBHNC: the contiguous logical view
+        caches = vllm_kv_caches(layers, num_blocks, heads, block, 2 * head, dtype, device, layout)
         for kv in caches:
-            copy_slots_paged(kv, src[lo:lo + COPY_CHUNK], dst[lo:lo + COPY_CHUNK], block)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    scratch = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
-    ok = torch.equal(caches[0], expected)
-    kv_bytes = sum(c.numel() * c.element_size() for c in caches)
-    return {"ok": ok, "layers": layers, "requests": requests, "budget": budget, "n_keep": n_keep,
-            "moved_slots": int(src.numel()), "seconds": seconds, "peak_scratch_bytes": scratch,
-            "kv_cache_bytes": kv_bytes, "engine": importlib.util.find_spec("vllm") is not None}
+            kv.normal_()
+        flat = caches[0].transpose(1, 2).reshape(-1, heads, 2 * head).clone()
+        flat[dst] = flat[src].clone()
+        expected = flat.reshape(num_blocks, block, heads, 2 * head).transpose(1, 2)
+
+        def round_copy() -> None:
+            for lo in range(0, src.numel(), COPY_CHUNK):
+                for kv in caches:
+                    copy_slots_paged(kv, src[lo:lo + COPY_CHUNK], dst[lo:lo + COPY_CHUNK], block)
+
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        round_copy()  # the checked round (a copy is not idempotent: check before the timed repeats)
+        exact = torch.equal(caches[0], expected)
+        times = _timed_ms(round_copy, repeats, device)
+        ok = ok and exact
+        out["copy_ms_by_layout"][layout] = {"median_ms": sorted(times)[len(times) // 2], "ms": times, "exact": exact,
+                                            "strides": list(caches[0].stride())}
+        if layout == "LBNHC":
+            out["peak_scratch_bytes"] = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
+            out["kv_cache_bytes"] = sum(c.numel() * c.element_size() for c in caches)
+        del caches, flat, expected
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["copy_ms"] = out["copy_ms_by_layout"]["LBNHC"]["median_ms"]
+    # the hooks: a small checked run first (every row's stored K/V against the evictor's decisions), then the timing
+    check = run_hooks_bench(HooksBenchSettings(rows=4, shape="tiny", dtype=str(dtype).split(".")[-1], device=str(device),
+                                               reps=1, plain_steps=3, verify=True, count_syncs=False))
+    out["hooks_verified"] = check["verified"]
+    ok = ok and check["verified"]["event_rounds"] >= 2
+    if dry_run:
+        settings = HooksBenchSettings(rows=4, shape="tiny", dtype="float32", device="cpu", reps=2, plain_steps=3)
+    else:
+        shape, rows = SHAPES["r1-7b"], 256
+        per_row = math.ceil(shape["budget"] / shape["block"]) * shape["block"] * 2 * shape["kv_heads"] * shape["head"]
+        free = torch.cuda.mem_get_info()[0]
+        while rows > 16 and rows * per_row * shape["layers"] * 2 > 0.6 * free:  # bf16 K/V of every row
+            rows //= 2
+        settings = HooksBenchSettings(rows=rows, shape="r1-7b", dtype="bfloat16", device=str(device), reps=5,
+                                      plain_steps=8, max_seconds=45)
+    hooks = run_hooks_bench(settings)
+    out["hooks"] = {k: v for k, v in hooks.items() if k != "settings"}
+    out["hooks_us_per_plain_step"] = hooks["plain"]["step"]["done_us"]
+    out["hooks_us_per_event_round"] = hooks["event"]["step"]["done_us"]
+    out["hooks_syncs_per_plain_step"] = hooks["syncs_per_plain_step"]
+    out["hooks_syncs_per_event_round"] = hooks["syncs_per_event_round"]
+    out["ok"] = ok
+    out["engine"] = importlib.util.find_spec("vllm") is not None
+    return out
 
 
 def run_section(result: dict, name: str, fn, seconds: float, save) -> dict | None:
@@ -553,7 +619,7 @@ def main(argv=None) -> int:
     else:
         run_section(result, "serve", lambda: serve_check(model, args.dry_run), min(150.0, max(left() / 2, 20)), save)
         run_section(result, "serve_graphs", lambda: serve_graphs_check(device, args.dry_run), 90, save)
-    run_section(result, "vllm", lambda: vllm_check(device, args.dry_run), 60, save)
+    run_section(result, "vllm", lambda: vllm_check(device, args.dry_run), 90, save)
     decode_bench(model, args, shape, dtype, result, left, save)
     save()
     print(f"\nwrote {out_file} ({result['seconds']:.0f} s; {len(result['bench'])} decode combinations run, "

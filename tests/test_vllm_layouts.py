@@ -78,3 +78,76 @@ def test_cpu_vec_copy_matches_the_kernels_own_writes(dtype, head):
         vllm_ops.cpu_attn_reshape_and_cache(zeros_k, zeros_k, k_cache, v_cache, keep_src, isa,
                                             k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     assert torch.equal(moved, expected)
+
+
+def _vllm_flash_attn_caches(layout_name: str, layers: int, blocks: int, heads: int, head: int, dtype):
+    """FLASH_ATTN's per-layer KV caches exactly as vLLM 0.32 builds them: the engine core's KVCacheConfig
+    (``get_kv_cache_config_from_groups``) and the worker's ``allocate_kv_cache`` (one allocation, per-layer views)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    layout = KVCacheLayout[layout_name]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head, dtype=dtype)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, prefix_cache_retention_interval=None,
+                                     num_gpu_blocks_override=None),
+        attention_config=SimpleNamespace(hisparse_config=None))
+    config = get_kv_cache_config_from_groups(vllm_config, [KVCacheGroupSpec(names, spec)],
+                                             available_memory=blocks * layers * spec.page_size_bytes)
+    assert config.num_blocks == blocks
+    caches = allocate_kv_cache(config, torch.device("cpu"), layout)
+    return [caches[n] for n in names]
+
+
+def test_flash_attn_default_layout_is_lbnhc():
+    """FLASH_ATTN (and TRITON_ATTN) declare no KV layout, so vLLM resolves the default preference, LBNHC first."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    for backend in (FlashAttentionBackend, TritonAttentionBackend):
+        assert backend.supported_kv_cache_layouts() is None
+        assert get_supported_kv_cache_layouts([backend])[0] is KVCacheLayout.LBNHC
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "BHLNC"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_attn_copy_on_the_cache_vllm_allocates(layout, dtype):
+    """On the views vLLM allocates for FLASH_ATTN (logical ``[blocks, kv_heads, block_size, 2 * head]``): the
+    bench's emulation (eval.harness.vllm_hooks_bench.vllm_kv_caches) has their exact strides, and K/V written
+    through FlashAttention's own split (``kv.transpose(1, 2).split(head, -1)``) and moved with the plugin's copy
+    equal K/V written straight into the destination slots, every other layer untouched."""
+    from eval.harness.vllm_hooks_bench import vllm_kv_caches
+
+    layers, blocks, heads, head = 3, 4, 2, 64
+    caches = _vllm_flash_attn_caches(layout, layers, blocks, heads, head, dtype)
+    ours = vllm_kv_caches(layers, blocks, heads, BLOCK, 2 * head, dtype, "cpu", layout)
+    for theirs, mine in zip(caches, ours):
+        assert theirs.shape == mine.shape == (blocks, heads, BLOCK, 2 * head)
+        assert theirs.stride() == mine.stride()
+    assert caches[1].data_ptr() - caches[0].data_ptr() == (ours[1].data_ptr() - ours[0].data_ptr())
+    src, dst = _slots_case()
+    torch.manual_seed(2)
+    key = torch.randn(len(src), heads, head).to(dtype)
+    value = torch.randn(len(src), heads, head).to(dtype)
+
+    def write(kv: torch.Tensor, slots: torch.Tensor) -> None:  # FlashAttentionImpl.do_kv_cache_update's view
+        key_cache, value_cache = kv.transpose(1, 2).split(head, dim=-1)  # [blocks, block_size, heads, head]
+        key_cache[slots // BLOCK, slots % BLOCK] = key
+        value_cache[slots // BLOCK, slots % BLOCK] = value
+
+    for kv in caches:
+        kv.zero_()
+    write(caches[1], src)
+    others = [caches[0].clone(), caches[2].clone()]
+    expected = caches[1].clone()  # sources that are not overwritten keep their K/V
+    write(expected, dst)
+    layout_for("FLASH_ATTN")(caches[1], src, dst, BLOCK)
+    assert torch.equal(caches[1], expected)
+    assert torch.equal(caches[0], others[0]) and torch.equal(caches[2], others[1])

@@ -1,0 +1,148 @@
+"""Counting the host-device syncs of a piece of code: a dispatch-mode counter that says on CPU what a GPU
+run would pay, and torch's own sync debug mode on CUDA.
+
+* :class:`SyncCounter` (any device; on the CPU build nothing waits, the count says what a GPU would pay):
+  inside :meth:`SyncCounter.counting` it counts the operations that make the host wait for the device on a
+  GPU -- a scalar read (``item``/``bool``), ``nonzero``/``masked_select``/``unique`` and boolean-mask indexing,
+  ``tolist``/``numpy``/``cpu`` of a tensor. It cannot see a blocking host-to-device copy
+  (``torch.tensor(list, device="cuda")``, ``.to("cuda")``): on CPU there is no copy.
+* :class:`CudaSyncCounter`: ``torch.cuda.set_sync_debug_mode("warn")`` inside :meth:`CudaSyncCounter.counting`,
+  one count per warning; it sees every synchronizing CUDA call, blocking host-to-device copies included.
+
+Both count into ``now``; :meth:`SyncCounter.install` wraps the dynts vLLM worker hooks
+(:class:`dynts.vllm.worker.WorkerHooks`) so that every round is counted as a plain decode step or an
+eviction round (``scripts/bench_serve_vllm.py --cost``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["CudaSyncCounter", "SyncCounter", "sync_counter"]
+
+_ACTIVE: list["SyncCounter"] = []  # counters inside a counted call (tolist/numpy/cpu are not dispatched ops)
+
+
+def _patch_host_reads() -> None:
+    """Count ``Tensor.tolist`` / ``numpy`` / ``cpu`` calls for the active counters (patched once per process)."""
+    if getattr(torch.Tensor.tolist, "_dynts_sync_counted", False):
+        return
+    for name in ("tolist", "numpy", "cpu"):
+        method = getattr(torch.Tensor, name)
+
+        def wrapped(t, *a, _m=method, **k):
+            for counter in _ACTIVE:
+                counter.now += 1
+            return _m(t, *a, **k)
+
+        wrapped._dynts_sync_counted = True
+        setattr(torch.Tensor, name, wrapped)
+
+
+class _Rounds:
+    """Counts per plain decode step and per eviction round, for :meth:`SyncCounter.install`."""
+
+    now: int
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.plain_steps = self.plain_syncs = self.event_rounds = self.event_syncs = 0
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:  # pragma: no cover - overridden
+        yield
+
+    def _counted(self, method):
+        def run(*a, **k):
+            with self.counting():
+                return method(*a, **k)
+        return run
+
+    def install(self, hooks: Any) -> None:
+        """Count inside ``hooks.before_step`` / ``after_prepare_inputs`` / ``after_forward`` (instance attributes
+        shadow the methods); a round whose ``dynts_plan`` has events is an eviction round."""
+        event = [False]
+        before, prepare, forward = (self._counted(m) for m in (hooks.before_step, hooks.after_prepare_inputs,
+                                                               hooks.after_forward))
+
+        def before_step(scheduler_output):
+            plan = getattr(scheduler_output, "dynts_plan", None)
+            event[0], self.now = bool(plan is not None and plan.events), 0
+            return before(scheduler_output)
+
+        def after_forward(output):
+            out = forward(output)
+            if event[0]:
+                self.event_rounds, self.event_syncs = self.event_rounds + 1, self.event_syncs + self.now
+            else:
+                self.plain_steps, self.plain_syncs = self.plain_steps + 1, self.plain_syncs + self.now
+            return out
+
+        hooks.before_step, hooks.after_prepare_inputs, hooks.after_forward = before_step, prepare, after_forward
+
+    def summary(self) -> dict:
+        return {"syncs_per_plain_step": self.plain_syncs / max(1, self.plain_steps),
+                "syncs_per_event_round": self.event_syncs / max(1, self.event_rounds),
+                "event_rounds": self.event_rounds, "plain_steps": self.plain_steps}
+
+
+class SyncCounter(_Rounds):
+    """Counts, inside :meth:`counting`, the operations that make the host wait for the device on a GPU (a
+    torch dispatch mode): scalar reads, ``nonzero`` and boolean-mask indexing, ``tolist``/``numpy``/``cpu``."""
+
+    kind = "dispatch"
+    READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                indices = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
+                if name in counter.READS or any(getattr(i, "dtype", None) is torch.bool for i in indices or ()):
+                    counter.now += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode
+        _patch_host_reads()
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        _ACTIVE.append(self)
+        try:
+            with self.mode():
+                yield
+        finally:
+            _ACTIVE.remove(self)
+
+
+class CudaSyncCounter(_Rounds):
+    """Counts the synchronizing CUDA calls inside :meth:`counting` (``torch.cuda.set_sync_debug_mode("warn")``,
+    one count per warning): scalar reads, device-to-host copies, blocking host-to-device copies."""
+
+    kind = "cuda_sync_debug"
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        self.now += sum("synchroniz" in str(w.message) for w in caught)
+
+
+def sync_counter(device: torch.device | str) -> SyncCounter | CudaSyncCounter:
+    """The counter for ``device``: torch's sync debug mode on CUDA, the dispatch-mode counter elsewhere."""
+    return CudaSyncCounter() if torch.device(device).type == "cuda" else SyncCounter()
