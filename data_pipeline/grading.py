@@ -22,7 +22,7 @@ Graders (:class:`Grader`: ``grade(gold, text) -> Grade``):
   the asked step holds, and the answer after ``</think>`` in both modes).
 
 The trace pipeline finds the first answer token with an answer rule (:data:`ANSWER_RULES`) and calls
-a named grader (:func:`make_grader`): ``math`` / ``testbed`` / ``exact`` / ``any`` /
+a named grader (:func:`make_grader`): ``math`` / ``testbed`` / ``testbed-chain`` / ``exact`` / ``any`` /
 ``"module:function"``, each ``grade(question, text, answer_text) -> bool``, built on the graders above.
 """
 
@@ -257,14 +257,21 @@ class TestbedGrader:
 
     __test__ = False  # not a pytest class
     reads_thinking = True  # the checker needs the trace's own steps; it reads the answer after </think>
+    family: str = "copy"  # the task family of question-text golds (a Problem carries its own)
+
+    def __post_init__(self) -> None:
+        from data_pipeline.testbed import task
+
+        task.check_family(self.family)
 
     def grade(self, gold: Any, text: str) -> Grade:
-        """``gold``: the testbed ``Problem`` or its question text."""
+        """``gold``: the testbed ``Problem`` or its question text (read as ``family``)."""
         from data_pipeline.testbed import task
 
         parsed = task.parse_answer(text)
         extracted = None if parsed is None else f"r{parsed[0]}= {parsed[1]}"
-        return Grade(task.check_answer(gold, text), extracted, None if parsed is None else "answer")
+        family = None if isinstance(gold, task.Problem) else self.family
+        return Grade(task.check_answer(gold, text, family), extracted, None if parsed is None else "answer")
 
 
 def grade_text(grader: Grader, gold: Any, text: str, answer: str | None, grade_on: str = "answer") -> Grade:
@@ -373,6 +380,10 @@ def _testbed(question: Question, text: str, answer_text: str) -> bool:
     return TestbedGrader().grade(question.content, text).correct
 
 
+def _testbed_chain(question: Question, text: str, answer_text: str) -> bool:
+    return TestbedGrader(family="chain").grade(question.content, text).correct
+
+
 def _exact(question: Question, text: str, answer_text: str) -> bool:
     return answer_text.strip() == question.gold.strip()
 
@@ -381,7 +392,7 @@ def _any(question: Question, text: str, answer_text: str) -> bool:
     return True
 
 
-GRADERS: dict[str, PipelineGrader] = {"math": _math, "testbed": _testbed, "exact": _exact, "any": _any}
+GRADERS: dict[str, PipelineGrader] = {"math": _math, "testbed": _testbed, "testbed-chain": _testbed_chain, "exact": _exact, "any": _any}
 
 
 def make_grader(name: str) -> PipelineGrader:

@@ -2,7 +2,8 @@
 
 A source is one string:
 
-- ``testbed:<set>:<n>``: ``n`` problems of the embedded testbed task (``problem_set(set, n)``);
+- ``testbed:<set>:<n>[:<family>]``: ``n`` problems of the embedded testbed task (``problem_set(set, n)``;
+  ``family``: ``copy``, the default, or ``chain``);
 - ``textarena:<name>[/<split>]``: a benchmark JSONL shipped in the ``textarena`` wheel
   (``math/train`` is the MATH train set the paper samples from; ``gsm8k``, ``math500``, ...);
 - a path to a ``.jsonl`` file with one question per line.
@@ -115,9 +116,10 @@ def load_questions(
         from data_pipeline.testbed.task import problem_set
 
         parts = source.split(":")
-        if len(parts) != 3 or not parts[2].isdigit():
-            raise ValueError(f"source={source!r} must look like 'testbed:<set name>:<count>', e.g. 'testbed:pipeline:64'")
-        problems = problem_set(parts[1], int(parts[2]))
+        if len(parts) not in (3, 4) or not parts[2].isdigit():
+            raise ValueError(f"source={source!r} must look like 'testbed:<set name>:<count>[:<family>]', "
+                             "e.g. 'testbed:pipeline:64' or 'testbed:pipeline:64:chain'")
+        problems = problem_set(parts[1], int(parts[2]), **({"family": parts[3]} if len(parts) == 4 else {}))
         questions = [Question(question_id=p.name, content=p.question, gold=str(p.answer), system=system) for p in problems]
     elif source.startswith("textarena:"):
         questions = _jsonl(_textarena_path(source.split(":", 1)[1]), system, suffix)

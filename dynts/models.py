@@ -1,7 +1,7 @@
 """One loading path for every model and tokenizer dynts touches, offline.
 
 :func:`load` accepts a bundled name (``smollm2-135m``, ``testbed``, ``testbed-helper``,
-``testbed-prm``), a local Hugging Face directory, a hub id already in the local HF cache
+``testbed-prm``, ``testbed-prm-order``; the chain family's ``testbed-chain``), a local Hugging Face directory, a hub id already in the local HF cache
 (nothing is downloaded), or a PEFT adapter directory (its base model is resolved the same way and
 the adapter applied with peft). Precision, placement and attention kernel are the caller's:
 ``dtype``, ``device`` / ``device_map`` (accelerate), ``attn_implementation``.
@@ -35,7 +35,9 @@ __all__ = [
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TESTBED = {"testbed": "testbed-lrm", "testbed-helper": "testbed-helper", "testbed-prm": "testbed-prm",
-           "testbed-prm-order": "testbed-prm-order"}
+           "testbed-prm-order": "testbed-prm-order",
+           # the chain family's models (data_pipeline/testbed/task.py, configs/testbed/chain-*.yaml)
+           "testbed-chain": "testbed-chain-lrm"}  # testbed-chain-helper joins once trained (configs/testbed/chain-helper.yaml)
 BUNDLED = ("smollm2-135m", *TESTBED)
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",

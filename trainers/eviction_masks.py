@@ -14,6 +14,10 @@ per row:
   trained (summed over layers, heads and queries of a full-context pass, as H2O accumulates it),
   ranked in the training step itself (:func:`add_attention_ranked`).
 
+In a chain trace (``task`` family ``chain``) every shape also keeps the key and value of each result
+a later step reads (``task.read_values``): without them that step's operand copy is a guess, as an
+operand would be without the question. Copy traces read no results, so their masks are unchanged.
+
 No shape is taken from a method under test (no predictor, no evictor call): they are shapes, not
 kept sets of DynTS or of a baseline. With ``evict_shapes = {steps: 1}`` (the default) the random
 stream is the one of the original recipe, so older configs reproduce their checkpoints.
@@ -32,7 +36,7 @@ from data_pipeline.testbed import task
 __all__ = ["SHAPES", "add_attention_ranked", "check_shapes", "draw_kept_set", "draw_shape", "eviction_visibility"]
 
 SHAPES = ("steps", "tokens", "values", "windows", "attention")
-KEY_OFFSET = 6  # rK= is the 7th of a step's STEP_TOKENS words: x xv op y yv gives rK= v ;
+KEY_OFFSET = task.KEY_INDEX  # rK= is the 7th of a step's STEP_TOKENS words: x xv op y yv gives rK= v ; (both families)
 
 
 def check_shapes(shapes: dict[str, float]) -> dict[str, float]:
@@ -76,6 +80,9 @@ def draw_kept_set(
     end = tokens.index(task.END_THINK) if task.END_THINK in tokens else len(tokens)
     p_keep = rng.uniform(0.0, keep_max)
     start = task.QUESTION_TOKENS
+    reads = task.read_values(tokens, "chain") if any(t in task.QUERY_KEYS for t in tokens[start:end]) else []
+    for v in reads:  # chain: the results later steps read (key and value); none in a copy trace
+        kept[v - 1 : v + 1] = True
     if shape == "steps":
         for i in range(start, end):
             if tokens[i] in task.RESULT_KEYS and (tokens[i] == asked or rng.random() < p_keep):

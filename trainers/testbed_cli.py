@@ -22,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--local-window", type=int, default=64)
     sample.add_argument("--min-think", type=int, default=150)
     sample.add_argument("--max-think", type=int, default=900)
+    sample.add_argument("--family", default="copy", help="task family: copy or chain (use --model testbed-chain)")
     report = sub.add_parser("report", help="compute the testbed's numbers; write reports/testbed.json")
     report.add_argument("--n", type=int, default=200, help="fresh problems per policy")
     report.add_argument("--budget", type=int, default=None, help="eviction budget (default: a quarter of the mean trace)")
@@ -46,7 +47,7 @@ def _sample(args: argparse.Namespace) -> int:
     from dynts import generate
     from trainers.testbed_eval import SAMPLING, load_testbed
 
-    problem = task.make_problem(args.seed, min_think=args.min_think, max_think=args.max_think)
+    problem = task.make_problem(args.seed, min_think=args.min_think, max_think=args.max_think, family=args.family)
     model, tokenizer = load_testbed(args.model)
     torch.manual_seed(args.seed)
     kw = {} if args.method == "full" else {"budget": args.budget or 128, "local_window": args.local_window}

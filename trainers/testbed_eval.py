@@ -58,7 +58,7 @@ def generate_texts(
 
 def written_value(problem: task.Problem, text: str) -> int | None:
     """The value the trace itself wrote after the asked key (first occurrence), if any."""
-    for *_rest, key, v in task.parse_steps(text):
+    for *_rest, key, v in task.parse_steps(text, problem.family):
         if key == problem.asked:
             return v
     return None
@@ -68,17 +68,18 @@ def score(problems: Sequence[task.Problem], texts: Sequence[str]) -> dict[str, f
     """Accuracy, parse rate, mean thinking length and where errors come from.
 
     ``retrieval``: the answer equals the value the trace wrote for the asked key (the long-range
-    lookup), among parsed answers; ``operand_copy``: step operands equal the question's values;
+    lookup), among parsed answers; ``operand_copy``: step operands equal the question's values
+    (chain: or the values written for the results they name, ``task.operand_copies``);
     ``step_arithmetic``: ``xv op yv == v`` as written.
     """
     correct = [task.check_answer(p, t) for p, t in zip(problems, texts)]
     answers = [task.parse_answer(t) for t in texts]
     lengths = [len(task.thinking_words(t)) for t in texts]
     retrieved = [a is not None and a[1] == written_value(p, t) for p, t, a in zip(problems, texts, answers)]
-    steps = [(p, s) for p, t in zip(problems, texts) for s in task.parse_steps(t)]
+    steps = [(p, s) for p, t in zip(problems, texts) for s in task.parse_steps(t, p.family)]
     arith = [task.OPS[op](xv, yv) == v for _p, (_x, xv, op, _y, yv, _k, v) in steps]  # type: ignore[operator]
-    copied = [p.operands[task.VARIABLES.index(x)] == xv and p.operands[task.VARIABLES.index(y)] == yv
-              for p, (x, xv, _op, y, yv, _k, _v) in steps]
+    pairs = [task.operand_copies(t, p.operands, p.family) for p, t in zip(problems, texts)]
+    copied = [a and b for c in pairs for a, b in zip(c[::2], c[1::2])]  # both operands of a step right
     n_parsed = sum(a is not None for a in answers)
     return {
         "n": len(texts),

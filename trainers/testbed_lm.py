@@ -56,6 +56,7 @@ class DataConfig:
     val_size: int = 64
     early_prob: float = 0.8  # how often the asked key is r1-r3 (training data only)
     slip: str | None = None  # a task.SLIPS rule applied to every training trace
+    family: str = "copy"  # the task family of the traces, validation set and gate (task.FAMILIES)
     evict_frac: float = 0.0  # share of trace rows trained under an eviction-shaped mask
     evict_window: tuple[int, int] = (48, 128)  # local window W, drawn per row
     evict_keep: float = 0.5  # each earlier step stays visible with probability U(0, evict_keep)
@@ -64,6 +65,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.slip is not None and self.slip not in task.SLIPS:
             raise ValueError(f"data.slip={self.slip!r}: use one of {sorted(task.SLIPS)} or leave it out")
+        task.check_family(self.family, "data.family")
         if not 0.0 <= self.evict_frac <= 1.0 or not 0.0 <= self.evict_keep <= 1.0:
             raise ValueError("data.evict_frac and data.evict_keep are probabilities in [0, 1]")
         self.evict_window = tuple(self.evict_window)  # type: ignore[assignment]
@@ -224,7 +226,7 @@ class TraceStream(IterableDataset):
                 rows.append(task.make_drill(s, **drill_kw))
                 visibility.append(None)
             else:
-                p = task.make_problem(s, min_think=lo, max_think=hi, early_prob=early, slip=d.slip)
+                p = task.make_problem(s, min_think=lo, max_think=hi, early_prob=early, slip=d.slip, family=d.family)
                 rows.append((list(p.tokens), list(p.roles)))
                 evicted = evict > 0 and rng.random() < evict
                 if not evicted:
@@ -265,7 +267,7 @@ class LMData(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         d = self.cfg.data
-        probs = task.problem_set("val", d.val_size, min_think=d.min_think, max_think=d.max_think)
+        probs = task.problem_set("val", d.val_size, min_think=d.min_think, max_think=d.max_think, family=d.family)
         probs.sort(key=lambda p: len(p.tokens))
         w = role_weights(self.cfg.loss_weights)
         batches = [collate([(list(p.tokens), list(p.roles)) for p in probs[i : i + 16]], w) for i in range(0, len(probs), 16)]
@@ -326,7 +328,8 @@ class LMModule(L.LightningModule):
         """Full-cache generation check on ``gate_size`` dev problems (the gate: >= 95 % correct)."""
         from trainers.testbed_eval import generate_texts, score
 
-        probs = task.problem_set("dev", self.cfg.gate_size, min_think=self.cfg.data.min_think, max_think=self.cfg.data.max_think)
+        d = self.cfg.data
+        probs = task.problem_set("dev", self.cfg.gate_size, min_think=d.min_think, max_think=d.max_think, family=d.family)
         texts = generate_texts(self.model, build_tokenizer(), probs, max_new_tokens=self.cfg.gate_max_new_tokens)
         return {f"gate_{k}": v for k, v in score(probs, texts).items()}
 

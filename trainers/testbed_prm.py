@@ -7,6 +7,13 @@ Training traces are reference traces whose steps are corrupted with probability
 recomputed from the wrong operand); the loss is cross-entropy at the separators only. The backbone
 may start from the trained reasoning model (``init_from``), which already copies operands and
 does the arithmetic.
+
+Chain traces (``data.family: chain``) are checked locally, step by step: a step is right when each
+written operand value equals the question's value (a variable) or the value *written* at the most
+recent earlier definition of the result it names (``r3``), and its value follows from them. A
+corrupted result therefore also makes the later steps that copied the original value wrong, so in
+chain traces every ``;`` is labelled by this check after the corruption (copy labels and copy
+random streams are unchanged).
 """
 
 from __future__ import annotations
@@ -77,24 +84,45 @@ def corrupt(problem: task.Problem, rng: random.Random, prob: float, token_labels
         toks[j] = str((int(toks[j]) + rng.randint(1, 9)) % 10)
         if kind == 2:  # result consistent with the wrong operand
             toks[s + 7] = str(task.OPS[toks[s + 2]](int(toks[s + 1]), int(toks[s + 4])))  # type: ignore[operator]
+    if problem.family != "copy":  # chain: re-check every step (a corrupted result breaks its readers' copies)
+        for i, t in enumerate(toks):
+            if t == task.SEP:
+                s = i - task.STEP_TOKENS + 1
+                x, y = operand_value(problem, toks, s, 0), operand_value(problem, toks, s, 3)
+                xv, yv, v = int(toks[s + 1]), int(toks[s + 4]), int(toks[s + 7])
+                labels[i] = int(xv == x and yv == y and v == task.OPS[toks[s + 2]](xv, yv))  # type: ignore[operator]
     if digit_labels:  # the local check of each digit: operands against the question, v against xv op yv
         for i, t in enumerate(toks):
             if t == task.SEP:
                 s = i - task.STEP_TOKENS + 1
-                x, y = problem.operands[task.VARIABLES.index(toks[s])], problem.operands[task.VARIABLES.index(toks[s + 3])]
+                x, y = operand_value(problem, toks, s, 0), operand_value(problem, toks, s, 3)
                 labels[s + 1], labels[s + 4] = int(int(toks[s + 1]) == x), int(int(toks[s + 4]) == y)
                 labels[s + 7] = int(int(toks[s + 7]) == task.OPS[toks[s + 2]](int(toks[s + 1]), int(toks[s + 4])))  # type: ignore[operator]
     if token_labels:  # "is the step right so far?" on every token from xv to ";" (a running AND)
         for i, t in enumerate(toks):
             if t == task.SEP:
                 s = i - task.STEP_TOKENS + 1
-                x, y = problem.operands[task.VARIABLES.index(toks[s])], problem.operands[task.VARIABLES.index(toks[s + 3])]
+                x, y = operand_value(problem, toks, s, 0), operand_value(problem, toks, s, 3)
                 ok_x = int(toks[s + 1]) == x
                 ok_y = ok_x and int(toks[s + 4]) == y
                 ok_v = ok_y and int(toks[s + 7]) == task.OPS[toks[s + 2]](x, y)  # type: ignore[operator]
                 for j, ok in zip(range(s + 1, i + 1), [ok_x] * 3 + [ok_y] * 3 + [ok_v] * 2):
                     labels[j] = int(ok)
     return toks, labels
+
+
+def operand_value(problem: task.Problem, toks: Sequence[str], start: int, offset: int) -> int | None:
+    """What the operand at ``toks[start + offset]`` (a step's ``x`` or ``y``) must copy: the
+    question's value of a variable, or (chain) the value written after the most recent ``rJ=``
+    before the step; None when ``rJ`` was never written."""
+    name = toks[start + offset]
+    if name in task.VARIABLES:
+        return problem.operands[task.VARIABLES.index(name)]
+    key = f"{name}="
+    for i in range(start - 1, task.QUESTION_TOKENS - 1, -1):
+        if toks[i] == key and i + 1 < start and toks[i + 1] in task.DIGITS:
+            return int(toks[i + 1])
+    return None
 
 
 def with_answer(problem: task.Problem, toks: list[str], labels: list[int], rng: random.Random, prob: float,
@@ -150,7 +178,7 @@ class CorruptStream(IterableDataset):
             lo, hi, size = max(d.min_think, center - d.length_spread), min(d.max_think, center + d.length_spread), d.long_batch
         rows = []
         for r in range(size):
-            p = task.make_problem(f"train:prm:{self.cfg.seed}:{step}:{r}", min_think=lo, max_think=hi)
+            p = task.make_problem(f"train:prm:{self.cfg.seed}:{step}:{r}", min_think=lo, max_think=hi, family=d.family)
             row = corrupt(p, rng, self.cfg.corrupt_prob, self.cfg.token_labels, self.cfg.digit_labels)
             if self.cfg.order_prob > 0 and rng.random() < self.cfg.order_prob:
                 cut = order_row(*row, rng, negative=rng.random() < 0.5, key_labels=self.cfg.digit_labels)
@@ -173,7 +201,7 @@ def heldout(name: str, n: int, cfg: PRMConfig) -> list[tuple[list[str], list[int
     """Reference traces of a fixed problem set, corrupted (and answered, when the config trains on
     answers) as in training, labelled only at the ``;`` s."""
     rows = []
-    for p in task.problem_set(name, n, min_think=cfg.data.min_think, max_think=cfg.data.max_think):
+    for p in task.problem_set(name, n, min_think=cfg.data.min_think, max_think=cfg.data.max_think, family=cfg.data.family):
         rng = random.Random(f"{name}-corrupt:{p.name}")
         row = corrupt(p, rng, cfg.corrupt_prob)
         rows.append(with_answer(p, *row, rng, cfg.answer_prob) if cfg.answer_prob > 0 else row)
@@ -347,7 +375,8 @@ class PRMModule(L.LightningModule):
             result.update({"gate_answer_auroc": auroc(scores, labels), "gate_answers": len(labels), "gate_wrong_answers": labels.count(0)})
         if self.cfg.order_prob > 0:  # the held-out step-order negatives
             for kind in ORDER_KINDS:
-                rows = order_heldout(task.GATE, self.cfg.gate_size, kind, self.cfg.data.min_think, self.cfg.data.max_think)
+                rows = order_heldout(task.GATE, self.cfg.gate_size, kind, self.cfg.data.min_think, self.cfg.data.max_think,
+                                     self.cfg.data.family)
                 scores, labels = step_scores(self.model, rows)
                 result[f"gate_{kind}_auroc"] = auroc(scores, labels)
         return result
@@ -390,14 +419,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="AUROC of a testbed PRM on training-style and step-order negatives")
     p.add_argument("prm", help="a testbed PRM directory (Qwen2ForTokenClassification)")
     p.add_argument("--n", type=int, default=200, help="held-out problems per negative kind")
+    p.add_argument("--family", default="copy", choices=task.FAMILIES, help="the task family of the held-out traces")
     args = p.parse_args(argv)
     model = Qwen2ForTokenClassification.from_pretrained(args.prm).eval()
-    cfg = PRMConfig(data=DataConfig(min_think=60, max_think=700), corrupt_prob=0.5, answer_prob=0.5)
+    cfg = PRMConfig(data=DataConfig(min_think=60, max_think=700, family=args.family), corrupt_prob=0.5, answer_prob=0.5)
     out: dict[str, Any] = {"prm": args.prm}
     scores, labels = step_scores(model, heldout(task.GATE, args.n, cfg))
     out["digits_operands_answers"] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
     for kind in ORDER_KINDS:
-        scores, labels = step_scores(model, order_heldout(task.GATE, args.n, kind))
+        scores, labels = step_scores(model, order_heldout(task.GATE, args.n, kind, family=args.family))
         out[kind] = {"auroc": auroc(scores, labels), "steps": len(labels), "negatives": labels.count(0)}
     print(json.dumps(out, indent=1))
     return 0

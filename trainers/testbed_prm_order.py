@@ -94,10 +94,11 @@ def order_row(toks: list[str], labels: list[int], rng: random.Random, negative: 
     return row, lab
 
 
-def order_heldout(name: str, n: int, kind: str, min_think: int = 60, max_think: int = 700) -> list[tuple[list[str], list[int]]]:
-    """``n`` held-out problems of set ``name``, half of them with an order negative of ``kind``."""
+def order_heldout(name: str, n: int, kind: str, min_think: int = 60, max_think: int = 700,
+                  family: str = "copy") -> list[tuple[list[str], list[int]]]:
+    """``n`` held-out problems of set ``name`` (task ``family``), half of them with an order negative of ``kind``."""
     rows = []
-    for i, p in enumerate(task.problem_set(name, n, min_think=min_think, max_think=max_think)):
+    for i, p in enumerate(task.problem_set(name, n, min_think=min_think, max_think=max_think, family=family)):
         rng = random.Random(f"{name}-order-{kind}:{p.name}")
         row = order_negative(p, rng, kind, negative=i % 2 == 1)
         if row is not None:

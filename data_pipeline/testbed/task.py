@@ -1,11 +1,29 @@
-"""The synthetic reasoning task of the embedded testbed.
+"""The synthetic reasoning task of the embedded testbed, in two families.
 
-A question names five operand values and asks for one step result:
-``<bos> a 6 b 6 c 0 d 4 e 8 find r2 <think>``. The thinking trace computes steps in order,
-``x xv op y yv gives rK= v ;`` (``rK=`` is one token, ``v`` the next), with random filler words
-between steps (each gap capped). The answer ``</think> r2= v <eos>`` must copy the value written
-right after the asked key, often hundreds of tokens back: the only long-range dependency.
-Everything is word-level; one word is one token (see ``tokenizer.py``).
+``copy`` (the default, the committed numbers' task): a question names five operand values and asks
+for one step result: ``<bos> a 6 b 6 c 0 d 4 e 8 find r2 <think>``. The thinking trace computes
+steps in order, ``x xv op y yv gives rK= v ;`` (``rK=`` is one token, ``v`` the next), with random
+filler words between steps (each gap capped). Every operand is a question variable, so a step
+reads only the (protected) question. The answer ``</think> r2= v <eos>`` must copy the value
+written right after the asked key, often hundreds of tokens back: the only long-range dependency.
+
+``chain`` (``family="chain"``): thinking reads thinking. Same question, vocabulary and 9-token
+step, but an operand may be an earlier result, written as its query token and the value copied
+from where that result was written: ``r3 7 plus r1 5 gives r5= 2 ;`` (``r3`` is the query token,
+``7`` the value written after ``r3=``). The operand-draw rule: in step ``k >= 2`` each operand is,
+independently, with probability :data:`CHAIN_REF_PROB` (0.5) an earlier result ``rJ`` with ``J``
+uniform on ``1..k-1`` (recency-unbiased, so a dependency spans on average half the trace), else a
+question variable (uniform); step 1 reads only the question. The asked key is uniform on the
+second half of the steps, ``ceil(n/2)..n`` (``early_prob`` is a copy-family knob), so the asked
+result usually depends on a chain of earlier results that the question does not name. The answer
+still copies the asked value; ``Problem.critical_positions`` holds the value tokens of the asked
+result's *dependency closure* (the asked step, the results its operands name, theirs, ...), in
+trace order: the values the answer's chain reads. A slip (``SLIPS``) writes a step value wrong and
+later steps copy the value as written, so a slip anywhere in the closure changes the answer.
+
+Everything is word-level; one word is one token (see ``tokenizer.py``). ``family`` is threaded
+through :func:`make_problem`, :func:`problem_set`, the parsers and the checker; ``copy`` draws
+exactly the problems it drew before families existed (``tests/test_testbed_chain.py`` pins a digest).
 """
 
 from __future__ import annotations
@@ -30,16 +48,31 @@ QUERY_KEYS: tuple[str, ...] = tuple(f"r{k}" for k in range(1, MAX_KEY + 1))
 RESULT_KEYS: tuple[str, ...] = tuple(f"r{k}=" for k in range(1, MAX_KEY + 1))
 FILLER: tuple[str, ...] = ("wait", "hmm", "let", "me", "check", "so", "ok", "right", "now", "then", "yes", "verify")
 STEP_TOKENS = 9  # x xv op y yv gives rK= v ;
+KEY_INDEX = 6  # rK= is a step's 7th word, its value the 8th
 
 # Systematic arithmetic slips (training data of a helper whose errors are of capability, not of
 # context): ``rule(op, xv, yv, value) -> written value``. ``"times-high"``: a product whose first
 # operand is 6 or more is written one too high (13% of steps: 1/3 of the ops x 4/10 of the values);
-# ``"times-mid"``: the same from 5 up (17% of steps).
+# ``"times-mid"``: the same from 5 up (17% of steps); ``"times-top"``: from 8 up (7% of steps, the
+# chain helper's rule: a slip anywhere in the asked result's closure propagates, and times-high
+# changed 27% of the chain answers, times-top 14.5%).
 SLIPS: dict[str, object] = {
     "times-high": lambda op, xv, yv, v: (v + 1) % 10 if op == "times" and xv >= 6 else v,
     "times-mid": lambda op, xv, yv, v: (v + 1) % 10 if op == "times" and xv >= 5 else v,
+    "times-top": lambda op, xv, yv, v: (v + 1) % 10 if op == "times" and xv >= 8 else v,
 }
 QUESTION_TOKENS = 14  # <bos> + 10 operand tokens + find rK + <think>
+
+# Task families (see the module docstring); ``copy`` is the default everywhere.
+FAMILIES: tuple[str, ...] = ("copy", "chain")
+CHAIN_REF_PROB = 0.5  # chain: each operand of step k >= 2 is an earlier result with this probability
+
+
+def check_family(family: object, where: str = "family") -> str:
+    """``family`` if it names a task family, else a ValueError naming ``where`` and the valid values."""
+    if family not in FAMILIES:
+        raise ValueError(f"{where}={family!r} is not a testbed task family; use one of {list(FAMILIES)}")
+    return family  # type: ignore[return-value]
 
 VOCAB: tuple[str, ...] = (
     (PAD, UNK, BOS, EOS, THINK, END_THINK, SEP, FIND, GIVES)
@@ -53,7 +86,8 @@ ROLE_ANSWER_KEY, ROLE_ANSWER_VALUE = 5, 6
 
 @dataclass(frozen=True)
 class Step:
-    """One computed step: ``x xv op y yv gives rK= v ;``."""
+    """One computed step: ``x xv op y yv gives rK= v ;``. ``x`` and ``y`` are question variables
+    (``a``..``e``) or, in the chain family, earlier results' query tokens (``r1``..)."""
 
     key: int
     x: str
@@ -67,7 +101,9 @@ class Problem:
     """One problem with its reference trace.
 
     ``tokens`` is the full reference text as words, ``roles`` the loss role of each word and
-    ``critical_positions`` the index (into ``tokens``) of the value token the answer copies.
+    ``critical_positions`` the indices (into ``tokens``) of the value tokens the answer depends on:
+    copy, the one value the answer copies; chain, the values of the asked result's dependency
+    closure (the asked value included), ascending.
     """
 
     name: str
@@ -77,6 +113,7 @@ class Problem:
     tokens: tuple[str, ...]
     roles: tuple[int, ...]
     critical_positions: tuple[int, ...]
+    family: str = "copy"
 
     @property
     def question(self) -> str:
@@ -135,31 +172,46 @@ def make_problem(
     early_prob: float = 0.8,
     name: str | None = None,
     slip: str | None = None,
+    family: str = "copy",
 ) -> Problem:
-    """Generate one problem, deterministic in ``seed``.
+    """Generate one problem, deterministic in ``(family, seed)``.
 
     The thinking length is drawn uniformly from ``[min_think, max_think]``; it has
     ``round(L / 37)`` steps (1..24). Filler gaps are capped at ``max_gap`` words, raised only
     when a long target length cannot be met otherwise. ``slip`` (a key of :data:`SLIPS`, training
     data only) makes the trace write some step values wrong, the way a weaker model would; the
     answer copies the value as written and ``Step.value`` holds it too (the random stream, hence
-    the problem, is the same as without the slip).
+    the problem, is the same as without the slip). ``family``: :data:`FAMILIES` (module
+    docstring); a chain problem seeds its own stream (``"chain|{seed}"``), so it shares no draws
+    with the copy problem of the same seed, and ignores ``early_prob``.
     """
+    check_family(family)
     if slip is not None and slip not in SLIPS:
         raise ValueError(f"slip={slip!r} is not a known rule; use one of {sorted(SLIPS)} or None")
-    rng = random.Random(seed)
+    rng = random.Random(seed if family == "copy" else f"{family}|{seed}")
     length = rng.randint(min_think, max_think)
     n_steps = min(MAX_KEY, max(1, round(length / 37)))
     operands = tuple(rng.randrange(10) for _ in VARIABLES)
-    if rng.random() < early_prob:
+    if family == "chain":
+        asked = rng.randint(-(-n_steps // 2), n_steps)
+    elif rng.random() < early_prob:
         asked = rng.randint(1, min(3, n_steps))
     else:
         asked = rng.randint(1, n_steps)
-    steps = []
+    steps: list[Step] = []
+
+    def value_of(name: str) -> int:
+        return operands[VARIABLES.index(name)] if name in VARIABLES else steps[int(name[1:]) - 1].value
+
+    def operand(k: int) -> str:
+        if family == "chain" and k > 1 and rng.random() < CHAIN_REF_PROB:
+            return f"r{rng.randint(1, k - 1)}"
+        return rng.choice(VARIABLES)
+
     for k in range(1, n_steps + 1):
-        x, y = rng.choice(VARIABLES), rng.choice(VARIABLES)
+        x, y = operand(k), operand(k)
         op = rng.choice(tuple(OPS))
-        xv, yv = operands[VARIABLES.index(x)], operands[VARIABLES.index(y)]
+        xv, yv = value_of(x), value_of(y)
         value = OPS[op](xv, yv)  # type: ignore[operator]
         if slip is not None:
             value = SLIPS[slip](op, xv, yv, value)  # type: ignore[operator]
@@ -168,16 +220,16 @@ def make_problem(
 
     tokens = question_tokens(operands, asked)
     roles = [ROLE_PROMPT] * len(tokens)
-    critical: list[int] = []
+    value_pos: dict[int, int] = {}
     for step, gap in zip(steps, gaps):
         tokens += [rng.choice(FILLER) for _ in range(gap)]
         roles += [ROLE_FILLER] * gap
-        xv, yv = operands[VARIABLES.index(step.x)], operands[VARIABLES.index(step.y)]
+        xv, yv = value_of(step.x), value_of(step.y)
         tokens += [step.x, str(xv), step.op, step.y, str(yv), GIVES, f"r{step.key}=", str(step.value), SEP]
         roles += [ROLE_STRUCTURE, ROLE_OPERAND, ROLE_STRUCTURE, ROLE_STRUCTURE, ROLE_OPERAND]
         roles += [ROLE_STRUCTURE, ROLE_STRUCTURE, ROLE_STEP_VALUE, ROLE_STRUCTURE]
-        if step.key == asked:
-            critical.append(len(tokens) - 2)
+        value_pos[step.key] = len(tokens) - 2
+    critical = sorted(value_pos[k] for k in dependency_closure(steps, asked))
     tokens += [rng.choice(FILLER) for _ in range(gaps[-1])]
     roles += [ROLE_FILLER] * gaps[-1]
     tokens += [END_THINK, f"r{asked}=", str(steps[asked - 1].value), EOS]
@@ -190,7 +242,21 @@ def make_problem(
         tokens=tuple(tokens),
         roles=tuple(roles),
         critical_positions=tuple(critical),
+        family=family,
     )
+
+
+def dependency_closure(steps: Sequence[Step], asked: int) -> set[int]:
+    """Keys of the asked result and of every earlier result it reads, directly or through others
+    (a copy problem's closure is ``{asked}``: its operands are question variables)."""
+    closure, todo = set(), [asked]
+    while todo:
+        k = todo.pop()
+        if k in closure:
+            continue
+        closure.add(k)
+        todo += [int(n[1:]) for n in (steps[k - 1].x, steps[k - 1].y) if n not in VARIABLES]
+    return closure
 
 
 def make_drill(
@@ -257,12 +323,20 @@ def namespace(name_or_seed: str | int) -> str:
     return str(name_or_seed).split(":", 1)[0]
 
 
-def problem_set(name_or_seed: str | int, n: int, min_think: int = 150, max_think: int = 900, **kw: object) -> list[Problem]:
+def problem_set(
+    name_or_seed: str | int, n: int, min_think: int = 150, max_think: int = 900, family: str = "copy", **kw: object
+) -> list[Problem]:
     """``n`` fixed problems; problem ``i`` of set ``s`` is seeded by the string ``"{s}:{i}"``
     (``gate`` and ``confirm``: ``"{s}:{min_think}-{max_think}:{i}"``, the namespaces above).
 
-    Training draws from the ``"train:..."`` namespace, so named sets stay fresh.
+    Training draws from the ``"train:..."`` namespace, so named sets stay fresh. ``family``
+    (:data:`FAMILIES`) chooses the task; each family's sets are disjoint as the copy sets are (the
+    same seeds, each family its own stream: :func:`make_problem`), and the rules above hold per
+    family (``confirm`` is final-only in every family).
     """
+    check_family(family)
+    if family != "copy":
+        kw["family"] = family
     base = str(name_or_seed)
     if base.startswith("train"):
         raise ValueError("the 'train' namespace is reserved for training data")
@@ -273,7 +347,7 @@ def problem_set(name_or_seed: str | int, n: int, min_think: int = 150, max_think
             f"choose, gate and tune on set=dev, set=test or set={GATE}, or produce a final table with "
             "dynts eval --final / dynts demo --final")
     if space in FRESH_NAMESPACES:
-        extra = "".join(f",{k}={v}" for k, v in sorted(kw.items()))
+        extra = "".join(f",{k}={v}" for k, v in sorted(kw.items()) if k != "family")
         seeds = [f"{base}:{min_think}-{max_think}{extra}:{i}" for i in range(n)]
     else:
         seeds = [f"{base}:{i}" for i in range(n)]
@@ -330,22 +404,76 @@ def thinking_words(text: str | Sequence[str]) -> list[str]:
     return w[start:end]
 
 
-def parse_steps(text: str | Sequence[str]) -> list[tuple[str, int, str, str, int, int, int]]:
-    """Well-formed steps ``(x, xv, op, y, yv, key, v)`` in the thinking of ``text``."""
-    w = thinking_words(text)
+def _operand_names(family: str) -> tuple[str, ...]:
+    return VARIABLES if family == "copy" else VARIABLES + QUERY_KEYS
+
+
+def step_spans(text: str | Sequence[str], family: str = "copy") -> list[tuple[int, tuple[str, int, str, str, int, int, int]]]:
+    """Well-formed steps of the thinking of ``text`` with the index (into ``words(text)``) of each
+    step's first word: ``[(start, (x, xv, op, y, yv, key, v)), ...]``. Chain steps may name earlier
+    results (``r3``) as operands."""
+    check_family(family)
+    w = words(text)
+    begin = w.index(THINK) + 1 if THINK in w else 0
+    end = w.index(END_THINK, begin) if END_THINK in w[begin:] else len(w)
+    names = _operand_names(family)
     out = []
-    for i in range(len(w) - STEP_TOKENS + 1):
+    for i in range(begin, end - STEP_TOKENS + 1):
         x, xv, op, y, yv, g, k, v, s = w[i : i + STEP_TOKENS]
-        if (x in VARIABLES and y in VARIABLES and op in OPS and g == GIVES and k in RESULT_KEYS
+        if (x in names and y in names and op in OPS and g == GIVES and k in RESULT_KEYS
                 and s == SEP and xv in DIGITS and yv in DIGITS and v in DIGITS):
-            out.append((x, int(xv), op, y, int(yv), int(k[1:-1]), int(v)))
+            out.append((i, (x, int(xv), op, y, int(yv), int(k[1:-1]), int(v))))
     return out
 
 
-def expected_answer(question: str | Problem, generated_text: str) -> int | None:
+def parse_steps(text: str | Sequence[str], family: str = "copy") -> list[tuple[str, int, str, str, int, int, int]]:
+    """Well-formed steps ``(x, xv, op, y, yv, key, v)`` in the thinking of ``text`` (chain: ``x``
+    and ``y`` may be results' query tokens, ``r3``)."""
+    return [step for _, step in step_spans(text, family)]
+
+
+def _resolve(spans: list[tuple[int, tuple]], index: int, operands: Sequence[int], memo: dict[int, int | None]) -> int | None:
+    """The true value of step ``spans[index]`` as the trace wrote it: its operator applied to the
+    question's values and to the true values of the results it names, each read from the most
+    recent earlier step with that key. None when a named result was never written before it."""
+    if index in memo:
+        return memo[index]
+    x, _xv, op, y, _yv, _k, _v = spans[index][1]
+    vals = []
+    for name in (x, y):
+        if name in VARIABLES:
+            vals.append(operands[VARIABLES.index(name)])
+            continue
+        j = _definition(spans, index, int(name[1:]))
+        vals.append(None if j is None else _resolve(spans, j, operands, memo))
+    memo[index] = None if None in vals else OPS[op](*vals)  # type: ignore[operator]
+    return memo[index]
+
+
+def _definition(spans: list[tuple[int, tuple]], index: int, key: int) -> int | None:
+    """Index of the most recent step before ``spans[index]`` that wrote ``key``, else None."""
+    for j in range(index - 1, -1, -1):
+        if spans[j][1][5] == key:
+            return j
+    return None
+
+
+def _family_of(question: str | Problem, family: str | None) -> str:
+    if isinstance(question, Problem):
+        if family is not None and family != question.family:
+            raise ValueError(f"family={family!r} contradicts the problem's family {question.family!r}")
+        return question.family
+    return check_family("copy" if family is None else family)
+
+
+def expected_answer(question: str | Problem, generated_text: str, family: str | None = None) -> int | None:
     """The correct answer for ``generated_text``: the true value of the asked step *as written in
-    its own thinking* (op applied to the question's operand values); for a Problem whose text has
-    no thinking steps, the reference answer. None if the asked step is absent."""
+    its own thinking* (copy: op applied to the question's operand values; chain: also to the true
+    values of the results it names, recursively, each from the most recent earlier step with that
+    key; written operand values are never trusted); for a Problem whose text has no thinking steps,
+    the reference answer. None if the asked step is absent (or names a result never written).
+    ``family`` defaults to the Problem's, else copy."""
+    family = _family_of(question, family)
     if isinstance(question, Problem):
         operands, asked = question.operands, question.asked
     else:
@@ -353,17 +481,19 @@ def expected_answer(question: str | Problem, generated_text: str) -> int | None:
         if parsed is None:
             return None
         operands, asked = parsed
-    steps = parse_steps(generated_text)
-    if not steps and isinstance(question, Problem):
+    spans = step_spans(generated_text, family)
+    if not spans and isinstance(question, Problem):
         return question.answer
-    for x, _xv, op, y, _yv, key, _v in steps:
-        if key == asked:
-            return OPS[op](operands[VARIABLES.index(x)], operands[VARIABLES.index(y)])  # type: ignore[operator]
+    for i, (_start, step) in enumerate(spans):
+        if step[5] == asked:
+            return _resolve(spans, i, operands, {})
     return None
 
 
-def check_answer(question_or_problem: str | Problem, generated_text: str) -> bool:
-    """Exact check: the parsed answer names the asked key and carries its correct value."""
+def check_answer(question_or_problem: str | Problem, generated_text: str, family: str | None = None) -> bool:
+    """Exact check: the parsed answer names the asked key and carries its correct value
+    (:func:`expected_answer`; ``family`` defaults to the Problem's, else copy)."""
+    family = _family_of(question_or_problem, family)
     if isinstance(question_or_problem, Problem):
         asked = question_or_problem.asked
     else:
@@ -374,12 +504,17 @@ def check_answer(question_or_problem: str | Problem, generated_text: str) -> boo
     ans = parse_answer(generated_text)
     if ans is None or ans[0] != asked:
         return False
-    return ans[1] == expected_answer(question_or_problem, generated_text)
+    return ans[1] == expected_answer(question_or_problem, generated_text, family)
 
 
-def find_critical_positions(tokens: Sequence[str], asked: int | None = None) -> list[int]:
+def find_critical_positions(tokens: Sequence[str], asked: int | None = None, family: str = "copy") -> list[int]:
     """Positions (into ``tokens``) of the value token right after each asked ``rK=`` key inside
-    the thinking. ``asked`` defaults to the key named in the question part of ``tokens``."""
+    the thinking. ``asked`` defaults to the key named in the question part of ``tokens``.
+
+    Chain: also the values of the asked result's dependency closure, read from the well-formed
+    steps: each result a closure step names, at its most recent earlier definition (as
+    :func:`expected_answer` resolves it), recursively; ascending."""
+    check_family(family)
     w = list(tokens)
     if asked is None:
         parsed = parse_question(w[: w.index(THINK) + 1] if THINK in w else w)
@@ -389,5 +524,54 @@ def find_critical_positions(tokens: Sequence[str], asked: int | None = None) -> 
     start = w.index(THINK) + 1 if THINK in w else 0
     end = w.index(END_THINK, start) if END_THINK in w[start:] else len(w)
     key = f"r{asked}="
-    return [i + 1 for i in range(start, end - 1) if w[i] == key]
+    found = [i + 1 for i in range(start, end - 1) if w[i] == key]
+    if family == "copy":
+        return found
+    spans = step_spans(w, family)
+    first = next((i for i, (_s, step) in enumerate(spans) if step[5] == asked), None)
+    out, todo, seen = set(found), [] if first is None else [first], set()
+    while todo:
+        i = todo.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        out.add(spans[i][0] + KEY_INDEX + 1)
+        for name in (spans[i][1][0], spans[i][1][3]):
+            if name not in VARIABLES:
+                j = _definition(spans, i, int(name[1:]))
+                if j is not None:
+                    todo.append(j)
+    return sorted(out)
 
+
+def read_values(tokens: Sequence[str], family: str = "copy") -> list[int]:
+    """Positions of the value tokens some later well-formed step reads (names as an operand, at
+    its most recent earlier definition), ascending: what a chain trace needs kept to write its
+    own operands. Always empty for copy traces."""
+    if check_family(family) == "copy":
+        return []
+    spans = step_spans(tokens, family)
+    out = set()
+    for i, (_s, step) in enumerate(spans):
+        for name in (step[0], step[3]):
+            if name not in VARIABLES:
+                j = _definition(spans, i, int(name[1:]))
+                if j is not None:
+                    out.add(spans[j][0] + KEY_INDEX + 1)
+    return sorted(out)
+
+
+def operand_copies(text: str | Sequence[str], operands: Sequence[int], family: str = "copy") -> list[bool]:
+    """Per operand of each well-formed step (two per step, in order): was its value copied right?
+    A variable's value must equal the question's; a chain result's, the value *written* at its
+    most recent earlier definition (a copy of a wrong value is a right copy; never-written: wrong)."""
+    spans = step_spans(text, family)
+    out = []
+    for i, (_s, (x, xv, _op, y, yv, _k, _v)) in enumerate(spans):
+        for name, val in ((x, xv), (y, yv)):
+            if name in VARIABLES:
+                out.append(operands[VARIABLES.index(name)] == val)
+            else:
+                j = _definition(spans, i, int(name[1:]))
+                out.append(j is not None and spans[j][1][6] == val)
+    return out

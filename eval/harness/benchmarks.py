@@ -275,19 +275,23 @@ def load_builtin(name: str) -> Benchmark:
 # ------------------------------------------------------------------ the testbed task
 
 
-TESTBED_DEFAULTS = {"n": 100, "set": "test", "min_think": 150, "max_think": 900}
+TESTBED_DEFAULTS = {"n": 100, "set": "test", "min_think": 150, "max_think": 900, "family": "copy"}
 
 
 def load_testbed(options: dict[str, str] | None = None) -> Benchmark:
     """``n`` fresh testbed problems of the named set (``data_pipeline.testbed.task.problem_set``),
-    graded by the task's exact checker; questions are sent raw (no English instruction)."""
+    graded by the task's exact checker; questions are sent raw (no English instruction).
+    ``family`` (``copy``, the default, or ``chain``) chooses the task; ``family=copy`` is left out
+    of the benchmark's name, so it names the same benchmark as no ``family``."""
     from data_pipeline.testbed import task
 
     opts = dict(TESTBED_DEFAULTS)
     for key, value in (options or {}).items():
         if key not in TESTBED_DEFAULTS:
             raise ValueError(f"testbed option {key!r} is unknown; choose from {sorted(TESTBED_DEFAULTS)}")
-        if key != "set":
+        if key == "family":
+            task.check_family(value, "testbed option family")
+        elif key != "set":
             try:
                 value = int(value)
             except ValueError:
@@ -295,13 +299,14 @@ def load_testbed(options: dict[str, str] | None = None) -> Benchmark:
         opts[key] = value
     if opts["n"] < 1:
         raise ValueError(f"testbed option n={opts['n']} must be >= 1")
-    problems = task.problem_set(opts["set"], opts["n"], min_think=opts["min_think"], max_think=opts["max_think"])
+    problems = task.problem_set(opts["set"], opts["n"], min_think=opts["min_think"], max_think=opts["max_think"], family=opts["family"])
     examples = [Example(p.name, p.question, p) for p in problems]
-    suffix = "" if options is None or not options else ":" + ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    named = {k: v for k, v in (options or {}).items() if not (k == "family" and v == "copy")}
+    suffix = "" if not named else ":" + ",".join(f"{k}={v}" for k, v in sorted(named.items()))
     return Benchmark(
-        f"testbed{suffix}", examples, TestbedGrader(), instruction=None,
+        f"testbed{suffix}", examples, TestbedGrader(family=opts["family"]), instruction=None,
         max_new_tokens=opts["max_think"] + 200, source="data_pipeline.testbed.task",
-        loops=lambda text, ids: testbed_loops(text),
+        loops=lambda text, ids: testbed_loops(text, opts["family"]),
     )
 
 

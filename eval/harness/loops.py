@@ -31,9 +31,10 @@ def tail_repeats(ids: Sequence[int], max_pattern: int = 256, min_count: int = 3,
     return False
 
 
-def testbed_loops(text: str) -> bool:
-    """True if the testbed trace ``text`` writes some step key twice."""
+def testbed_loops(text: str, family: str = "copy") -> bool:
+    """True if the testbed trace ``text`` writes some step key twice (``family``: the task family
+    whose steps are parsed, ``data_pipeline.testbed.task.FAMILIES``)."""
     from data_pipeline.testbed import task
 
-    keys = [k for *_, k, _v in task.parse_steps(text)]
+    keys = [k for *_, k, _v in task.parse_steps(text, family)]
     return len(set(keys)) < len(keys)

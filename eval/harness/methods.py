@@ -38,6 +38,9 @@ CONTROLS: dict[str, str] = {
     "oracle-step": "testbed-oracle:keep_step=true",  # question + the asked step (9 tokens) + recent
     "oracle-value": "testbed-oracle",  # question + the asked key and its value + recent
     "oracle-token": "testbed-oracle:keep_key=false",  # question + the asked value token alone + recent
+    # the chain family (benchmark testbed:family=chain): every result until the asked step, then its closure
+    "chain-oracle-step": "testbed-oracle:family=chain,keep_step=true",  # whole steps + recent
+    "chain-oracle-value": "testbed-oracle:family=chain",  # keys, values and operand names rJ + recent
 }
 
 PRESETS: dict[str, str] = {**ABLATIONS, **CONTROLS}

@@ -53,7 +53,7 @@ def classify_error(problem: task.Problem, text: str) -> str | None:
     key, value = parsed
     if key != problem.asked:
         return "wrong key"
-    written = [v for *_, k, v in task.parse_steps(text) if k == problem.asked]
+    written = [v for *_, k, v in task.parse_steps(text, problem.family) if k == problem.asked]
     if not written:
         return "asked step never written"
     return "step's own value wrong" if value in written else "retrieval wrong"
@@ -64,7 +64,7 @@ def degeneration_class(problem: task.Problem, text: str) -> str | None:
     kind = classify_error(problem, text)
     if kind is None:
         return None
-    return "loops" if testbed_loops(text) else _COARSE[kind]
+    return "loops" if testbed_loops(text, problem.family) else _COARSE[kind]
 
 
 def count_errors(problems: dict[str, task.Problem], records: Sequence[dict[str, Any]], degeneration: bool = False) -> dict[str, int]:
