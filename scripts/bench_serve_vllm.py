@@ -83,9 +83,10 @@ def run_all(args, num_blocks: int) -> list[dict]:
     runs = []
     for i, dynts in enumerate(configs):
         series = [rep[i] for rep in timed]
-        run = dict(min(series, key=lambda r: abs(r["tokens_per_s"] - statistics.median(x["tokens_per_s"] for x in series))))
-        run["tokens_per_s_runs"] = [r["tokens_per_s"] for r in series]
-        run["tokens_per_s"] = statistics.median(run["tokens_per_s_runs"])
+        speeds = [r["tokens_per_s"] for r in series]
+        median = statistics.median(speeds)
+        run = dict(min(series, key=lambda r: abs(r["tokens_per_s"] - median)))  # the repeat nearest the median
+        run["tokens_per_s_runs"], run["tokens_per_s"] = speeds, median
         # paired: this engine against the stock run of the same repeat, a few seconds apart
         run["x_stock_runs"] = [r["tokens_per_s"] / rep[0]["tokens_per_s"] for r, rep in zip(series, timed)]
         run["x_stock"] = statistics.median(run["x_stock_runs"])

@@ -58,3 +58,25 @@ def write_yaml(path: Path, values: dict) -> Path:
 
     path.write_text(yaml.safe_dump(values))
     return path
+
+
+def word_rows_token_info(rows: list[list[str]], n_keep: int):
+    """The :class:`TokenInfo` of testbed word rows, left-padded: question, thinking, and the answer after
+    ``</think>``; positions ``0 .. n-1``, ``W_l = 8``."""
+    import torch
+
+    from data_pipeline.testbed import task
+    from dynts.evictors import Segment, TokenInfo
+
+    n = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    seg = torch.full((len(rows), n), int(Segment.PAD))
+    pos = torch.zeros(len(rows), n, dtype=torch.long)
+    for b, r in enumerate(rows):
+        off = n - len(r)
+        ids[b, off:] = torch.tensor([task.VOCAB.index(t) for t in r])
+        pos[b] = torch.arange(n)
+        end = r.index(task.END_THINK) if task.END_THINK in r else len(r)
+        for i in range(len(r)):
+            seg[b, off + i] = Segment.QUESTION if i < task.QUESTION_TOKENS else (Segment.THINKING if i < end else Segment.ANSWER)
+    return TokenInfo(positions=pos, segments=seg, token_ids=ids, n_keep=n_keep, local_window=8, question_length=n)

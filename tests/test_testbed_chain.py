@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from data_pipeline.testbed import task
+from pipeline_utils import word_rows_token_info
 
 # sha256 over (name, operands, asked, steps, tokens, roles, critical_positions) of the problems below,
 # computed before the families existed (commit 99054bd): the copy family must draw them unchanged.
@@ -168,22 +169,6 @@ def test_chain_benchmark_spec():
     assert load_benchmark("testbed:n=3,family=copy").examples == load_benchmark("testbed:n=3").examples
 
 
-def _info(rows: list[list[str]], n_keep: int):
-    from dynts.evictors import Segment, TokenInfo
-
-    n = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), n, dtype=torch.long)
-    seg = torch.full((len(rows), n), int(Segment.PAD))
-    pos = torch.zeros(len(rows), n, dtype=torch.long)
-    for b, r in enumerate(rows):
-        off = n - len(r)
-        ids[b, off:] = torch.tensor([task.VOCAB.index(t) for t in r])
-        pos[b] = torch.arange(n)
-        for i in range(len(r)):
-            seg[b, off + i] = Segment.QUESTION if i < task.QUESTION_TOKENS else Segment.THINKING
-    return TokenInfo(positions=pos, segments=seg, token_ids=ids, n_keep=n_keep, local_window=8, question_length=n)
-
-
 def _simulate(evictor, tokens: list[str], budget: int) -> set[int]:
     """Token-by-token bounded cache over ``tokens``: positions still cached at the end."""
     from dynts.evictors import Segment, TokenInfo
@@ -216,19 +201,19 @@ def test_chain_oracle_keeps_the_answers_chain():
     think = list(p.tokens[: p.tokens.index(task.END_THINK)])
     from data_pipeline.testbed.oracle import chain_critical_mask
 
-    info = _info([think], n_keep=len(think) - 1)
+    info = word_rows_token_info([think], n_keep=len(think) - 1)
     asked = torch.tensor([task.VOCAB.index(f"r{p.asked}=")])
     values = {i + 1 for i, t in enumerate(think) if t in task.RESULT_KEYS}
     protected = set(chain_critical_mask(info, asked).nonzero()[:, 1].tolist())
     assert values & protected == set(p.critical_positions)
     cut = think[: p.critical_positions[-1] - 3]  # the asked step not yet written
-    info = _info([cut], n_keep=len(cut) - 1)
+    info = word_rows_token_info([cut], n_keep=len(cut) - 1)
     protected = set(chain_critical_mask(info, asked).nonzero()[:, 1].tolist())
     assert {v for v in values if v < len(cut)} <= protected
     # The copy oracle is unchanged by the family field.
     copy = task.make_problem(5, min_think=200, max_think=200)
     rows = [list(copy.tokens[: copy.tokens.index(task.END_THINK)])]
-    assert torch.equal(make_evictor("testbed-oracle")(_info(rows, 40)), make_evictor("testbed-oracle", family="copy")(_info(rows, 40)))
+    assert torch.equal(make_evictor("testbed-oracle")(word_rows_token_info(rows, 40)), make_evictor("testbed-oracle", family="copy")(word_rows_token_info(rows, 40)))
 
 
 def test_chain_training_rows_and_masks():

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
+from pipeline_utils import word_rows_token_info
 
 
 @pytest.fixture(scope="module")
@@ -156,23 +157,6 @@ def test_tokenizer_save_load(tmp_path, tok):
     assert again.padding_side == "left" and again.chat_template == tok.chat_template
 
 
-def _info(rows: list[list[str]], n_keep: int):
-    from dynts.evictors import Segment, TokenInfo
-
-    n = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), n, dtype=torch.long)
-    seg = torch.full((len(rows), n), int(Segment.PAD))
-    pos = torch.zeros(len(rows), n, dtype=torch.long)
-    for b, r in enumerate(rows):
-        off = n - len(r)
-        ids[b, off:] = torch.tensor([task.VOCAB.index(t) for t in r])
-        pos[b] = torch.arange(n)
-        end = r.index(task.END_THINK) if task.END_THINK in r else len(r)
-        for i in range(len(r)):
-            seg[b, off + i] = Segment.QUESTION if i < task.QUESTION_TOKENS else (Segment.THINKING if i < end else Segment.ANSWER)
-    return TokenInfo(positions=pos, segments=seg, token_ids=ids, n_keep=n_keep, local_window=8, question_length=n)
-
-
 def test_oracle_keeps_question_critical_and_recent():
     from data_pipeline.testbed.oracle import OracleEvictor
     from dynts.evictors import EVICTORS, make_evictor
@@ -181,7 +165,7 @@ def test_oracle_keeps_question_critical_and_recent():
     probs = [task.make_problem(s, min_think=200, max_think=200) for s in (1, 2)]
     rows = [list(p.tokens[: p.tokens.index(task.END_THINK)]) for p in probs]
     rows[1] = rows[1][:-5]  # ragged batch: row 1 is left-padded
-    info = _info(rows, n_keep=40)
+    info = word_rows_token_info(rows, n_keep=40)
     kept = make_evictor("testbed-oracle")(info)
     assert kept.shape == (2, 40)
     n = info.shape[1]
