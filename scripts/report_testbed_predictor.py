@@ -15,6 +15,7 @@ Usage::
 
     flock /tmp/dynts-cpu.lock python scripts/report_testbed_predictor.py \\
         --config configs/predictor/testbed.yaml --predictor checkpoints/testbed-predictor [--generate 50]
+    (chain: --config configs/predictor/testbed-chain.yaml --predictor checkpoints/testbed-chain-predictor --family chain)
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/predictor/testbed.yaml", help="the train-predictor config")
     parser.add_argument("--predictor", default="checkpoints/testbed-predictor")
+    parser.add_argument("--family", default="copy", help="task family of the traces: copy, or chain "
+                        "(with --config configs/predictor/testbed-chain.yaml --predictor checkpoints/testbed-chain-predictor)")
     parser.add_argument("--top", type=float, default=20.0, help="percent for the critical-token check")
     parser.add_argument("--generate", type=int, default=0, help="also run dynts.generate on N fresh problems")
     parser.add_argument("--budget", type=int, default=96)
@@ -75,7 +78,7 @@ def main() -> None:
     for i, row in enumerate(data):
         tokens = tokenizer.convert_ids_to_tokens(row["input_ids"])
         q, a = row["question_len"], row["answer_start"]
-        critical = [c - q for c in task.find_critical_positions(tokens) if q <= c < a]
+        critical = [c - q for c in task.find_critical_positions(tokens, family=args.family) if q <= c < a]
         if not critical:
             continue
         scores = torch.tensor(row["importance"][q:a])
@@ -123,7 +126,7 @@ def main() -> None:
         from data_pipeline.testbed.task import check_answer, problem_set
 
         model, _ = dynts.load(data_cfg.get("backbone", "testbed"))
-        problems = problem_set("predictor-report", args.generate)
+        problems = problem_set("predictor-report", args.generate, family=args.family)
         prompts = [encode_prompt(tokenizer, Question(p.name, p.question, str(p.answer))) for p in problems]
         ids = torch.tensor(prompts)  # every testbed prompt has 14 tokens
         sampling = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, pad_token_id=0)
@@ -135,7 +138,7 @@ def main() -> None:
             torch.manual_seed(0)
             out = dynts.generate(model, input_ids=ids, max_new_tokens=1100, **kwargs, **sampling)
             texts = tokenizer.batch_decode(out.sequences, skip_special_tokens=True)
-            acc = sum(check_answer(p.question, t) for p, t in zip(problems, texts)) / len(problems)
+            acc = sum(check_answer(p, t) for p, t in zip(problems, texts)) / len(problems)
             report[f"generate_{method}_accuracy"] = acc
             report[f"generate_{method}_peak_cache_tokens"] = out.stats["peak_cache_tokens"]
     print(json.dumps(report, indent=2))

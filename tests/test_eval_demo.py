@@ -11,14 +11,24 @@ from eval.harness import demo
 from pipeline_utils import tiny_eval_testbed
 
 
-def make_checkpoints(root, predictor: bool):
-    tiny_eval_testbed(root / "testbed-lrm", root / "testbed-predictor" if predictor else None)
+def make_checkpoints(root, predictor: bool, families=("copy", "chain")):
+    for family in families:
+        _, model, predictor_dir, _ = demo.FAMILIES[family]
+        tiny_eval_testbed(root / model, root / predictor_dir if predictor else None)
 
 
 def test_demo_without_checkpoints_says_what_to_do(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DYNTS_CHECKPOINTS", str(tmp_path))
     assert demo.main(["--run-dir", str(tmp_path / "run")]) == 1
     assert "dynts testbed train" in capsys.readouterr().err
+    make_checkpoints(tmp_path, False, families=("copy",))  # the chain model is still missing: named, nothing runs
+    assert demo.main(["--run-dir", str(tmp_path / "run")]) == 1
+    assert "chain-lrm.yaml" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_demo_refuses_an_unknown_family(tmp_path, capsys):
+    assert demo.main(["--family", "copy,chian", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "--family" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("predictor", [False, True], ids=["no-predictor", "predictor"])
@@ -29,14 +39,18 @@ def test_demo_runs_every_method(tmp_path, monkeypatch, capsys, one_thread, predi
                       "--run-dir", str(tmp_path / "run")])
     assert code == 0
     captured = capsys.readouterr()
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    methods = [r["method"]["name"] for r in results]
-    assert methods[0] == "full" and "testbed-oracle" in methods and "window" in methods
-    labels = [r["method"]["label"] for r in results]
-    assert {"random", "h2o+q", "snapkv+q", "rkv+q", "oracle-step", "oracle-value", "oracle-token"} <= set(labels)
-    assert all(r.get("loop_rate") is not None and r.get("evictions_per_sample") is not None for r in results)
-    assert ("dynts" in methods) == predictor
+    oracles = {"copy": {"oracle-step", "oracle-value", "oracle-token"}, "chain": {"chain-oracle-step", "chain-oracle-value"}}
+    for family, family_oracles in oracles.items():
+        results = json.loads((tmp_path / "run" / family / "results.json").read_text())
+        methods = [r["method"]["name"] for r in results]
+        assert methods[0] == "full" and "testbed-oracle" in methods and "window" in methods
+        labels = [r["method"]["label"] for r in results]
+        assert {"random", "h2o+q", "snapkv+q", "rkv+q"} | family_oracles <= set(labels)
+        assert not ({"oracle-step", "oracle-value", "oracle-token", "chain-oracle-step"} - family_oracles) & set(labels)
+        assert all(r.get("loop_rate") is not None and r.get("evictions_per_sample") is not None for r in results)
+        assert ("dynts" in methods) == predictor
+        assert f"{family} family" in captured.out
     if not predictor:
-        assert "skipping dynts" in captured.err
+        assert "skipping dynts on copy" in captured.err and "skipping dynts on chain" in captured.err
     assert "| full |" in captured.out and "accuracy_vs_budget.png" in captured.out
     assert "| tokens vs full |" in captured.out and "| loop % |" in captured.out and "| h2o+q |" in captured.out

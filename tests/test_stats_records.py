@@ -103,6 +103,25 @@ def test_compare_is_paired_and_recomputes_from_records(tmp_path, capsys):
         cmp.main([str(run), "--from-records", "--write"])
 
 
+def test_compare_joins_several_runs(tmp_path, capsys):
+    """Cells of two runs on the same problems form one table, paired as if one run wrote them."""
+    (tmp_path / "one").mkdir()
+    one = _run_dir(tmp_path / "one")
+    assert cmp.main([str(one)]) == 0
+    together = capsys.readouterr().out
+    two = tmp_path / "two"
+    for sub in ("cells", "samples"):
+        (two / sub).mkdir(parents=True)
+        suffix = ".json" if sub == "cells" else ".jsonl"
+        (one / sub / f"h2o{suffix}").rename(two / sub / f"h2o{suffix}")
+    assert cmp.main([str(one), str(two)]) == 0
+    assert capsys.readouterr().out == together
+    assert cmp.main([str(one)]) == 0
+    assert "| h2o |" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cmp.main([str(one), str(tmp_path / "missing")])
+
+
 def test_pairing_refuses_other_questions(tmp_path):
     a = read_records(_write(tmp_path, "a", ["q0", "q1"]))[0]
     b = read_records(_write(tmp_path / "b", "b", ["q0", "q2"]))[0]

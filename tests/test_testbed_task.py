@@ -189,3 +189,21 @@ def test_drill_shape():
     assert w[-4] == task.END_THINK and roles[-2] == task.ROLE_ANSWER_VALUE
     key = w[-3]
     assert w[w.index(key, task.QUESTION_TOKENS) + 1] == w[-2]
+
+
+def test_drill_operand_recalls():
+    """``operand_share`` writes recalls as chain operands ``rK v`` that copy the value written after
+    ``rK=``; at 0 the drill is the one it always was."""
+    assert task.make_drill("d", operand_share=0.0) == task.make_drill("d")
+    found = 0
+    for seed in range(20):
+        w, roles = task.make_drill(f"d{seed}", operand_share=1.0)
+        for i, t in enumerate(w):
+            if i >= task.QUESTION_TOKENS and t in task.QUERY_KEYS:  # a chain operand: its value is the one written after rK=
+                assert roles[i + 1] == task.ROLE_OPERAND
+                assert w[i + 1] == w[w.index(f"{t}=") + 1]
+                found += 1
+        assert f"{w[-3]}" in w[: -3]  # the answer still reads a written key
+    assert found > 20
+    with pytest.raises(ValueError, match="operand_share"):
+        task.make_drill("d", operand_share=1.5)

@@ -52,6 +52,7 @@ class DataConfig:
     long_batch: int = 16
     length_spread: int = 60
     drill_frac: float = 0.1
+    drill_operands: float = 0.0  # share of drill recalls written as chain operands ``rK v`` (task.make_drill)
     short_steps: int = 200
     val_size: int = 64
     early_prob: float = 0.8  # how often the asked key is r1-r3 (training data only)
@@ -66,6 +67,8 @@ class DataConfig:
         if self.slip is not None and self.slip not in task.SLIPS:
             raise ValueError(f"data.slip={self.slip!r}: use one of {sorted(task.SLIPS)} or leave it out")
         task.check_family(self.family, "data.family")
+        if not 0.0 <= self.drill_operands <= 1.0:
+            raise ValueError(f"data.drill_operands={self.drill_operands!r} is a probability in [0, 1] (0 = the copy drill)")
         if not 0.0 <= self.evict_frac <= 1.0 or not 0.0 <= self.evict_keep <= 1.0:
             raise ValueError("data.evict_frac and data.evict_keep are probabilities in [0, 1]")
         self.evict_window = tuple(self.evict_window)  # type: ignore[assignment]
@@ -223,7 +226,7 @@ class TraceStream(IterableDataset):
         for r in range(size):
             s = f"train:{seed}:{step}:{r}"
             if rng.random() < drill:
-                rows.append(task.make_drill(s, **drill_kw))
+                rows.append(task.make_drill(s, operand_share=d.drill_operands, **drill_kw))
                 visibility.append(None)
             else:
                 p = task.make_problem(s, min_think=lo, max_think=hi, early_prob=early, slip=d.slip, family=d.family)

@@ -260,11 +260,22 @@ def dependency_closure(steps: Sequence[Step], asked: int) -> set[int]:
 
 
 def make_drill(
-    seed: int | str, min_pairs: int = 4, max_pairs: int = MAX_KEY, max_gap: int = 30, recalls: tuple[int, int] = (3, 8)
+    seed: int | str,
+    min_pairs: int = 4,
+    max_pairs: int = MAX_KEY,
+    max_gap: int = 30,
+    recalls: tuple[int, int] = (3, 8),
+    operand_share: float = 0.0,
 ) -> tuple[list[str], list[int]]:
     """A pure retrieval drill (training only): shuffled ``rK= v ;`` pairs (random values, not
     trained), then recall queries ``rK= v ;`` that must copy the value written after ``rK=``
-    earlier (trained like answers), then the usual answer. Returns ``(tokens, roles)``."""
+    earlier (trained like answers), then the usual answer. Returns ``(tokens, roles)``.
+
+    ``operand_share``: each recall is, with this probability, a chain operand ``rK v`` instead (the
+    query token ``rK`` names the result, ``v`` is trained like an operand): the copy a chain step
+    makes from an earlier result. At 0 the drill is exactly the one it always was (no extra draws)."""
+    if not 0.0 <= operand_share <= 1.0:
+        raise ValueError(f"operand_share={operand_share!r} is a probability in [0, 1]")
     rng = random.Random(seed)
     n = rng.randint(min_pairs, max_pairs)
     values = [rng.randrange(10) for _ in range(n)]
@@ -280,8 +291,14 @@ def make_drill(
     for _ in range(rng.randint(*recalls)):
         i = rng.randrange(n)
         gap = rng.randint(0, 6)
-        tokens += [rng.choice(FILLER) for _ in range(gap)] + [f"r{i + 1}=", str(values[i]), SEP]
-        roles += [ROLE_FILLER] * gap + [ROLE_FILLER, ROLE_ANSWER_VALUE, ROLE_FILLER]
+        tokens += [rng.choice(FILLER) for _ in range(gap)]
+        roles += [ROLE_FILLER] * gap
+        if operand_share > 0 and rng.random() < operand_share:
+            tokens += [f"r{i + 1}", str(values[i])]
+            roles += [ROLE_FILLER, ROLE_OPERAND]
+            continue
+        tokens += [f"r{i + 1}=", str(values[i]), SEP]
+        roles += [ROLE_FILLER, ROLE_ANSWER_VALUE, ROLE_FILLER]
     tokens += [END_THINK, f"r{asked}=", str(values[asked - 1]), EOS]
     roles += [ROLE_STRUCTURE, ROLE_ANSWER_KEY, ROLE_ANSWER_VALUE, ROLE_STRUCTURE]
     return tokens, roles

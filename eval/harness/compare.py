@@ -1,7 +1,7 @@
 """One method against the others, budget by budget: the tables ``docs/evaluation.md`` prints.
 
-``python -m eval.harness.compare RUN_DIR [--against dynts] [--write] [--from-records]`` reads every
-finished cell of a run (``cells/*.json``, whichever command wrote them) with its per-problem results
+``python -m eval.harness.compare RUN_DIR [RUN_DIR ...] [--against dynts] [--write] [--from-records]``
+reads every finished cell of one or more runs on the same problems (``cells/*.json``, whichever command wrote them) with its per-problem results
 (``records/<key>.json``, :mod:`eval.harness.records`, else ``samples/<key>.jsonl``) and prints
 
 1. pass@1 % and its bootstrap 95 % CI (questions resampled, 10,000 times, seed 0), one row per method,
@@ -179,29 +179,36 @@ def written(results: Sequence[dict[str, Any]], records: dict[str, dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.harness.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="a dynts eval run directory, or a report directory holding records/*.json")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="dynts eval run directories (cells of several runs on the same problems form one table), "
+                             "or report directories holding records/*.json")
     parser.add_argument("--against", default="dynts", help="the method every other one is compared with")
-    parser.add_argument("--write", action="store_true", help="render all finished cells as results.{json,csv,md} and plots")
+    parser.add_argument("--write", action="store_true",
+                        help="render all finished cells as results.{json,csv,md} and plots (in the first RUN_DIR)")
     parser.add_argument("--from-records", action="store_true", help="recompute every table from records/*.json alone")
     args = parser.parse_args(argv)
     if args.from_records:
         if args.write:
             parser.error("--write renders cells/*.json; --from-records reads records only: give one of them")
-        recs = read_records(args.run_dir)
+        recs = [r for d in args.run_dirs for r in read_records(d)]
         if not recs:
-            parser.error(f"{args.run_dir} has no records/*.json; a dynts eval run writes them next to its cells")
+            parser.error(f"{', '.join(args.run_dirs)}: no records/*.json; a dynts eval run writes them next to its cells")
         records = {r["key"]: r for r in recs}
         results = cells_from_records(recs)
     else:
-        results = finished_cells(args.run_dir)
-        if not results:
-            parser.error(f"{args.run_dir} has no finished cells (cells/*.json); give the --run-dir of a dynts eval run "
-                         "(or --from-records for a report directory)")
-        records = records_of(args.run_dir, results)
+        results, records = [], {}
+        for run_dir in args.run_dirs:
+            cells = finished_cells(run_dir)
+            if not cells:
+                parser.error(f"{run_dir} has no finished cells (cells/*.json); give the --run-dir of a dynts eval run "
+                             "(or --from-records for a report directory)")
+            results += cells
+            records.update(records_of(run_dir, cells))
+        results = _ordered(results)
         if args.write:
             from .report import write_reports
 
-            write_reports(args.run_dir, results)
+            write_reports(args.run_dirs[0], results)
     tables = [pivot(results, records), compare(results, args.against, records), written(results, records)]
     print("\n\n".join(t for t in tables if t))
     return 0

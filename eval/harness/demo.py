@@ -1,9 +1,13 @@
-"""The demo: every eviction method at one tight budget on 100 testbed problems, with the bundled
-toy reasoning model (``checkpoints/testbed-lrm``) and its trained importance predictor
-(``checkpoints/testbed-predictor``). Prints accuracy, tokens/s and peak KV per method, and the plot.
+"""The demo: every eviction method at one tight budget on 100 testbed problems of each task family,
+with the bundled toy reasoning models and their trained importance predictors: ``copy``
+(``checkpoints/testbed-lrm``, ``testbed-predictor``: a step reads only the question) and ``chain``
+(``checkpoints/testbed-chain-lrm``, ``testbed-chain-predictor``: steps read earlier results, the
+regime attention-based scorers were designed for). Prints accuracy, tokens/s and peak KV per method
+and family, and the plots.
 
-Run: ``python -m eval.harness.demo`` (a few minutes on 2 CPU cores). It is a ``dynts eval`` run underneath
-(``runs/demo``, resumable); ``dynts eval --model testbed --benchmark testbed ...`` gives every knob.
+Run: ``python -m eval.harness.demo`` (a few minutes per family on 2 CPU cores). It is one ``dynts eval``
+run per family underneath (``runs/demo/<family>``, resumable); ``dynts eval --model testbed --benchmark
+testbed ...`` gives every knob.
 """
 
 from __future__ import annotations
@@ -24,34 +28,42 @@ TABLE = ["method", "pass@1", "pass@1_se", "parse_rate", "mean_generated_tokens",
          "loop_rate", "evictions_per_sample", "tokens_per_second", "peak_kv_mib_per_sequence", "peak_cache_tokens"]
 
 
-def demo_methods(have_predictor: bool) -> tuple[list[str], list[str]]:
+# family -> (model name, checkpoint directory, predictor directory, benchmark options)
+FAMILIES: dict[str, tuple[str, str, str, str]] = {
+    "copy": ("testbed", "testbed-lrm", "testbed-predictor", ""),
+    "chain": ("testbed-chain", "testbed-chain-lrm", "testbed-chain-predictor", ",family=chain"),
+}
+
+
+def demo_methods(have_predictor: bool, family: str = "copy", predictor: str = "testbed-predictor") -> tuple[list[str], list[str]]:
     """Every registered method that runs with default settings, the attention baselines also with
-    question protection (``+q``), and the testbed's ground-truth oracles by kept-set shape;
+    question protection (``+q``), and the family's ground-truth oracles by kept-set shape;
     score-based ones only with a predictor. Returns (specs, skipped notes)."""
     import dynts
     from dynts.evictors.base import EVICTORS
 
-    from .methods import ORACLES, QUESTION_PROTECTED
+    from .methods import CHAIN_ORACLES, ORACLES, QUESTION_PROTECTED
 
     specs, notes = [], []
     for name in sorted(dynts.available_methods(), key=lambda n: n != "full"):
         if "scores" in EVICTORS[name].requires and not have_predictor:
-            notes.append(f"skipping {name}: no trained predictor at checkpoints/testbed-predictor yet")
+            notes.append(f"skipping {name} on {family}: no trained predictor at checkpoints/{predictor} yet")
             continue
         try:
             dynts.make_evictor(name)
         except ValueError:
             continue  # needs explicit settings (e.g. "fixed")
         specs.append(name)
-    return specs + QUESTION_PROTECTED + ORACLES, notes
+    return specs + QUESTION_PROTECTED + (CHAIN_ORACLES if family == "chain" else ORACLES), notes
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.harness.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=100, help="testbed problems")
+    parser.add_argument("--family", default="copy,chain", help="testbed task families, comma-separated: copy, chain")
+    parser.add_argument("--n", type=int, default=100, help="testbed problems per family")
     parser.add_argument("--set", default="test", help="testbed problem set (set=confirm needs --final)")
     parser.add_argument("--final", action="store_true", help="this demo produces a final table: only then may --set be confirm")
-    parser.add_argument("--budget", type=int, default=96, help="cache budget B (~ a quarter of the ~350-token mean trace)")
+    parser.add_argument("--budget", type=int, default=96, help="cache budget B (~ a quarter of the copy family's ~440-token mean trace)")
     parser.add_argument("--local-window", type=int, default=32)
     parser.add_argument("--retention", type=float, default=0.4)
     parser.add_argument("--batch-size", type=int, default=100)
@@ -59,41 +71,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the toy model's matrices are too small to gain from more, and "
                              "OpenMP spin-waits cost 10x+ when the cores are shared)")
-    parser.add_argument("--run-dir", default="runs/demo")
+    parser.add_argument("--run-dir", default="runs/demo", help="one resumable eval run per family under it (<run-dir>/<family>)")
     parser.add_argument("--fresh", action="store_true", help="discard earlier demo results")
     add_load_arguments(parser)
     args = parser.parse_args(argv)
     load_options = load_kwargs(args, given_only=True)
+    families = [f.strip() for f in args.family.split(",") if f.strip()]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown or not families:
+        print(f"demo: error: --family {args.family!r}: choose from {', '.join(FAMILIES)} (comma-separated)", file=sys.stderr)
+        return 2
 
     import torch
 
+    from dynts.models import checkpoints_dir
+
+    missing = [(f, checkpoints_dir() / FAMILIES[f][1]) for f in families if not (checkpoints_dir() / FAMILIES[f][1] / "config.json").is_file()]
+    for family, path in missing:
+        config = "lrm.yaml" if family == "copy" else "chain-lrm.yaml"
+        print(f"demo: the {family} testbed model is missing at {path}; train it with "
+              f"`dynts testbed train --config configs/testbed/{config}`", file=sys.stderr)
+    if missing:
+        return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.fresh:
+        shutil.rmtree(Path(args.run_dir), ignore_errors=True)
+    for family in families:
+        code = run_family(family, args, load_options)
+        if code:
+            return code
+    return 0
+
+
+def run_family(family: str, args: argparse.Namespace, load_options: dict) -> int:
+    """One family's cells (one ``dynts eval`` run in ``<run-dir>/<family>``) and its table."""
     from dynts.models import checkpoints_dir
 
     from .config import EvalConfig
     from .report import markdown_table
     from .runner import run
 
-    lrm = checkpoints_dir() / "testbed-lrm"
-    if not (lrm / "config.json").is_file():
-        print(f"demo: the testbed model is missing at {lrm}; train it with "
-              "`dynts testbed train --config configs/testbed/lrm.yaml`", file=sys.stderr)
-        return 1
-    predictor = checkpoints_dir() / "testbed-predictor"
+    model, _, predictor_name, options = FAMILIES[family]
+    predictor = checkpoints_dir() / predictor_name
     have_predictor = (predictor / "predictor_config.json").is_file()
-    methods, notes = demo_methods(have_predictor)
+    methods, notes = demo_methods(have_predictor, family, predictor_name)
     for note in notes:
         print(f"demo: {note}", file=sys.stderr)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run_dir = Path(args.run_dir)
-    if args.fresh:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-    benchmark = f"testbed:n={args.n}" + ("" if args.set == "test" else f",set={args.set}")
+    run_dir = Path(args.run_dir) / family
+    benchmark = f"testbed:n={args.n}{options}" + ("" if args.set == "test" else f",set={args.set}")
 
     def make() -> EvalConfig:
         return EvalConfig(
-            model="testbed", benchmarks=[benchmark], methods=methods, budgets=[args.budget],
+            model=model, benchmarks=[benchmark], methods=methods, budgets=[args.budget],
             local_windows=[args.local_window], retentions=[args.retention], k=1, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens,
             predictor=str(predictor) if have_predictor else None, run_dir=run_dir,
@@ -113,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"demo: error: {err}", file=sys.stderr)
         return 2
-    print(f"\ntestbed toy LRM, {args.n} problems, budget B={args.budget} (local window {args.local_window}, "
-          f"retention {args.retention}), sampling T=0.6 top-p 0.95 top-k 20, k=1")
+    print(f"\n{family} family: testbed toy LRM `{model}`, {args.n} problems, budget B={args.budget} (local window "
+          f"{args.local_window}, retention {args.retention}), sampling T=0.6 top-p 0.95 top-k 20, k=1")
     print(markdown_table(results, TABLE))
     if not have_predictor:
-        print("(dynts not shown: its trained predictor checkpoints/testbed-predictor is not there yet)")
+        print(f"(dynts not shown: its trained predictor checkpoints/{predictor_name} is not there yet)")
     print(f"\nplot: {run_dir / 'accuracy_vs_budget.png'}\nall numbers: {run_dir / 'results.md'}")
     return 0
 

@@ -17,7 +17,7 @@ import dynts
 from dynts.cli_options import parse_option_value
 from dynts.evictors.base import EVICTORS, Evictor
 
-__all__ = ["ABLATIONS", "CONTROLS", "ORACLES", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods"]
+__all__ = ["ABLATIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods"]
 
 # Paper Table 2 under the equal-n_keep contract of C.3 (every method keeps the same count, so
 # "without X" gives X's slots to the next candidates instead of shrinking the cache).
@@ -46,6 +46,7 @@ CONTROLS: dict[str, str] = {
 PRESETS: dict[str, str] = {**ABLATIONS, **CONTROLS}
 QUESTION_PROTECTED = [name for name in CONTROLS if name.endswith("+q")]
 ORACLES = [name for name in CONTROLS if name.startswith("oracle-")]
+CHAIN_ORACLES = [name for name in CONTROLS if name.startswith("chain-oracle-")]
 
 # Methods registered by a module outside the library (imported on first use).
 PLUGINS: dict[str, str] = {"testbed-oracle": "data_pipeline.testbed.oracle"}
