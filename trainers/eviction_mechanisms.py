@@ -71,13 +71,15 @@ def h2o_until(
     One pass over time for all rows at once; each step adds one key to the heavy set and evicts at
     most one (an ``argmin`` over ``[R, T]``)."""
     R, T, _ = attention.shape
+    if R == 0:
+        return torch.full((0, T), T, dtype=torch.long)
     scores = attention.float().cumsum(1).numpy()  # [R, t, j]: attention queries <= t paid key j
     n, W, C = _rows(lengths, windows, counts, R=R)
     member = np.zeros((R, T), dtype=bool)
     until = np.full((R, T), T, dtype=np.int64)
     size = np.zeros(R, dtype=np.int64)
     rows = np.arange(R)
-    last = min(T - 1, int(n.max()) - 1) if R else 0
+    last = min(T - 1, int(n.max()) - 1)
     for t in range(max(0, question + int(W.min()) - 1), last):  # decide the cache of query t + 1
         j = t + 1 - W  # the key leaving each row's window
         joins = (j >= question) & (j < n)
