@@ -1,5 +1,5 @@
 """Kept-set shapes for training the testbed LRM under eviction (trainers/eviction_masks.py): the
-mixture follows its config, every shape keeps the question and the asked value, the attention shape
+mixture follows its config, every drawn shape keeps the question and the asked value, the attention shape
 ranks by the model's own attention, and configs without a mixture reproduce their old batches."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from data_pipeline.testbed import task
-from trainers.eviction_masks import SHAPES, add_attention_ranked, check_shapes, draw_kept_set, draw_shape
+from trainers.eviction_masks import FORCED_SHAPES, add_attention_ranked, check_shapes, draw_kept_set, draw_shape
 from trainers.testbed_lm import LMConfig, TraceStream, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def test_a_single_shape_draws_no_random_number():
     assert draw_shape({"steps": 1.0}, rng) == "steps" and rng.getstate() == state
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", FORCED_SHAPES)
 def test_every_shape_keeps_the_question_and_the_asked_value(shape):
     for i in range(20):
         p = task.make_problem(f"mask:{i}", min_think=120, max_think=200)

@@ -217,15 +217,18 @@ def test_chain_oracle_keeps_the_answers_chain():
 
 
 def test_chain_training_rows_and_masks():
-    from trainers.eviction_masks import SHAPES, draw_kept_set
+    from trainers.eviction_masks import FORCED_SHAPES, MECHANISM_SHAPES, draw_kept_set
     from trainers.testbed_lm import LMConfig, TraceStream
 
     p = _chain(10)[3]
     reads = task.read_values(p.tokens, "chain")
     assert reads
-    for shape in SHAPES:
+    for shape in FORCED_SHAPES:
         kept, _w, _p = draw_kept_set(list(p.tokens), random.Random(0), (16, 32), 0.0, shape)
-        assert all(kept[v] and kept[v - 1] for v in reads), shape  # read results survive every shape
+        assert all(kept[v] and kept[v - 1] for v in reads), shape  # read results survive every drawn shape
+    for shape in MECHANISM_SHAPES:  # a simulated cache keeps only what its scores keep: nothing forced
+        kept, _w, _p = draw_kept_set(list(p.tokens), random.Random(0), (16, 32), 0.0, shape)
+        assert kept.nonzero().flatten().tolist() == list(range(task.QUESTION_TOKENS)), shape
     cfg = LMConfig.from_dict({"data": {"family": "chain", "evict_frac": 0.5, "drill_frac": 0.0, "short_steps": 0},
                               "stages": [{"steps": 10, "lr": 1e-3, "lr_end": 1e-4, "long_frac": 1.0}]})
     batch = TraceStream(cfg, 0).batch(0)

@@ -2,9 +2,11 @@
 
 One trace row trained under eviction sees, from every query, the question, a kept set of earlier
 thinking tokens and its own last ``W`` tokens (the local window). The kept set takes one of these
-shapes, drawn per row with the config's weights (``data.evict_shapes``); every shape keeps the
-asked key and its value, each other choice is random with one keep probability ``p ~ U(0, keep_max)``
-per row:
+shapes, drawn per row with the config's weights (``data.evict_shapes``); each random choice uses one
+keep probability ``p ~ U(0, keep_max)`` per row (``data.evict_keep``).
+
+Five *drawn* shapes (:data:`FORCED_SHAPES`) give every later query the same kept set ``kept`` ``[T]``
+and force-keep the asked key and its value:
 
 - ``steps``: whole steps ``x xv op y yv gives rK= v ;`` (a step-level selector; the asked step always);
 - ``tokens``: single thinking tokens, uniformly (a token-level scorer, or the ``random`` control);
@@ -14,29 +16,55 @@ per row:
   trained (summed over layers, heads and queries of a full-context pass, as H2O accumulates it),
   ranked in the training step itself (:func:`add_attention_ranked`).
 
-In a chain trace (``task`` family ``chain``) every shape also keeps the key and value of each result
-a later step reads (``task.read_values``): without them that step's operand copy is a guess, as an
-operand would be without the question. Copy traces read no results, so their masks are unchanged.
+Forcing the answer's value favours a method that always keeps it (DynTS keeps a fixed set chosen at
+write time). Two further shapes are made by a method's own mechanism (:data:`MECHANISM_SHAPES`,
+:mod:`trainers.eviction_mechanisms`): per-query visibility ``[T, T]`` that evolves over time, with
+permanent eviction, from the attention of the model being trained:
 
-No shape is taken from a method under test (no predictor, no evictor call): they are shapes, not
-kept sets of DynTS or of a baseline. With ``evict_shapes = {steps: 1}`` (the default) the random
-stream is the one of the original recipe, so older configs reproduce their checkpoints.
+- ``h2o``: H2O's cache, token by token: ``C`` heavy hitters by causal accumulated attention + ``W``;
+- ``snapkv``: SnapKV at decode: every ``data.evict_every`` tokens the top ``C`` by the attention of
+  the last ``data.evict_observe`` queries survive + ``W``.
+
+``C = ceil(p * L)`` (``L`` thinking tokens, ``p`` as above). They force nothing but the question.
+
+``data.evict_lose_asked`` (default 0): with that probability a drawn-shape row does not force the
+asked key and value (``steps`` then keeps the asked step with probability ``p`` like any other,
+``attention`` may rank it in), so the model also learns what to do without the value. The mechanism
+shapes never force it, whatever the option.
+
+In a chain trace (``task`` family ``chain``) every drawn shape also keeps the key and value of each
+result a later step reads (``task.read_values``; also in rows that lose the asked value): without
+them that step's operand copy is a guess, as an operand would be without the question. The mechanism
+shapes keep only what their scores keep. Copy traces read no results.
+
+No shape is taken from a method under test's code (no predictor, no evictor call): the mechanism
+shapes re-implement H2O's and SnapKV's rules on the training model's own attention. With
+``evict_shapes = {steps: 1}`` (the default) and ``evict_lose_asked = 0`` the random stream is the one
+of the original recipe, so older configs reproduce their checkpoints.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
 from data_pipeline.testbed import task
+from trainers.eviction_mechanisms import MECHANISM_SHAPES, h2o_until, received_attention, snapkv_until, until_visibility
 
-__all__ = ["SHAPES", "add_attention_ranked", "check_shapes", "draw_kept_set", "draw_shape", "eviction_visibility"]
+__all__ = [
+    "FORCED_SHAPES", "MECHANISM_SHAPES", "SHAPES", "Visibility", "add_attention_ranked", "attention_mask", "check_shapes",
+    "draw_kept_set", "draw_shape", "eviction_visibility", "needs_attention",
+]
 
-SHAPES = ("steps", "tokens", "values", "windows", "attention")
+FORCED_SHAPES = ("steps", "tokens", "values", "windows", "attention")
+SHAPES = FORCED_SHAPES + MECHANISM_SHAPES
 KEY_OFFSET = task.KEY_INDEX  # rK= is the 7th of a step's STEP_TOKENS words: x xv op y yv gives rK= v ; (both families)
+
+# One row's visibility: None (full causal), (kept [n], W) or a per-query [n, n] bool (query x key).
+Visibility = Union[None, tuple[torch.Tensor, int], torch.Tensor]
 
 
 def check_shapes(shapes: dict[str, float]) -> dict[str, float]:
@@ -65,20 +93,24 @@ def eviction_visibility(tokens: Sequence[str], rng: random.Random, window: tuple
 
 
 def draw_kept_set(
-    tokens: Sequence[str], rng: random.Random, window: tuple[int, int], keep_max: float, shape: str = "steps"
+    tokens: Sequence[str], rng: random.Random, window: tuple[int, int], keep_max: float, shape: str = "steps", keep_asked: bool = True
 ) -> tuple[torch.Tensor, int, float]:
     """What an evicting cache keeps of one trace: ``(kept, W, p)``.
 
     ``kept`` (bool, ``[len(tokens)]``) marks the keys visible to every later query (the question and
     the kept set of ``shape``); every other key is visible only to the ``W`` queries after it. ``p``
     is the row's keep probability; for ``attention`` the ranked part is added later by
-    :func:`add_attention_ranked` (``kept`` then holds the question and the asked key and value).
+    :func:`add_attention_ranked` (``kept`` then holds the question and the asked key and value), for
+    a mechanism shape the whole kept set is (``kept`` holds the question only). ``keep_asked=False``
+    (a row that loses the asked value) forces nothing of the asked step.
     """
     kept = torch.zeros(len(tokens), dtype=torch.bool)
     kept[: task.QUESTION_TOKENS] = True
-    asked = f"r{task.parse_question(tokens[: task.QUESTION_TOKENS])[1]}="
+    asked = f"r{task.parse_question(tokens[: task.QUESTION_TOKENS])[1]}=" if keep_asked else None
     end = tokens.index(task.END_THINK) if task.END_THINK in tokens else len(tokens)
     p_keep = rng.uniform(0.0, keep_max)
+    if shape in MECHANISM_SHAPES:
+        return kept, rng.randint(*window), p_keep
     start = task.QUESTION_TOKENS
     reads = task.read_values(tokens, "chain") if any(t in task.QUERY_KEYS for t in tokens[start:end]) else []
     for v in reads:  # chain: the results later steps read (key and value); none in a copy trace
@@ -89,7 +121,7 @@ def draw_kept_set(
                 first = i - KEY_OFFSET
                 kept[max(start, first) : first + task.STEP_TOKENS] = True
         return kept, rng.randint(*window), p_keep
-    for i in range(start, end):  # every other shape keeps the asked key and its value
+    for i in range(start, end):  # every other drawn shape keeps the asked key and its value
         if tokens[i] == asked:
             kept[i : i + 2] = True
     if shape == "tokens":
@@ -110,33 +142,82 @@ def draw_kept_set(
     return kept, rng.randint(*window), p_keep
 
 
+def attention_mask(lengths: Sequence[int], T: int, visibility: Sequence[Visibility]) -> torch.Tensor:
+    """Boolean ``[B, 1, T, T]`` mask (True = attend): causal, narrowed to what an evicting cache
+    shows for rows with a ``visibility``: ``(kept, W)`` (key ``k`` visible to query ``q`` iff
+    ``kept[k]`` or ``q - k < W``) or a per-query ``[n, n]`` bool (its padded queries stay causal)."""
+    q = torch.arange(T)[:, None]
+    k = torch.arange(T)[None, :]
+    causal = k <= q
+    masks = []
+    for n, vis in zip(lengths, visibility):
+        if vis is None:
+            masks.append(causal)
+        elif isinstance(vis, torch.Tensor):
+            if vis.shape != (n, n) or vis.dtype != torch.bool:
+                raise ValueError(f"a per-query visibility must be a bool [n, n] tensor for a row of n={n} tokens, got {tuple(vis.shape)} {vis.dtype}")
+            mask = causal.clone()
+            mask[:n, :n] &= vis
+            masks.append(mask)
+        else:
+            kept, window = vis
+            visible = torch.zeros(T, dtype=torch.bool)
+            visible[:n] = kept
+            masks.append(causal & (visible[None, :] | (q - k < window)))
+    return torch.stack(masks)[:, None]
+
+
+def needs_attention(batch: dict[str, torch.Tensor]) -> bool:
+    """Whether ``batch`` has rows whose mask the training step finishes (:func:`add_attention_ranked`)."""
+    return "rank_rows" in batch or "mech_rows" in batch
+
+
 @torch.no_grad()
 def add_attention_ranked(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
-    """Widen the masks of the ``attention``-shaped rows of ``batch`` in place: each keeps the top
-    ``rank_keep[r]`` share of its candidate thinking slots by the attention they receive.
+    """Finish, in place, the masks of the rows whose kept set comes from the model's own attention,
+    from ONE eager full-context forward of those rows (:func:`received_attention`):
 
-    ``batch``: ``input_ids`` ``[B, T]``, ``attention_mask`` ``[B, 1, T, T]`` bool, ``rank_rows``
-    ``[R]`` row indices, ``rank_keep`` ``[R]`` shares, ``rank_candidates`` ``[R, T]`` bool, ``lengths``
-    ``[B]``. One eager, full-context forward of those rows gives ``[R, heads, T, T]`` per layer.
+    - ``attention`` rows (``rank_rows`` ``[R]``, ``rank_keep`` ``[R]`` shares, ``rank_candidates``
+      ``[R, T]`` bool): each also keeps the top ``rank_keep[r]`` share of its candidate thinking
+      slots by the attention they receive (summed over queries);
+    - mechanism rows (``mech_rows`` ``[M]``, ``mech_kind`` ``[M]`` index in ``MECHANISM_SHAPES``,
+      ``mech_count`` ``[M]`` = C, ``mech_window`` ``[M]`` = W, scalars ``mech_every``,
+      ``mech_observe``): their mask becomes the simulated cache's per-query visibility.
+
+    ``batch`` also holds ``input_ids`` ``[B, T]``, ``attention_mask`` ``[B, 1, T, T]`` bool and
+    ``lengths`` ``[B]``.
     """
-    rows = batch["rank_rows"]
-    ids = batch["input_ids"][rows]
-    T = ids.shape[1]
-    real = torch.arange(T)[None, :] < batch["lengths"][rows][:, None]  # [R, T]
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        out = model(input_ids=ids, attention_mask=real.long(), output_attentions=True)
-    finally:
-        model.set_attn_implementation(previous)
-    received = sum(a.float().sum(1) for a in out.attentions)  # [R, T(query), T(key)]
-    received = (received * real[:, :, None]).sum(1)  # [R, T]: attention each key received
+    empty = torch.zeros(0, dtype=torch.long)
+    rank, mech = batch.get("rank_rows", empty), batch.get("mech_rows", empty)
+    rows = torch.cat([rank, mech])
+    if not len(rows):
+        return
+    lengths = batch["lengths"][rows]
+    attention = received_attention(model, batch["input_ids"][rows], lengths)  # [R + M, T, T]
     mask = batch["attention_mask"]
+    T = mask.shape[-1]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    for r, row in enumerate(rows.tolist()):
+    received = attention[: len(rank)].sum(1)  # [R, T]: attention each key received
+    for r, row in enumerate(rank.tolist()):
         candidates = batch["rank_candidates"][r]
         count = math.ceil(float(batch["rank_keep"][r]) * int(candidates.sum()))
         if count == 0:
             continue
         top = received[r].masked_fill(~candidates, float("-inf")).topk(count).indices
         mask[row, 0][:, top] = causal[:, top]
+    if not len(mech):
+        return
+    attention, lengths = attention[len(rank) :], lengths[len(rank) :]
+    until = torch.empty(len(mech), T, dtype=torch.long)
+    for kind, name in enumerate(MECHANISM_SHAPES):
+        of = (batch["mech_kind"] == kind).nonzero().flatten()
+        if not len(of):
+            continue
+        args = (attention[of], lengths[of], batch["mech_window"][of], batch["mech_count"][of])
+        if name == "h2o":
+            until[of] = h2o_until(*args)
+        else:
+            until[of] = snapkv_until(*args, every=int(batch["mech_every"]), observe=int(batch["mech_observe"]))
+    for m, row in enumerate(mech.tolist()):
+        n = int(lengths[m])
+        mask[row, 0] = attention_mask([n], T, [until_visibility(until[m], n)])[0, 0]

@@ -14,14 +14,17 @@ Two fine-tuning options start from a trained model (``init_from``):
   that decides when a token leaves its local window would show it at decode time (RoPE positions
   stay absolute in dynts). The model learns to keep counting steps and to stop on time with most of
   its context gone, so an evictor that keeps the right tokens loses little. ``evict_shapes`` mixes
-  other kept-set shapes in (single tokens, values only, windows, attention-ranked subsets;
-  :mod:`trainers.eviction_masks`), so the model does not favour one shape of kept set.
+  other kept-set shapes in (single tokens, values only, windows, attention-ranked subsets, and the
+  caches H2O and SnapKV would keep, simulated on the model's own attention;
+  :mod:`trainers.eviction_masks`), so the model does not favour one shape of kept set;
+  ``evict_lose_asked`` drops the forced asked value from some rows.
 * ``slip``: traces write some step values wrong by a fixed rule (``task.SLIPS``): a helper whose
   errors are of capability (arithmetic), not of context.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +38,18 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
-from trainers.eviction_masks import add_attention_ranked, check_shapes, draw_kept_set, draw_shape, eviction_visibility
+from trainers.eviction_masks import (
+    MECHANISM_SHAPES,
+    SHAPES,
+    Visibility,
+    add_attention_ranked,
+    attention_mask,
+    check_shapes,
+    draw_kept_set,
+    draw_shape,
+    eviction_visibility,
+    needs_attention,
+)
 from trainers.schedules import cosine, linear_warmup
 
 TOKEN_ID = {t: i for i, t in enumerate(task.VOCAB)}
@@ -62,6 +76,9 @@ class DataConfig:
     evict_window: tuple[int, int] = (48, 128)  # local window W, drawn per row
     evict_keep: float = 0.5  # each earlier step stays visible with probability U(0, evict_keep)
     evict_shapes: dict[str, float] = field(default_factory=lambda: {"steps": 1.0})  # kept-set shape -> weight
+    evict_every: int = 32  # snapkv shape: tokens between two eviction events
+    evict_observe: int = 8  # snapkv shape: the observation window (the last queries that vote)
+    evict_lose_asked: float = 0.0  # drawn shapes: probability a row does not force-keep the asked key and value
 
     def __post_init__(self) -> None:
         if self.slip is not None and self.slip not in task.SLIPS:
@@ -75,6 +92,13 @@ class DataConfig:
         if len(self.evict_window) != 2 or not 1 <= self.evict_window[0] <= self.evict_window[1]:
             raise ValueError(f"data.evict_window={self.evict_window!r}: give [min, max] with 1 <= min <= max")
         self.evict_shapes = check_shapes(self.evict_shapes)
+        for name, what in (("evict_every", "tokens between two snapkv eviction events"), ("evict_observe", "queries in the snapkv observation window")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.{name}={value!r}: give an int >= 1 ({what}), e.g. {name}: {type(self).__dataclass_fields__[name].default}")
+        lose = self.evict_lose_asked
+        if isinstance(lose, bool) or not isinstance(lose, (int, float)) or not 0.0 <= lose <= 1.0:
+            raise ValueError(f"data.evict_lose_asked={lose!r}: give a probability in [0, 1] (0 = always force-keep the asked value), e.g. evict_lose_asked: 0.3")
 
 
 @dataclass
@@ -142,31 +166,14 @@ def build_model(model_cfg: dict[str, Any]) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
-def attention_mask(lengths: list[int], T: int, visibility: list[tuple[torch.Tensor, int] | None]) -> torch.Tensor:
-    """Boolean ``[B, 1, T, T]`` mask (True = attend): causal, narrowed to what an evicting cache
-    shows for rows with a ``visibility`` (see :func:`eviction_visibility`)."""
-    q = torch.arange(T)[:, None]
-    k = torch.arange(T)[None, :]
-    causal = k <= q
-    masks = []
-    for n, vis in zip(lengths, visibility):
-        if vis is None:
-            masks.append(causal)
-            continue
-        kept, window = vis
-        visible = torch.zeros(T, dtype=torch.bool)
-        visible[:n] = kept
-        masks.append(causal & (visible[None, :] | (q - k < window)))
-    return torch.stack(masks)[:, None]
-
-
 def collate(
     rows: list[tuple[list[str], list[int]]],
     weights: dict[int, float],
-    visibility: list[tuple[torch.Tensor, int] | None] | None = None,
+    visibility: list[Visibility] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids`` plus per-target loss weights (``weight[t]`` weighs token t+1);
-    with ``visibility`` (one entry per row, None = full causal) also a 4-D ``attention_mask``."""
+    with ``visibility`` (one entry per row, None = full causal; see :func:`attention_mask`) also a
+    4-D ``attention_mask``."""
     T = max(len(t) for t, _ in rows)
     ids = torch.full((len(rows), T), TOKEN_ID[task.PAD], dtype=torch.long)
     w = torch.zeros(len(rows), T)
@@ -221,8 +228,10 @@ class TraceStream(IterableDataset):
         drill = d.drill_frac if stage.drill_frac is None else stage.drill_frac
         evict = d.evict_frac if stage.evict_frac is None else stage.evict_frac
         rows: list[tuple[list[str], list[int]]] = []
-        visibility: list[tuple[torch.Tensor, int] | None] = []
+        visibility: list[Visibility] = []
         ranked: list[tuple[int, float, torch.Tensor]] = []  # attention-shaped rows: (row, share, candidates)
+        mech: list[tuple[int, int, int, int]] = []  # mechanism-shaped rows: (row, kind, C, W)
+        shapes, lost = [-1] * size, [False] * size  # per row: index in SHAPES (-1: full context); asked value not forced
         for r in range(size):
             s = f"train:{seed}:{step}:{r}"
             if rng.random() < drill:
@@ -236,20 +245,31 @@ class TraceStream(IterableDataset):
                     visibility.append(None)
                     continue
                 shape = draw_shape(d.evict_shapes, rng)
-                kept, window, share = draw_kept_set(rows[-1][0], rng, d.evict_window, d.evict_keep, shape)
+                lose = shape not in MECHANISM_SHAPES and d.evict_lose_asked > 0 and rng.random() < d.evict_lose_asked
+                tokens = rows[-1][0]
+                kept, window, share = draw_kept_set(tokens, rng, d.evict_window, d.evict_keep, shape, keep_asked=not lose)
                 visibility.append((kept, window))
+                shapes[r], lost[r] = SHAPES.index(shape), lose
+                end = tokens.index(task.END_THINK) if task.END_THINK in tokens else len(tokens)
                 if shape == "attention":
-                    tokens = rows[-1][0]
-                    end = tokens.index(task.END_THINK) if task.END_THINK in tokens else len(tokens)
                     candidates = ~kept & (torch.arange(len(tokens)) < end)
                     ranked.append((r, share, candidates))
+                elif shape in MECHANISM_SHAPES:  # the placeholder (question + window) is replaced in the step
+                    mech.append((r, MECHANISM_SHAPES.index(shape), math.ceil(share * (end - task.QUESTION_TOKENS)), window))
         batch = collate(rows, self.weights, visibility)
+        if "attention_mask" in batch:
+            batch["evict_shape"], batch["lost_asked"] = torch.tensor(shapes), torch.tensor(lost)
+        if ranked or mech:
+            batch["lengths"] = torch.tensor([len(t) for t, _ in rows])
         if ranked:
             T = batch["input_ids"].shape[1]
             batch["rank_rows"] = torch.tensor([r for r, _, _ in ranked])
             batch["rank_keep"] = torch.tensor([share for _, share, _ in ranked])
             batch["rank_candidates"] = torch.stack([torch.nn.functional.pad(c, (0, T - len(c))) for *_, c in ranked])
-            batch["lengths"] = torch.tensor([len(t) for t, _ in rows])
+        if mech:
+            for i, key in enumerate(("mech_rows", "mech_kind", "mech_count", "mech_window")):
+                batch[key] = torch.tensor([m[i] for m in mech])
+            batch["mech_every"], batch["mech_observe"] = torch.tensor(d.evict_every), torch.tensor(d.evict_observe)
         return batch
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -294,7 +314,7 @@ class LMModule(L.LightningModule):
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Weighted loss, the answer-value probe and the operand-copy accuracy (teacher forced)."""
         ids, w = batch["input_ids"], batch["weights"]
-        if "rank_rows" in batch:
+        if needs_attention(batch):
             was_training = self.model.training
             self.model.eval()
             add_attention_ranked(self.model, batch)

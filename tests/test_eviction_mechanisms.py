@@ -1,0 +1,207 @@
+"""Kept sets made by the methods' own mechanisms (trainers/eviction_mechanisms.py): the h2o and
+snapkv simulations match explicit reference loops, respect their budgets, evict for good and only
+when their mechanism says so; rows that lose the asked value come at the configured rate; the
+attention-ranked and mechanism rows share one forward; bad options name the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data_pipeline.testbed import task
+from trainers.eviction_masks import MECHANISM_SHAPES, SHAPES, add_attention_ranked, attention_mask
+from trainers.eviction_mechanisms import h2o_until, received_attention, snapkv_until, until_visibility
+from trainers.testbed_lm import LMConfig, TraceStream, build_model
+
+TINY = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 32}
+Q = 3  # a short "question" for the hand-made matrices
+
+
+def _attention(R: int, T: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.rand(R, T, T, generator=g).tril()
+    return a / a.sum(-1, keepdim=True)  # rows sum to one, as softmax rows do
+
+
+def _h2o_reference(A: torch.Tensor, n: int, W: int, C: int, question: int = Q) -> torch.Tensor:
+    """H2O, one query at a time, with Python lists."""
+    vis = torch.zeros(n, n, dtype=torch.bool)
+    heavy: list[int] = []
+    for t in range(n):
+        if t >= 1:  # after query t - 1: key t - W leaves the window and joins the heavy set
+            j = t - W
+            if j >= question:
+                heavy.append(j)
+            if len(heavy) > C:
+                score = {k: float(A[:t, k].sum()) for k in heavy}  # queries <= t - 1
+                heavy.remove(min(heavy, key=lambda k: (score[k], k)))
+        for k in range(t + 1):
+            vis[t, k] = k < question or t - k < W or k in heavy
+    return vis
+
+
+def _snapkv_reference(A: torch.Tensor, n: int, W: int, C: int, K: int, w: int) -> torch.Tensor:
+    vis = torch.zeros(n, n, dtype=torch.bool)
+    evicted: set[int] = set()
+    for t in range(n):
+        e = t - 1  # an event after query e decides query t
+        if e >= Q - 1 + K and (e - (Q - 1)) % K == 0:
+            candidates = [j for j in range(Q, t - W + 1) if j not in evicted]
+            votes = {j: float(A[max(0, e - w + 1) : e + 1, j].sum()) for j in candidates}
+            kept = sorted(candidates, key=lambda j: (-votes[j], j))[:C]
+            evicted |= set(candidates) - set(kept)
+        for k in range(t + 1):
+            vis[t, k] = k < Q or t - k < W or k not in evicted
+    return vis
+
+
+ROWS = {"lengths": [40, 33, 40, 40], "windows": [3, 5, 1, 4], "counts": [4, 2, 0, 40]}
+
+
+def _until(kind: str, A: torch.Tensor, every: int = 4, observe: int = 3) -> torch.Tensor:
+    args = [torch.tensor(ROWS[k]) for k in ("lengths", "windows", "counts")]
+    if kind == "h2o":
+        return h2o_until(A, *args, question=Q)
+    return snapkv_until(A, *args, every=every, observe=observe, question=Q)
+
+
+def test_h2o_keeps_the_heavy_hitters_of_a_hand_made_matrix():
+    # 8 tokens, question 0..0, W = 2, C = 1: key 3 gets most of every later query's attention.
+    T = 8
+    A = torch.full((T, T), 0.01).tril()
+    A[3:, 3] = 1.0
+    A[5:, 2] = 0.5
+    until = h2o_until(A[None], torch.tensor([T]), torch.tensor([2]), torch.tensor([1]), question=1)[0]
+    vis = until_visibility(until, T, question=1)
+    assert vis[7].nonzero().flatten().tolist() == [0, 3, 6, 7]  # question + heavy {3} + window
+    assert vis[3:, 3].all()  # the heavy hitter is never evicted
+    assert until[2] < T and until[4] < T  # 2 (some attention, but later than 3) and 4 are gone
+    assert torch.equal(vis, _h2o_reference(A, T, 2, 1, question=1))
+
+
+@pytest.mark.parametrize("kind", MECHANISM_SHAPES)
+def test_the_simulations_match_explicit_reference_loops(kind):
+    A = _attention(4, 40)
+    until = _until(kind, A)
+    for r, n in enumerate(ROWS["lengths"]):
+        W, C = ROWS["windows"][r], ROWS["counts"][r]
+        ref = _h2o_reference(A[r], n, W, C) if kind == "h2o" else _snapkv_reference(A[r], n, W, C, 4, 3)
+        assert torch.equal(until_visibility(until[r], n, question=Q), ref), (kind, r)
+
+
+@pytest.mark.parametrize("kind", MECHANISM_SHAPES)
+def test_budget_window_and_permanent_eviction(kind):
+    A = _attention(4, 40, seed=1)
+    until = _until(kind, A)
+    for r, n in enumerate(ROWS["lengths"]):
+        W, C = ROWS["windows"][r], ROWS["counts"][r]
+        vis = until_visibility(until[r], n, question=Q)
+        q = torch.arange(n)[:, None]
+        k = torch.arange(n)[None, :]
+        assert (vis <= (k <= q)).all() and vis[:, :Q].tril().equal((k[:, :Q] <= q).expand(n, Q))  # causal; question always
+        assert vis[(k <= q) & (q - k < W)].all()  # the local window is always seen
+        slack = 0 if kind == "h2o" else 4 - 1  # snapkv holds up to K - 1 keys that left the window since the last event
+        assert (vis[:, Q:].sum(1) <= C + W + slack).all()
+        if C + W + slack < n - Q:
+            assert not vis[n - 1, Q:].all()  # something was evicted
+        else:
+            assert torch.equal(vis, (k <= q))  # room for everything: nothing evicted
+        # Permanent: once a key outside the window is invisible, it stays invisible.
+        outside = (q - k >= W - 1)[:-1]
+        assert (vis[1:] <= vis[:-1] | ~outside).all()
+
+
+def test_snapkv_changes_its_kept_set_only_at_events():
+    A = _attention(4, 40, seed=2)
+    every = 5
+    until = _until("snapkv", A, every=every, observe=2)
+    events = {Q - 1 + every * i for i in range(1, 40)}
+    removed_at = set()
+    for r, n in enumerate(ROWS["lengths"]):
+        vis = until_visibility(until[r], n, question=Q)
+        for t in range(n - 1):
+            if (vis[t, : t + 1] & ~vis[t + 1, : t + 1]).any():
+                removed_at.add(t)
+    assert removed_at and removed_at <= events
+
+
+def test_mask_builder_takes_per_query_visibility():
+    vis = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    mask = attention_mask([3, 2], 5, [vis, (torch.tensor([True, False]), 1)])
+    assert torch.equal(mask[0, 0, :3, :3], vis) and not mask[0, 0, :3, 3:].any()
+    assert torch.equal(mask[0, 0, 3:], torch.ones(5, 5, dtype=torch.bool).tril()[3:])  # padded queries: causal
+    with pytest.raises(ValueError, match=r"bool \[n, n\]"):
+        attention_mask([4], 5, [vis])
+
+
+def _stream(data: dict, size: int = 8) -> TraceStream:
+    base = {"min_think": 40, "max_think": 80, "long_batch": size, "short_steps": 0, "drill_frac": 0.0, "evict_frac": 1.0}
+    return TraceStream(LMConfig.from_dict({"model": TINY, "seed": 2, "data": {**base, **data},
+                                           "stages": [{"steps": 50, "lr": 1e-3, "lr_end": 1e-4, "long_frac": 1.0}]}), 0)
+
+
+def _answer_sees_value(batch: dict, r: int) -> bool:
+    tokens = [task.VOCAB[i] for i in batch["input_ids"][r].tolist()]
+    value = task.find_critical_positions(tokens[: int(batch["probe_pos"][r]) + 2])[0]
+    return bool(batch["attention_mask"][r, 0, batch["probe_pos"][r], value])
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_rows_lose_the_asked_value_at_the_configured_rate(rate):
+    # keep 0 and W = 1: a row keeps the asked value only if it is forced.
+    stream = _stream({"evict_shapes": {"steps": 1, "tokens": 1, "values": 1}, "evict_keep": 0.0, "evict_window": [1, 1],
+                      "evict_lose_asked": rate})
+    lost, seen = [], []
+    for step in range(30):
+        batch = stream.batch(step)
+        lost += batch["lost_asked"].tolist()
+        seen += [_answer_sees_value(batch, r) for r in range(len(batch["lost_asked"]))]
+    assert lost == [not s for s in seen]  # exactly the lost rows miss the value
+    assert abs(sum(lost) / len(lost) - rate) < 0.08, sum(lost) / len(lost)
+
+
+def test_mechanism_rows_share_one_forward_and_follow_their_simulation():
+    torch.manual_seed(0)
+    model = build_model(TINY).eval()
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    stream = _stream({"evict_shapes": {"attention": 1, "h2o": 1, "snapkv": 1}, "evict_window": [4, 16], "evict_every": 8,
+                      "evict_observe": 4, "evict_keep": 0.5}, size=12)
+    batch = stream.batch(0)
+    assert "rank_rows" in batch and "mech_rows" in batch
+    add_attention_ranked(model, batch)
+    assert len(calls) == 1 and model.config._attn_implementation == "sdpa"
+    rows = batch["mech_rows"]
+    attention = received_attention(model, batch["input_ids"][rows], batch["lengths"][rows])
+    for m, row in enumerate(rows.tolist()):
+        n, W, C = int(batch["lengths"][row]), int(batch["mech_window"][m]), int(batch["mech_count"][m])
+        kind = MECHANISM_SHAPES[int(batch["mech_kind"][m])]
+        assert SHAPES[int(batch["evict_shape"][row])] == kind
+        args = (attention[m : m + 1], batch["lengths"][row : row + 1], batch["mech_window"][m : m + 1], batch["mech_count"][m : m + 1])
+        until = h2o_until(*args) if kind == "h2o" else snapkv_until(*args, every=8, observe=4)
+        mask = batch["attention_mask"][row, 0]
+        assert torch.equal(mask[:n, :n], until_visibility(until[0], n))
+        end = [task.VOCAB[i] for i in batch["input_ids"][row].tolist()].index(task.END_THINK)
+        assert 0 <= C <= end - task.QUESTION_TOKENS
+        slack = 0 if kind == "h2o" else 8 - 1
+        assert (mask[:n, task.QUESTION_TOKENS : n].sum(1) <= C + W + slack).all()
+
+
+def test_default_configs_add_no_mechanism_rows():
+    batch = _stream({}).batch(0)
+    assert "mech_rows" not in batch and "rank_rows" not in batch and not batch["lost_asked"].any()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("evict_every", 0, r"data\.evict_every=0: give an int >= 1 .*evict_every: 32"),
+        ("evict_every", 2.5, r"data\.evict_every=2\.5"),
+        ("evict_observe", True, r"data\.evict_observe=True: give an int >= 1 .*evict_observe: 8"),
+        ("evict_lose_asked", 1.5, r"data\.evict_lose_asked=1\.5: give a probability in \[0, 1\].*evict_lose_asked: 0\.3"),
+        ("evict_shapes", {"h2o_fast": 1}, r"unknown shapes \['h2o_fast'\]; choose from .*'h2o', 'snapkv'"),
+    ],
+)
+def test_bad_mechanism_options_name_the_field_and_the_fix(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        LMConfig.from_dict({"model": TINY, "data": {field: value}, "stages": []})
