@@ -2,7 +2,7 @@
 # The measurements on the shipped testbed (the LRM trained on a mixture of kept-set shapes, helper in
 # KV-Rescue's regime), one command per number, each under the machine's CPU lock (other jobs may run between).
 # Run after configs/testbed/{lrm,lrm-robust,lrm-mix,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
-# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers (default: all, in this order).
+# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair (default: all, in this order).
 # The rescue steps run two single-threaded benches side by side under one lock (the 2 cores).
 set -ex
 cd "$(dirname "$0")/.."
@@ -15,7 +15,8 @@ RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --metho
   --compress-window 100 --guard 12 --entropy-window 6 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 0 \
   --settings full,helper,evict,bon,kvr"
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
-steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers}
+FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
+steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair}
 one() { $LOCK bash -c "$1"; }  # the rescue commands are strings (quoted ';'), run by bash -c
 pair() { $LOCK bash -c "$1 & a=\$!; $2 & b=\$!; wait \$a; x=\$?; wait \$b; exit \$((x || \$?))"; }  # two single-threaded jobs on the 2 cores
 for step in $steps; do
@@ -69,6 +70,20 @@ for step in $steps; do
       $PY -m eval.rescue.table reports/rescue/{B64-N4-prm-blind,B64-N4-no-screen,B64-N4,B64-N4-helper-likelihood,B64-N4-product} \
         --method dynts --write reports/rescue/table-verifiers.md
       $PY -m eval.rescue.table reports/rescue/B64-N4-product --write reports/rescue/table-product.md ;;
+    fair)  # the training change, before/after for every method: the shipped LRM vs lrm-fair.yaml (mechanism-made
+      # kept sets, the asked value lost in 30 % of the rows), each with its own predictor, B = 64 and 128, 200 dev problems
+      $LOCK $PY -m dynts.cli testbed train --config configs/testbed/lrm-fair.yaml --resume
+      $LOCK $PY -m dynts.cli pipeline --config configs/predictor/testbed-fair.pipeline.yaml
+      FAIR="$PY -m dynts.cli eval --benchmark testbed:n=200,set=dev --method $FAIR_METHODS --budget 64,128 --local-window 32 \
+        --retention 0.4 --k 1 --batch-size 100 --threads 1 --no-progress"
+      pair "$FAIR --model testbed --predictor checkpoints/testbed-predictor --run-dir runs/eval-fair-before" \
+           "$FAIR --model runs/testbed-lrm-fair/export --predictor runs/testbed-lrm-fair/predictor --run-dir runs/eval-fair-after"
+      for side in before after; do
+        mkdir -p reports/eval-fair/$side/records
+        $PY -m eval.harness.compare runs/eval-fair-$side --write > reports/eval-fair/$side/compare.md
+        cp runs/eval-fair-$side/records/*.json reports/eval-fair/$side/records/
+        cp runs/eval-fair-$side/results.{md,json} reports/eval-fair/$side/
+      done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
