@@ -46,7 +46,7 @@ def test_demo_runs_every_method(tmp_path, monkeypatch, capsys, one_thread, predi
         assert methods[0] == "full" and "testbed-oracle" in methods and "window" in methods
         labels = [r["method"]["label"] for r in results]
         assert {"random", "h2o+q", "snapkv+q", "rkv+q"} | family_oracles <= set(labels)
-        assert not ({"oracle-step", "oracle-value", "oracle-token", "chain-oracle-step"} - family_oracles) & set(labels)
+        assert not ({"oracle-step", "oracle-value", "oracle-token", "chain-oracle-step", "testbed-oracle"} - family_oracles) & set(labels)
         assert all(r.get("loop_rate") is not None and r.get("evictions_per_sample") is not None for r in results)
         assert ("dynts" in methods) == predictor
         assert f"{family} family" in captured.out
