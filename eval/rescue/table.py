@@ -151,6 +151,8 @@ def rows_from_records(run: str | Path, recs: dict[tuple[str, str | None], dict[s
     out = []
     full = recs.get(("full", None))
     rank = {m: i for i, m in enumerate(methods or ())}
+    metrics = {k: {"accuracy": _acc(r), "committed_steps": sum(r["ints"]["committed_steps"]), "helper_share": _helper_share(r)}
+               for k, r in recs.items()}  # what control_columns reads, as the bench's cell metrics
     for (setting, method), kvr in sorted(recs.items(), key=lambda kv: (rank.get(kv[0][1], len(rank)), str(kv[0][1]))):
         bon = recs.get(("bon", method))
         if setting != "kvr" or (methods and method not in methods):
@@ -168,8 +170,6 @@ def rows_from_records(run: str | Path, recs: dict[tuple[str, str | None], dict[s
             gap = _acc(full) - _acc(bon) if bon is not None else 0
             row["A_full"] = _acc(full)
             row["recovered_fraction"] = (_acc(kvr) - _acc(bon)) / gap if gap > 0 else None
-        metrics = {k: {"accuracy": _acc(r), "committed_steps": sum(r["ints"]["committed_steps"]),
-                       "helper_share": _helper_share(r)} for k, r in recs.items()}
         out.append({**row, **control_columns(metrics, method), "stats": paired_stats(recs, method)})
     return out
 
