@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import re
 from pathlib import Path
 
 
@@ -34,7 +35,12 @@ def main() -> int:
     print("| cell | repeat_ngram | steps screened % | by repeat / pattern | right trajectories fired | wrong trajectories fired |")
     print("|---|---|---|---|---|---|")
     for name in args.cells.split(","):
-        cell = json.loads(Path(glob.glob(str(args.run / "cells" / f"{name}-*.json"))[0]).read_text())
+        # the cell key then its 10-digit fingerprint (so "full" never picks a "full-search-..." cell)
+        paths = [p for p in sorted(glob.glob(str(args.run / "cells" / f"{name}-*.json")))
+                 if re.fullmatch(rf"{re.escape(name)}-[0-9a-f]{{10}}\.json", Path(p).name)]
+        if not paths:
+            raise SystemExit(f"no cell {name}-<fingerprint>.json in {args.run / 'cells'}")
+        cell = json.loads(Path(paths[0]).read_text())
         for n in (int(v) for v in args.ngrams.split(",")):
             detector = StepLoopDetector(repeat_ngram=n, min_pattern_size=pattern[0], max_pattern_size=pattern[1], min_count=pattern[2])
             steps = fired = 0

@@ -13,7 +13,7 @@ RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --metho
   --predictor checkpoints/testbed-predictor --prm testbed-prm-order --local-window 16 --delimiter ';' --loop-ngram 8 --loop-pattern 1,4,2 \
   --max-steps 96 --max-step-tokens 64 --degen-steps 24 --entropy-threshold 3.3 --compress-threshold 0.5 \
   --compress-window 100 --guard 12 --entropy-window 6 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 0 \
-  --settings full,helper,evict,bon,kvr"
+  --settings full,helper,evict,bon,kvr,helper-search,full-search"  # + the controls: helper alone (2N) and a full-cache base, same search
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
 steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair}
@@ -51,7 +51,8 @@ for step in $steps; do
       for prm in testbed-prm testbed-prm-order; do
         $LOCK $PY -m trainers.testbed_prm checkpoints/$prm --n 200 > reports/prm-order-$prm.json
       done ;;
-    rescue)  # window / R-KV / DynTS bases, N = 4 + 4: B = 64, 32, 128 (physical) and the paper's B = 64
+    rescue)  # window / R-KV / DynTS bases, N = 4 + 4: B = 64, 32, 128 (physical) and the paper's B = 64; the controls
+      # (helper-search, full-search) are budget-free: every run dir computes the same two cells (same seed)
       pair "$RESCUE --budget 64 --n 4 --out reports/rescue/B64-N4" "$RESCUE --budget 32 --n 4 --out reports/rescue/B32-N4"
       pair "$RESCUE --budget 128 --n 4 --out reports/rescue/B128-N4" \
            "$RESCUE --budget 64 --paper-budget --headroom 128 --n 4 --out reports/rescue/paperB64-N4"
@@ -66,7 +67,7 @@ for step in $steps; do
       one "$V --prm testbed-prm --loop-ngram 0 --loop-pattern 0 --out reports/rescue/B64-N4-prm-blind"   # the PRM before
       pair "$V --loop-ngram 0 --loop-pattern 0 --out reports/rescue/B64-N4-no-screen" \
            "$V --prm likelihood:testbed-helper --out reports/rescue/B64-N4-helper-likelihood"  # the resident helper as verifier
-      one "$RESCUE --budget 64 --n 4 --settings full,bon,kvr --prm 'testbed-prm-order*likelihood:testbed-helper' --out reports/rescue/B64-N4-product"  # both verifiers, every base
+      one "$RESCUE --budget 64 --n 4 --settings full,bon,kvr,helper-search,full-search --prm 'testbed-prm-order*likelihood:testbed-helper' --out reports/rescue/B64-N4-product"  # both verifiers, every base, the controls
       $PY -m eval.rescue.table reports/rescue/{B64-N4-prm-blind,B64-N4-no-screen,B64-N4,B64-N4-helper-likelihood,B64-N4-product} \
         --method dynts --write reports/rescue/table-verifiers.md
       $PY -m eval.rescue.table reports/rescue/B64-N4-product --write reports/rescue/table-product.md ;;

@@ -93,3 +93,95 @@ def test_bench_reports_the_oracle_choice_and_what_wrong_answers_did(tmp_path):
         assert row["wrong"] == sum(row[k] for k in ("stops early", "wrong value", "loops", "incoherent"))
     table = (out / "results.md").read_text()
     assert "Oracle choice" in table and "| evict | window |" in table
+
+
+def test_controls_helper_search_and_full_search(tmp_path, monkeypatch):
+    """helper-search never runs the base, full-search never evicts, both fit in the tables (cells and
+    records alike), and neither changes the cells of the other settings."""
+    from dynts.rescue.rows import RaggedCache
+    from eval.rescue.table import rows, markdown
+
+    events = []
+    evict_rows = RaggedCache.evict_rows
+    monkeypatch.setattr(RaggedCache, "evict_rows", lambda self, due: (events.append(sum(due)), evict_rows(self, due))[1])
+    out = tmp_path / "run"
+    assert main([*ARGS, "--settings", "helper-search,full-search", "--out", str(out)]) == 0
+    assert events == []  # neither control has an evicted cache
+    cells = {p.name.rsplit("-", 1)[0]: json.loads(p.read_text()) for p in (out / "cells").iterdir()}
+    assert set(cells) == {"helper-search", "full-search"}
+    helper, full = cells["helper-search"], cells["full-search"]
+    assert helper["method"] is None and full["method"] is None  # method-independent, like full / helper
+    for rec in helper["records"]:  # the base never proposes, so never commits
+        assert rec["base_tokens"] == rec["base_candidates"] == 0 and set(rec["sources"]) == {"h"}
+        assert rec["helper_candidates"] == 4 * rec["committed_steps"]  # 2N per step: KV-Rescue's N + N
+    assert helper["metrics"]["helper_share"] == 1.0
+    assert all(r["base_candidates"] == 2 * r["committed_steps"] for r in full["records"])  # N base + N helper per step
+    assert helper["settings"]["search"] == {"n_base": 0, "n_helper": 4} and full["settings"]["search"] == {"n_base": 2, "n_helper": 2}
+    for key in ("budget", "local_window", "retention", "predictor"):
+        assert key not in helper["settings"] and key not in full["settings"]
+    assert "base" not in helper["settings"]["weights"] and "detector" not in helper["settings"]
+    assert "base" in full["settings"]["weights"]
+
+    # the same budget's KV-Rescue does evict (the counter works), and a third run reuses the controls
+    stamps = {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}
+    assert main([*ARGS, "--settings", "full,bon,kvr,helper-search,full-search", "--out", str(out)]) == 0
+    assert events and sum(events) > 0
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir() if p.name in stamps} == stamps
+    summary = json.loads((out / "results.json").read_text())
+    by = {(c["setting"], c["method"]): c["metrics"] for c in summary["cells"]}
+    cmp = summary["comparison"]["window"]
+    assert cmp["A_helper_search"] == by[("helper-search", None)]["accuracy"]
+    assert cmp["A_full_search"] == by[("full-search", None)]["accuracy"]
+    assert cmp["base_step_share"]["bon"] == 1.0 and cmp["base_step_share"]["helper-search"] == 0.0
+    assert cmp["base_step_share"]["kvr"] == 1 - by[("kvr", "window")]["helper_share"]
+    assert "| helper-search | – |" in (out / "results.md").read_text()
+    kvr = json.loads(next((out / "cells").glob("kvr-window-*.json")).read_text())["settings"]
+    for key in ("prm", "n", "max_steps", "max_step_tokens", "max_tokens", "delimiter", "temperature", "seed"):
+        assert helper["settings"][key] == full["settings"][key] == kvr[key], key  # the same verifier, N, limits, sampling
+    assert full["settings"]["detector"] == kvr["detector"]  # full-search screens its base candidates as KV-Rescue does
+    assert helper["settings"]["weights"]["prm"] == full["settings"]["weights"]["prm"] == kvr["weights"]["prm"]
+
+    # eval.rescue.table: the control row, KV-Rescue minus helper-search paired; records alone give the same table
+    (row,) = rows([out])
+    assert row["A_helper_search"] == cmp["A_helper_search"] and "kvr_minus_helper_search" in row["stats"]
+    text = markdown([row])
+    assert "A_helper-search %" in text and "KVR − helper-search" in text
+    control = next(line for line in text.splitlines() if line.startswith("| B = 40") and line.count("|") == 14)
+    assert f"{100 * cmp['A_helper_search']:.1f} [" in control and control.endswith(" / 0.0 |")  # helper-search: no base step
+    records_only = tmp_path / "records-only"
+    shutil.copytree(out / "records", records_only / "records")
+    (again,) = rows([records_only], from_records=True)
+    assert markdown([again]) == text
+
+
+def test_controls_keep_the_fingerprints_of_committed_cells():
+    """Adding settings changes no existing cell's key: a committed run's cells are still reused."""
+    import hashlib
+    from pathlib import Path
+
+    from eval.rescue.bench import RescueEvalConfig
+
+    run = Path(__file__).resolve().parents[1] / "reports/rescue/B64-N4"
+    config = json.loads((run / "results.json").read_text())["config"]
+    config = RescueEvalConfig(**{**config, "methods": tuple(config["methods"]), "settings": ()})
+    digest = lambda key: hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]  # noqa: E731
+    paths = sorted((run / "cells").glob("*.json"))
+    assert len(paths) == 11
+    for path in paths:
+        cell = json.loads(path.read_text())
+        key = config.cell_settings(cell["setting"], cell["method"])
+        key["weights"] = cell["settings"]["weights"]  # a fresh checkout has other file mtimes
+        assert key == cell["settings"] and path.stem.endswith(digest(key)), path.name
+    # the controls: their own keys, independent of the base's budget, dependent on N
+    keys = {s: digest(config.cell_settings(s, None)) for s in ("full", "helper", "helper-search", "full-search")}
+    assert len(set(keys.values())) == 4
+    other_budget = RescueEvalConfig(**{**config.__dict__, "budget": 32})
+    other_n = RescueEvalConfig(**{**config.__dict__, "n": 8})
+    for s in ("helper-search", "full-search"):
+        assert digest(other_budget.cell_settings(s, None)) == keys[s]
+        assert digest(other_n.cell_settings(s, None)) != keys[s]
+
+
+def test_bad_settings_name_the_option_and_the_choices(tmp_path):
+    with pytest.raises(SystemExit, match=r"--settings .*bogus.*choose from full,helper,.*helper-search,full-search"):
+        main([*ARGS, "--settings", "full,bogus", "--out", str(tmp_path / "run")])

@@ -153,3 +153,6 @@ def test_rescue_table_recomputes_from_records(tmp_path):
     assert table_main([str(run), "--from-records", "--method", "window,rkv,dynts", "--write", str(tmp_path / "b.md")]) == 0
     a, b = (tmp_path / "a.md").read_text(), (tmp_path / "b.md").read_text()
     assert a == b and "| **0.13** [-1.00, 0.80] |" in a and "+73.0 [+64.0, +81.0], p 2.1e-22" in a
+    # the controls table: this run has no helper-search / full-search cells, but every stepwise cell's
+    # committed steps by side (the DynTS base wrote 43.0 % of KV-Rescue's steps, every step of best-of-N)
+    assert "KVR − helper-search" in a and "| dynts | " in a and "| 100.0 / 43.0 / – / – / – |" in a

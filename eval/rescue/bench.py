@@ -9,7 +9,16 @@ Settings (each a resumable cell, one JSON file):
 * ``bon``    -- eviction-only stepwise best-of-N (``n_base = N``, ``n_helper = 0``, no detector;
   the A_evict of the recovered fraction, as in the paper);
 * ``kvr``    -- KV-Rescue, best-of-(N+N) with the online degeneration detector;
-* ``kvr-noexit`` -- KV-Rescue without the detector (Table 2's "+ interleaving" row).
+* ``kvr-noexit`` -- KV-Rescue without the detector (Table 2's "+ interleaving" row);
+
+and the two controls of the step search, method-independent (one cell each, like ``full``):
+
+* ``helper-search`` -- the helper alone through the same stepwise search: no base model at all
+  (``n_base = 0``), ``n_helper = 2 N``, so that every step scores as many candidates as
+  KV-Rescue's ``N + N``; the same verifier and step limits. What the helper plus the search buys
+  without the base: KV-Rescue minus this is what the base contributes;
+* ``full-search`` -- KV-Rescue (``N + N``, detector on) with an unevicted, full-cache base: what the
+  search buys without eviction.
 
 Examples::
 
@@ -35,15 +44,16 @@ from typing import Any, Sequence
 import torch
 
 from dynts.io import write_atomic
-from eval.rescue.table import write_records
+from eval.rescue.table import control_columns, write_records
 from dynts.predictor import find_predictor
 from dynts.rescue.results import EXIT_SIGNALS
 from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
 
-__all__ = ["RescueEvalConfig", "SETTINGS", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
+__all__ = ["CONTROLS", "RescueEvalConfig", "SETTINGS", "STEPWISE", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
 
-SETTINGS = ("full", "helper", "evict", "bon", "kvr", "kvr-noexit")
-STEPWISE = ("bon", "kvr", "kvr-noexit")
+SETTINGS = ("full", "helper", "evict", "bon", "kvr", "kvr-noexit", "helper-search", "full-search")
+STEPWISE = ("bon", "kvr", "kvr-noexit")  # stepwise cells, one per base method
+CONTROLS = ("helper-search", "full-search")  # stepwise cells, method-independent
 
 
 @dataclass
@@ -114,12 +124,20 @@ class RescueEvalConfig:
         return EvictionSettings(method, self.bounds(), self.local_window, self.retention, self.predictor,
                                 self.think_end, self.method_options.get(method))
 
-    def step_search(self, n_helper: int, max_tokens: int, detector: Any):
-        """The :class:`~dynts.rescue.RescueConfig` of a stepwise cell (``n`` base candidates, ``n_helper``
-        helper ones, each cell's ``max_tokens`` and ``detector``)."""
+    def search(self, setting: str) -> tuple[int, int, bool]:
+        """``(n_base, n_helper, detector on)`` of a stepwise setting: ``bon`` N + 0 without the detector,
+        ``kvr`` N + N with it, ``kvr-noexit`` N + N without it, ``full-search`` as ``kvr`` (its base
+        unevicted), ``helper-search`` 0 + 2N (as many scored candidates per step as KV-Rescue; there
+        are no base candidates to screen)."""
+        return {"bon": (self.n, 0, False), "kvr": (self.n, self.n, True), "kvr-noexit": (self.n, self.n, False),
+                "full-search": (self.n, self.n, True), "helper-search": (0, 2 * self.n, False)}[setting]
+
+    def step_search(self, n_helper: int, max_tokens: int, detector: Any, n_base: int | None = None):
+        """The :class:`~dynts.rescue.RescueConfig` of a stepwise cell (``n_base`` base candidates, default
+        ``n``; ``n_helper`` helper ones; each cell's ``max_tokens`` and ``detector``)."""
         from dynts.rescue import RescueConfig
 
-        return RescueConfig(n_base=self.n, n_helper=n_helper, step_delimiter=self.delimiter, max_steps=self.max_steps,
+        return RescueConfig(n_base=self.n if n_base is None else n_base, n_helper=n_helper, step_delimiter=self.delimiter, max_steps=self.max_steps,
                             max_step_tokens=self.max_step_tokens, max_tokens=max_tokens, detector=detector,
                             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                             max_rows=self.max_rows)
@@ -155,6 +173,15 @@ class RescueEvalConfig:
                       "paper_budget", "headroom"):
                 keep.pop(k, None)
             keep["weights"] = {k: keep["weights"][k] for k in (("base",) if setting == "full" else ("helper",))}
+        if setting in CONTROLS:  # the step search without eviction: no budget, no predictor
+            for k in ("budget", "local_window", "retention", "predictor", "method_options", "paper_budget", "headroom"):
+                keep.pop(k, None)
+            keep["weights"].pop("predictor", None)
+            n_base, n_helper, _ = self.search(setting)
+            keep["search"] = {"n_base": n_base, "n_helper": n_helper}  # candidates per step, explicitly
+            if setting == "helper-search":  # no base candidates: nothing to screen, no base weights
+                keep.pop("detector")
+                keep["weights"].pop("base")
         return keep
 
 
@@ -261,12 +288,14 @@ def _cell(config: RescueEvalConfig, setting: str, method: str | None, models: di
             records.append({"id": ex.id, "text": text, "output_tokens": length, "committed_steps": steps,
                             "base_tokens": length if setting != "helper" else 0, "helper_tokens": length if setting == "helper" else 0,
                             "ended": "eos" if length < max_tokens else "max_tokens"})
-    else:
-        helper = models["helper"][0] if setting != "bon" else None
-        detector = None if setting in ("bon", "kvr-noexit") else (config.detector or True)
+    else:  # one stepwise engine for every search: the settings differ in candidates, detector and base cache
+        n_base, n_helper, screened = config.search(setting)
+        helper = models["helper"][0] if n_helper else None
+        detector = (config.detector or True) if screened else None
         chats = [[{"role": "user", "content": p}] for p in models["messages"]]
-        search = config.step_search(0 if setting == "bon" else config.n, max_tokens, detector)
-        result = rescue_generate(base, helper, models["prm"], tokenizer, chats, config=search, eviction=config.eviction(method))
+        search = config.step_search(n_helper, max_tokens, detector, n_base=n_base)
+        eviction = config.eviction("full" if setting in CONTROLS else method)
+        result = rescue_generate(base, helper, models["prm"], tokenizer, chats, config=search, eviction=eviction)
         for ex, problem in zip(bench.examples, result.problems):
             records.append({"id": ex.id, "text": problem.text, "ended": problem.end, "sources": "".join(s[0] for s in problem.sources),
                             **{k: v for k, v in problem.stats.items() if k != "end"}})
@@ -308,14 +337,14 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
     out = Path(config.out)
     bench = load_benchmark(config.benchmark).head(config.limit)
     models: dict[str, Any] = {"base": load_model(config.base, **config.load_options)}
-    if {"helper", "kvr", "kvr-noexit"} & set(config.settings):
+    if {"helper", "kvr", "kvr-noexit", *CONTROLS} & set(config.settings):
         models["helper"] = load_model(config.helper, **helper_options(config.load_options))
-    if set(STEPWISE) & set(config.settings):
+    if {*STEPWISE, *CONTROLS} & set(config.settings):
         models["prm"] = load_eval_prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
     tokenizer = models["base"][1]
     models["messages"] = [user_message(e, bench) for e in bench.examples]
     prompts = encode_prompts(tokenizer, models["messages"])
-    cells = [(s, None) for s in ("full", "helper") if s in config.settings]
+    cells = [(s, None) for s in ("full", "helper", *CONTROLS) if s in config.settings]
     cells += [(s, m) for m in config.methods for s in ("evict", *STEPWISE) if s in config.settings]
     results = []
     for setting, method in cells:
@@ -358,26 +387,28 @@ def degeneration(cells: Sequence[dict[str, Any]], bench: Any) -> list[dict[str, 
 
 
 def compare(cells: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per base method: the recovered fraction ``(A_KVR - A_evict) / (A_full - A_evict)`` (A_evict =
-    eviction-only best-of-N, as in the paper), base tokens of KV-Rescue vs best-of-N, helper share and
-    the detector's firing rate."""
+    """Per base method with a KV-Rescue cell: the recovered fraction ``(A_KVR - A_evict) / (A_full -
+    A_evict)`` (A_evict = eviction-only best-of-N, as in the paper; ``None`` without a best-of-N cell),
+    base tokens of KV-Rescue vs best-of-N, helper share, the detector's firing rate, and the controls
+    (:func:`eval.rescue.table.control_columns`: helper-search and full-search accuracy, the base's
+    share of committed steps in every stepwise cell)."""
     by = {(c["setting"], c["method"]): c["metrics"] for c in cells}
     full = by.get(("full", None))
     out = {}
     for m in methods:
         bon, kvr = by.get(("bon", m)), by.get(("kvr", m))
-        if not (bon and kvr):
+        if not kvr:
             continue
-        row = {"A_evict(bon)": bon["accuracy"], "A_kvr": kvr["accuracy"],
-               "base_tokens_bon": bon["base_tokens"], "base_tokens_kvr": kvr["base_tokens"],
-               "base_token_reduction": 1 - kvr["base_tokens"] / bon["base_tokens"] if bon["base_tokens"] else None,
+        row = {"A_evict(bon)": bon["accuracy"] if bon else None, "A_kvr": kvr["accuracy"],
+               "base_tokens_bon": bon["base_tokens"] if bon else None, "base_tokens_kvr": kvr["base_tokens"],
+               "base_token_reduction": 1 - kvr["base_tokens"] / bon["base_tokens"] if bon and bon["base_tokens"] else None,
                "helper_share": kvr["helper_share"], "detector_firing_rate": kvr["early_exit"],
                "firing_by_signal": kvr.get("exit_by_signal", {})}
         if full:
-            gap = full["accuracy"] - bon["accuracy"]
             row["A_full"] = full["accuracy"]
+            gap = full["accuracy"] - bon["accuracy"] if bon else 0
             row["recovered_fraction"] = (kvr["accuracy"] - bon["accuracy"]) / gap if gap > 0 else None
-        out[m] = row
+        out[m] = {**row, **control_columns(by, m)}
     return out
 
 
@@ -395,24 +426,32 @@ def _by_signal(rates: dict[str, Any] | None) -> str:
     return " / ".join(_fmt(rates.get(k), True) for k in EXIT_SIGNALS)
 
 
+def _sides(setting: str, m: dict[str, Any]) -> str:
+    """``base / helper`` percent of a stepwise cell's committed steps (``–`` for plain sampling)."""
+    if setting not in (*STEPWISE, *CONTROLS) or not m["committed_steps"]:
+        return "–"
+    return f"{_fmt(1 - m['helper_share'], True)} / {_fmt(m['helper_share'], True)}"
+
+
 def summary_table(summary: dict[str, Any]) -> str:
     """Markdown: one row per cell (accuracy and decode cost), then the recovery comparison."""
     signals = "/".join(EXIT_SIGNALS)
-    lines = [f"| setting | base method | pass@1 % | degen. % | capped % | steps | out. len | base tok | helper tok | early exit % | exit {signals} % | helper share % |",
+    lines = [f"| setting | base method | pass@1 % | degen. % | capped % | steps | out. len | base tok | helper tok | early exit % | exit {signals} % | steps base / helper % |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in summary["cells"]:
         m = c["metrics"]
         lines.append(f"| {c['setting']} | {c['method'] or '–'} | {_fmt(m['accuracy'], True)} | {_fmt(m['degeneration'], True)} | "
                      f"{_fmt(m['length_capped'], True)} | {_fmt(m['committed_steps'])} | {_fmt(m['output_tokens'])} | "
                      f"{_fmt(m['base_tokens'])} | {_fmt(m['helper_tokens'])} | {_fmt(m['early_exit'], True)} | "
-                     f"{_by_signal(m.get('exit_by_signal'))} | {_fmt(m['helper_share'], True)} |")
+                     f"{_by_signal(m.get('exit_by_signal'))} | {_sides(c['setting'], m)} |")
     comp = summary.get("comparison") or {}
     if comp:
-        lines += ["", f"| base method | A_full % | A_evict (BoN) % | A_KVR % | recovered | base tok BoN | base tok KVR | reduction % | helper share % | detector firing % | firing {signals} % |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"| base method | A_full % | A_evict (BoN) % | A_KVR % | A_helper-search % | A_full-search % | recovered | base tok BoN | base tok KVR | reduction % | helper share % | detector firing % | firing {signals} % |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, r in comp.items():
             rec = r.get("recovered_fraction")
             lines.append(f"| {m} | {_fmt(r.get('A_full'), True)} | {_fmt(r['A_evict(bon)'], True)} | {_fmt(r['A_kvr'], True)} | "
+                         f"{_fmt(r.get('A_helper_search'), True)} | {_fmt(r.get('A_full_search'), True)} | "
                          f"{'–' if rec is None else f'{rec:.2f}'} | {_fmt(r['base_tokens_bon'])} | {_fmt(r['base_tokens_kvr'])} | "
                          f"{_fmt(r['base_token_reduction'], True)} | {_fmt(r['helper_share'], True)} | {_fmt(r['detector_firing_rate'], True)} | "
                          f"{_by_signal(r.get('firing_by_signal'))} |")

@@ -38,7 +38,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headroom", type=int, default=128, help="with --paper-budget: the buffer w on top of B (paper: 128)")
     p.add_argument("--local-window", type=int, default=16)
     p.add_argument("--retention", type=float, default=0.4)
-    p.add_argument("--n", type=int, default=4, help="candidates per step from each model (paper: N=8)")
+    p.add_argument("--n", type=int, default=4,
+                   help="candidates per step from each model (paper: N=8); helper-search: 2N from the helper")
     p.add_argument("--delimiter", default="\n\n", help="step delimiter (paper: a blank line; the testbed: ';')")
     p.add_argument("--max-tokens", type=int, default=None, help="output token cap (default: the benchmark's)")
     p.add_argument("--max-steps", type=int, default=1024)
@@ -98,7 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="full / helper / evicted / best-of-N / KV-Rescue on a benchmark (resumable)")
     bench.add_argument("--benchmark", required=True, help="e.g. testbed:n=40,set=test or gsm8k")
     bench.add_argument("--method", default="dynts,window", help="base eviction methods, comma-separated")
-    bench.add_argument("--settings", default=",".join(SETTINGS), help=f"subset of {','.join(SETTINGS)}")
+    bench.add_argument("--settings", default=",".join(SETTINGS),
+                       help=f"subset of {','.join(SETTINGS)} (helper-search: the helper alone, 2N candidates per step; "
+                            "full-search: KV-Rescue with a full-cache base)")
     bench.add_argument("--limit", type=int, default=None, help="first N questions")
     bench.add_argument("--degen-steps", type=int, default=None, help="steps that make an incorrect trajectory degenerate")
     bench.add_argument("--max-rows", type=int, default=64, help="candidate rows per batched forward")
@@ -174,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             write_atomic(Path(args.out), json.dumps(result, indent=1))
         return 0
+    settings = tuple(s.strip() for s in args.settings.split(",") if s.strip())
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown or not settings:
+        raise SystemExit(f"--settings {args.settings!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no setting'}; "
+                         f"choose from {','.join(SETTINGS)}")
     config = RescueEvalConfig(
         benchmark=args.benchmark, out=args.out, base=args.base, helper=args.helper, prm=args.prm,
         methods=tuple(m.strip() for m in args.method.split(",") if m.strip()), predictor=args.predictor,
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         retention=args.retention, n=args.n, delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
         max_step_tokens=args.max_step_tokens, degen_steps=args.degen_steps, detector=_detector(args),
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit,
-        settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), max_rows=args.max_rows,
+        settings=settings, max_rows=args.max_rows,
         trust_remote_code=args.trust_remote_code, load_options=load_kwargs(args, given_only=True),
     )
     with final_tables() if args.final else contextlib.nullcontext():

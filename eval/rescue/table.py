@@ -1,12 +1,15 @@
 """One table over several ``dynts rescue bench`` runs: per run and base method, the KV-Rescue comparison
 (pass@1 of full cache, eviction-only best-of-N and KV-Rescue; the recovered fraction; base tokens vs
-best-of-N; the detector's firing by signal; the loop rate of best-of-N and KV-Rescue).
+best-of-N; the detector's firing by signal; the loop rate of best-of-N and KV-Rescue), then its
+controls: the helper alone through the same step search (``helper-search``: 2N helper candidates per
+step, no base) and KV-Rescue with a full-cache base (``full-search``), next to A_full / A_BoN / A_KVR,
+and the base's share of the committed steps in every stepwise cell (the helper's is the rest).
 
 ``python -m eval.rescue.table reports/rescue/B32-N4 reports/rescue/B64-N4 ... [--method dynts] [--write FILE] [--from-records]``
 
 Every accuracy and the recovered fraction carry a bootstrap 95 % CI (problems resampled, 10,000
-times, seed 0) and KV-Rescue is compared with best-of-N and with the full cache **paired** on the same
-problems (difference in points, McNemar's exact p), from the per-problem records
+times, seed 0) and KV-Rescue is compared with best-of-N, the full cache, helper-search and full-search
+**paired** on the same problems (difference in points, McNemar's exact p), from the per-problem records
 (``<run>/records/*.json``, :mod:`eval.harness.records`; built from ``cells/*.json`` when absent).
 ``--from-records`` recomputes the whole table from ``records/*.json`` alone; ``--write-records``
 writes them for runs that have only cells.
@@ -29,9 +32,11 @@ from eval.harness.loops import testbed_loops
 from eval.harness.records import cell_record, per_question, read_records, unpack_bits, write_record
 from eval.harness.stats import bootstrap_ci, mcnemar_exact, paired_difference, ratio_ci
 
-__all__ = ["RESCUE_BITS", "RESCUE_INTS", "budget_label", "markdown", "paired_stats", "rows_from_records", "rescue_record",
+__all__ = ["CONTROLS", "RESCUE_BITS", "RESCUE_INTS", "SEARCHES", "budget_label", "control_columns", "controls_markdown", "markdown", "paired_stats", "rows_from_records", "rescue_record",
            "rows", "run_records", "verifier_label", "write_records"]
 
+CONTROLS = ("helper-search", "full-search")  # method-independent stepwise cells (eval.rescue.bench)
+SEARCHES = ("bon", "kvr", "kvr-noexit", *CONTROLS)  # every stepwise cell: each committed step is the base's or the helper's
 RESCUE_BITS = ("correct", "looped")
 RESCUE_INTS = ("output_tokens", "base_tokens", "helper_tokens", "committed_steps", "helper_steps", "base_candidates",
                "early_exits", *(f"exit_{k}" for k in EXIT_SIGNALS))
@@ -48,6 +53,23 @@ def verifier_label(config: dict[str, Any]) -> str:
     """The PRM and whether the cross-step loop screen was on."""
     loop = (config.get("detector") or {}).get("loop")
     return f"{config['prm']}{' + loop screen' if loop else ''}"
+
+
+def _cell_of(setting: str, method: str | None) -> tuple[str, str | None]:
+    return (setting, None if setting in CONTROLS else method)
+
+
+def control_columns(metrics: dict[tuple[str, str | None], dict[str, Any]], method: str) -> dict[str, Any]:
+    """The controls of base ``method``'s KV-Rescue row from cell metrics by ``(setting, method)``
+    (``accuracy``, ``committed_steps`` and ``helper_share``, as :func:`eval.rescue.bench.metrics` writes
+    them): helper-search and full-search accuracy, and per stepwise cell the base's share of the
+    committed steps (``None`` when the cell is absent or committed nothing)."""
+    acc = lambda s: metrics[(s, None)]["accuracy"] if (s, None) in metrics else None  # noqa: E731
+    share = {}
+    for s in SEARCHES:
+        m = metrics.get(_cell_of(s, method))
+        share[s] = 1 - m["helper_share"] if m and m["committed_steps"] else None
+    return {"A_helper_search": acc("helper-search"), "A_full_search": acc("full-search"), "base_step_share": share}
 
 
 def rescue_record(key: str, cell: dict[str, Any]) -> dict[str, Any]:
@@ -81,14 +103,18 @@ def run_records(run_dir: str | Path) -> dict[tuple[str, str | None], dict[str, A
 
 
 def paired_stats(recs: dict[tuple[str, str | None], dict[str, Any]], method: str) -> dict[str, Any]:
-    """Bootstrap 95 % CIs of A_full, A_BoN, A_KVR and the recovered fraction, and KV-Rescue minus
-    best-of-N / minus the full cache paired on the problems (points, CI, McNemar exact)."""
+    """Bootstrap 95 % CIs of A_full, A_BoN, A_KVR, the two controls and the recovered fraction, and
+    KV-Rescue minus best-of-N / the full cache / helper-search / full-search paired on the problems
+    (points, CI, McNemar exact)."""
     full, bon, kvr = recs.get(("full", None)), recs.get(("bon", method)), recs.get(("kvr", method))
+    helper_search, full_search = recs.get(("helper-search", None)), recs.get(("full-search", None))
     out: dict[str, Any] = {}
-    for name, rec in (("A_full", full), ("A_evict(bon)", bon), ("A_kvr", kvr)):
+    for name, rec in (("A_full", full), ("A_evict(bon)", bon), ("A_kvr", kvr), ("A_helper_search", helper_search),
+                      ("A_full_search", full_search)):
         if rec is not None:
             out[f"{name}_ci"] = bootstrap_ci(per_question(rec))
-    for name, other in (("kvr_minus_bon", bon), ("kvr_minus_full", full)):
+    for name, other in (("kvr_minus_bon", bon), ("kvr_minus_full", full), ("kvr_minus_helper_search", helper_search),
+                        ("kvr_minus_full_search", full_search)):
         if kvr is not None and other is not None and kvr["ids"] == other["ids"]:
             out[name] = {**paired_difference(per_question(kvr), per_question(other)),
                          "mcnemar": mcnemar_exact(kvr["bits"]["correct"], other["bits"]["correct"])}
@@ -98,6 +124,26 @@ def paired_stats(recs: dict[tuple[str, str | None], dict[str, Any]], method: str
     return out
 
 
+def _acc(r: dict[str, Any] | None) -> float | None:
+    return None if r is None else sum(r["bits"]["correct"]) / len(r["ids"])
+
+
+def _mean(r: dict[str, Any] | None, f: str) -> float | None:
+    return None if r is None else sum(r["ints"][f]) / len(r["ids"])
+
+
+def _loops(r: dict[str, Any] | None) -> float | None:
+    if r is None or not r["cell"]["testbed"]:
+        return None
+    return sum(l and not c for l, c in zip(r["bits"]["looped"], r["bits"]["correct"])) / len(r["ids"])
+
+
+def _helper_share(r: dict[str, Any]) -> float:
+    """The helper's share of the committed steps, pooled over problems (as the bench's metrics)."""
+    steps = sum(r["ints"]["committed_steps"])
+    return sum(r["ints"]["helper_steps"]) / steps if steps else 0.0
+
+
 def rows_from_records(run: str | Path, recs: dict[tuple[str, str | None], dict[str, Any]],
                          methods: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """The rows of :func:`rows` recomputed from a run's records alone (in the order of ``methods``
@@ -105,28 +151,26 @@ def rows_from_records(run: str | Path, recs: dict[tuple[str, str | None], dict[s
     out = []
     full = recs.get(("full", None))
     rank = {m: i for i, m in enumerate(methods or ())}
+    metrics = {k: {"accuracy": _acc(r), "committed_steps": sum(r["ints"]["committed_steps"]), "helper_share": _helper_share(r)}
+               for k, r in recs.items()}  # what control_columns reads, as the bench's cell metrics
     for (setting, method), kvr in sorted(recs.items(), key=lambda kv: (rank.get(kv[0][1], len(rank)), str(kv[0][1]))):
         bon = recs.get(("bon", method))
-        if setting != "kvr" or bon is None or (methods and method not in methods):
+        if setting != "kvr" or (methods and method not in methods):
             continue
         n = len(kvr["ids"])
-        acc = lambda r: sum(r["bits"]["correct"]) / len(r["ids"])  # noqa: E731
-        mean = lambda r, f: sum(r["ints"][f]) / len(r["ids"])  # noqa: E731
-        loops = lambda r: (sum(l and not c for l, c in zip(r["bits"]["looped"], r["bits"]["correct"])) / len(r["ids"])  # noqa: E731
-                           if r["cell"]["testbed"] else None)
         candidates = sum(kvr["ints"]["base_candidates"])
         settings = kvr["cell"]["settings"]
         row = {"run": str(run), "budget": budget_label(settings), "n": settings["n"], "problems": n,
-               "verifier": verifier_label(settings), "method": method, "A_evict(bon)": acc(bon), "A_kvr": acc(kvr),
-               "base_tokens_bon": mean(bon, "base_tokens"), "base_tokens_kvr": mean(kvr, "base_tokens"),
+               "verifier": verifier_label(settings), "method": method, "A_evict(bon)": _acc(bon), "A_kvr": _acc(kvr),
+               "base_tokens_bon": _mean(bon, "base_tokens"), "base_tokens_kvr": _mean(kvr, "base_tokens"),
                "firing_by_signal": {k: sum(kvr["ints"][f"exit_{k}"]) / candidates if candidates else None for k in EXIT_SIGNALS},
-               "loops_bon": loops(bon), "loops_kvr": loops(kvr)}
+               "loops_bon": _loops(bon), "loops_kvr": _loops(kvr)}
         row["base_token_reduction"] = 1 - row["base_tokens_kvr"] / row["base_tokens_bon"] if row["base_tokens_bon"] else None
         if full is not None:
-            gap = acc(full) - acc(bon)
-            row["A_full"] = acc(full)
-            row["recovered_fraction"] = (acc(kvr) - acc(bon)) / gap if gap > 0 else None
-        out.append({**row, "stats": paired_stats(recs, method)})
+            gap = _acc(full) - _acc(bon) if bon is not None else 0
+            row["A_full"] = _acc(full)
+            row["recovered_fraction"] = (_acc(kvr) - _acc(bon)) / gap if gap > 0 else None
+        out.append({**row, **control_columns(metrics, method), "stats": paired_stats(recs, method)})
     return out
 
 
@@ -145,12 +189,14 @@ def rows(run_dirs: Sequence[str | Path], methods: Sequence[str] | None = None, f
         summary = json.loads((Path(run) / "results.json").read_text())
         config = summary["config"]
         loops = {(d["setting"], d["method"]): d["loops"] / d["problems"] for d in summary.get("degeneration", [])}
+        metrics = {(c["setting"], c["method"]): c["metrics"] for c in summary["cells"]}
         for method, r in summary.get("comparison", {}).items():
             if methods and method not in methods:
                 continue
             out.append({"run": str(run), "budget": budget_label(config), "n": config["n"],
                         "problems": next(c["metrics"]["problems"] for c in summary["cells"] if c["method"] == method),
                         "verifier": verifier_label(config), "method": method, **r,
+                        **control_columns(metrics, method),  # from the cells: results.json of earlier runs lack them
                         "loops_bon": loops.get(("bon", method)), "loops_kvr": loops.get(("kvr", method)),
                         "stats": paired_stats(recs, method)})
     return out
@@ -171,9 +217,14 @@ def _diff(t: dict[str, Any] | None) -> str:
     return f"{100 * t['diff']:+.1f} [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}], p {p:.2g}"
 
 
+def _tokens(v: float | None) -> str:
+    return "–" if v is None else f"{v:.1f}"
+
+
 def markdown(table: Sequence[dict[str, Any]]) -> str:
     """The table; accuracies and the recovered fraction with their bootstrap 95 % CIs, and KV-Rescue
-    minus best-of-N / the full cache paired (points [CI], McNemar exact p), where records exist."""
+    minus best-of-N / the full cache paired (points [CI], McNemar exact p), where records exist; then
+    the controls table (:func:`controls_markdown`)."""
     signals = "/".join(EXIT_SIGNALS)
     lines = [f"| budget | N | problems | verifier | base | A_full % | A_BoN % | A_KVR % | recovered | KVR − BoN | KVR − full | "
              f"base tok BoN | base tok KVR | base tokens vs BoN | firing {signals} % | loops BoN / KVR % |",
@@ -188,9 +239,34 @@ def markdown(table: Sequence[dict[str, Any]]) -> str:
                      f"**{_pct(r['A_kvr'])}**{_ci(st.get('A_kvr_ci'))} | "
                      f"{'–' if rec is None else f'**{rec:.2f}**' + _ci(st.get('recovered_ci'), 1, 2)} | "
                      f"{_diff(st.get('kvr_minus_bon'))} | {_diff(st.get('kvr_minus_full'))} | "
-                     f"{r['base_tokens_bon']:.1f} | {r['base_tokens_kvr']:.1f} | "
+                     f"{_tokens(r['base_tokens_bon'])} | {_tokens(r['base_tokens_kvr'])} | "
                      f"{'–' if red is None else f'{-100 * red:+.0f} %'} | {firing} | "
                      f"{_pct(r['loops_bon'])} / {_pct(r['loops_kvr'])} |")
+    return "\n".join(lines) + "\n" + (("\n" + controls_markdown(table)) if table else "")
+
+
+def controls_markdown(table: Sequence[dict[str, Any]]) -> str:
+    """Per row: A_full / A_BoN / A_KVR next to the controls, helper-search (the helper alone, 2N
+    candidates per step, same verifier and step limits) and full-search (KV-Rescue with a full-cache
+    base), with bootstrap 95 % CIs; KV-Rescue minus each control paired (points [CI], McNemar exact p);
+    and the base's share of the committed steps in each stepwise cell (the helper's is the rest)."""
+    names = {"bon": "BoN", "kvr": "KVR", "kvr-noexit": "KVR no-exit", "full-search": "full-search", "helper-search": "helper-search"}
+    lines = ["Controls: helper-search = the helper alone through the same step search (2N helper candidates per step, "
+             "as many as KV-Rescue's N + N; no base); full-search = KV-Rescue with a full-cache base. "
+             "Base steps = the base's share of the committed steps (the helper's is the rest).", "",
+             "| budget | N | problems | verifier | base | A_full % | A_BoN % | A_KVR % | A_helper-search % | A_full-search % | "
+             "KVR − helper-search | KVR − full-search | base steps % " + " / ".join(names.values()) + " |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        st = r.get("stats") or {}
+        share = r.get("base_step_share") or {}
+        lines.append(f"| {r['budget']} | {r['n']} + {r['n']} | {r['problems']} | {r['verifier']} | {r['method']} | "
+                     f"{_pct(r.get('A_full'))}{_ci(st.get('A_full_ci'))} | {_pct(r['A_evict(bon)'])}{_ci(st.get('A_evict(bon)_ci'))} | "
+                     f"**{_pct(r['A_kvr'])}**{_ci(st.get('A_kvr_ci'))} | "
+                     f"{_pct(r.get('A_helper_search'))}{_ci(st.get('A_helper_search_ci'))} | "
+                     f"{_pct(r.get('A_full_search'))}{_ci(st.get('A_full_search_ci'))} | "
+                     f"{_diff(st.get('kvr_minus_helper_search'))} | {_diff(st.get('kvr_minus_full_search'))} | "
+                     + " / ".join(_pct(share.get(s)) for s in names) + " |")
     return "\n".join(lines) + "\n"
 
 
