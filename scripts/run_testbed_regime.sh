@@ -2,7 +2,7 @@
 # The measurements on the shipped testbed (the LRM trained on a mixture of kept-set shapes, helper in
 # KV-Rescue's regime), one command per number, each under the machine's CPU lock (other jobs may run between).
 # Run after configs/testbed/{lrm,lrm-robust,lrm-mix,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
-# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair (default: all, in this order).
+# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm (default: all, in this order).
 # The rescue steps run two single-threaded benches side by side under one lock (the 2 cores).
 set -ex
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --metho
   --settings full,helper,evict,bon,kvr,helper-search,full-search"  # + the controls: helper alone (2N) and a full-cache base, same search
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
-steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair}
+steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm}
 one() { $LOCK bash -c "$1"; }  # the rescue commands are strings (quoted ';'), run by bash -c
 pair() { $LOCK bash -c "$1 & a=\$!; $2 & b=\$!; wait \$a; x=\$?; wait \$b; exit \$((x || \$?))"; }  # two single-threaded jobs on the 2 cores
 for step in $steps; do
@@ -84,6 +84,22 @@ for step in $steps; do
         $PY -m eval.harness.compare runs/eval-fair-$side --write > reports/eval-fair/$side/compare.md
         cp runs/eval-fair-$side/records/*.json reports/eval-fair/$side/records/
         cp runs/eval-fair-$side/results.{md,json} reports/eval-fair/$side/
+      done ;;
+    confirm)  # the final tables: every method on the confirm problems no choice saw (dynts eval --final), both
+      # families; copy on the shipped LRM and on lrm-fair.yaml's, each with its own predictor (run the fair step first)
+      CONFIRM="$PY -m dynts.cli eval --final --method $FAIR_METHODS --local-window 32 --retention 0.4 --k 1 --batch-size 100 --threads 1 --no-progress"
+      COPY="$CONFIRM --benchmark testbed:n=200,set=confirm --budget 64,96,128,192"
+      pair "$COPY --model testbed --predictor checkpoints/testbed-predictor --run-dir runs/confirm-copy" \
+           "$COPY --model runs/testbed-lrm-fair/export --predictor runs/testbed-lrm-fair/predictor --run-dir runs/confirm-copy-fair"
+      CHAIN="$CONFIRM --benchmark testbed:n=200,family=chain,set=confirm --model testbed-chain --predictor checkpoints/testbed-chain-predictor"
+      pair "${CHAIN/oracle-step,oracle-value/chain-oracle-step,chain-oracle-value} --budget 48,64 --run-dir runs/confirm-chain" \
+           "${CHAIN/oracle-step,oracle-value/chain-oracle-step,chain-oracle-value} --budget 96,128 --run-dir runs/confirm-chain-b"
+      for run in confirm-copy confirm-copy-fair confirm-chain; do
+        extra=""; [ $run = confirm-chain ] && extra=runs/confirm-chain-b
+        mkdir -p reports/$run/records
+        $PY -m eval.harness.compare runs/$run $extra --write > reports/$run/compare.md
+        cp runs/$run/records/*.json reports/$run/records/; [ -n "$extra" ] && cp $extra/records/*.json reports/$run/records/
+        cp runs/$run/results.{md,json} runs/$run/accuracy_vs_budget.png reports/$run/
       done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

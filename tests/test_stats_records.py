@@ -116,6 +116,10 @@ def test_compare_joins_several_runs(tmp_path, capsys):
         (one / sub / f"h2o{suffix}").rename(two / sub / f"h2o{suffix}")
     assert cmp.main([str(one), str(two)]) == 0
     assert capsys.readouterr().out == together
+    for sub, suffix in (("cells", ".json"), ("samples", ".jsonl")):  # the full cache in both runs: counted once
+        (two / sub / f"full{suffix}").write_text((one / sub / f"full{suffix}").read_text())
+    assert cmp.main([str(one), str(two)]) == 0
+    assert capsys.readouterr().out == together
     assert cmp.main([str(one)]) == 0
     assert "| h2o |" not in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(or --from-records for a report directory)")
             results += cells
             records.update(records_of(run_dir, cells))
-        results = _ordered(results)
+        results = _ordered(list({c.get("key") or id(c): c for c in results}.values()))  # a cell two runs share counts once
         if args.write:
             from .report import write_reports
 
