@@ -98,6 +98,7 @@ for step in $steps; do
         extra=""; [ $run = confirm-chain ] && extra=runs/confirm-chain-b
         mkdir -p reports/$run/records
         $PY -m eval.harness.compare runs/$run $extra --write > reports/$run/compare.md
+        $PY -m eval.harness.compare runs/$run $extra --wide > reports/$run/wide.md   # the tables in docs/evaluation.md
         cp runs/$run/records/*.json reports/$run/records/; [ -n "$extra" ] && cp $extra/records/*.json reports/$run/records/
         cp runs/$run/results.{md,json} runs/$run/accuracy_vs_budget.png reports/$run/
       done ;;

@@ -73,7 +73,7 @@ def _run_dir(tmp_path):
     for label, ok in right.items():
         budget = None if label == "full" else 64
         cell = {"key": label, "benchmark": "testbed:n=10", "method": {"label": label}, "budget": budget, "k": 1,
-                "pass@1": len(ok) / 10, "pass@1_se": 0.1}
+                "pass@1": len(ok) / 10, "pass@1_se": 0.1, "mean_prompt_tokens": 14, "mean_generated_tokens": 114}
         (tmp_path / "cells").mkdir(exist_ok=True)
         (tmp_path / "cells" / f"{label}.json").write_text(json.dumps(cell))
         samples = [{"question": q, "sample": 0, "id": f"test:{q}", "correct": q in ok, "tokens": 100 + q,
@@ -90,6 +90,10 @@ def test_compare_is_paired_and_recomputes_from_records(tmp_path, capsys):
     # dynts right on 6 questions h2o misses, h2o on 1 dynts misses: McNemar p = 2 * 8 / 128
     assert "| h2o | 64 | +50.0 |" in from_run and "| 6 / 1 | 0.12 | 6 / 1 (0.12) |" in from_run
     assert "| dynts | 90.0 [" in from_run or "| dynts | 90.0 [" in from_run.replace(" (no eviction)", "")
+    assert cmp.main([str(run), "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "| dynts minus | B = 64 |" in wide and "| h2o | **+50.0 [" in wide and "McNemar" not in wide
+    assert "| *B / full seq* | *0.50* |" in wide  # 64 / (14 + 114)
     # write the compact records (as a dynts eval run does), drop everything else, recompute
     for cell in cmp.finished_cells(run):
         samples = [json.loads(x) for x in (run / "samples" / f"{cell['key']}.jsonl").read_text().splitlines()]

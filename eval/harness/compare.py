@@ -12,6 +12,9 @@ reads every finished cell of one or more runs on the same problems (``cells/*.js
    and a verdict: ``leads`` (the CI above 0), ``trails`` (below 0) or ``CI includes 0``;
 3. what the runs wrote: mean generated tokens, loop %, truncated %, evictions per sample.
 
+``--wide`` prints 1 and the paired differences as one method x budget table instead (each cell
+``points [CI]``, bold where the CI excludes 0, a first row with ``B / full seq``).
+
 Cells without per-problem results fall back to ``pass@1 ± SE`` and the unpaired
 ``sqrt(se_a^2 + se_b^2)`` (``leads`` = at least 2 SE). ``--from-records`` recomputes all tables from
 ``records/*.json`` alone (a report directory with nothing else); ``--write`` also renders the cells
@@ -29,7 +32,7 @@ from typing import Any, Sequence
 from .records import eval_record, per_question, read_records, unpack_bits
 from .stats import bootstrap_ci, mcnemar_exact, paired_difference, sign_test
 
-__all__ = ["cells_from_records", "compare", "finished_cells", "main", "pivot",
+__all__ = ["cells_from_records", "compare", "finished_cells", "main", "paired_wide", "pivot",
            "record_of_samples", "records_of", "written"]
 
 def finished_cells(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -161,6 +164,35 @@ def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: 
     return "\n\n".join("\n".join(t) for t in tables)
 
 
+def paired_wide(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None) -> str:
+    """The paired differences of :func:`compare` as one method x budget table (the docs' final tables):
+    each cell ``points [95 % CI]``, bold where the CI excludes 0; a first row gives ``B`` over the full
+    cache's mean sequence (prompt included), as peers size budgets. Cells without records are left out."""
+    records = records or {}
+    methods, budgets, cells = _cells(results)
+    full = next((r for r in results if r.get("budget") is None and r.get("mean_generated_tokens")), None)
+    lines = [f"| {against} minus | " + " | ".join(f"B = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    if full is not None and full.get("mean_prompt_tokens") is not None:
+        seq = full["mean_prompt_tokens"] + full["mean_generated_tokens"]
+        lines.append("| *B / full seq* | " + " | ".join(f"*{b / seq:.2f}*" for b in budgets) + " |")
+    for m in methods:
+        if m == against or (m, None) in cells:
+            continue
+        row = []
+        for b in budgets:
+            ra = records.get(cells.get((against, b), {}).get("key"))
+            ro = records.get(cells.get((m, b), {}).get("key"))
+            if ra is None or ro is None:
+                row.append("")
+                continue
+            t = _paired(ra, ro)
+            text = f"{100 * t['diff']:+.1f} [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}]"
+            row.append(f"**{text}**" if t["lo"] > 0 or t["hi"] < 0 else text)
+        if any(row):
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def written(results: Sequence[dict[str, Any]], records: dict[str, dict[str, Any]]) -> str:
     """Per cell with records: mean generated tokens, loop %, truncated %, evictions per sample."""
     lines = ["| method | B | pass@1 % | mean tokens | loop % | truncated % | evictions/sample |", "|---|---|---|---|---|---|---|"]
@@ -186,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true",
                         help="render all finished cells as results.{json,csv,md} and plots (in the first RUN_DIR)")
     parser.add_argument("--from-records", action="store_true", help="recompute every table from records/*.json alone")
+    parser.add_argument("--wide", action="store_true",
+                        help="only pass@1 and the paired differences as method x budget tables (the docs' final tables)")
     args = parser.parse_args(argv)
     if args.from_records:
         if args.write:
@@ -210,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
 
             write_reports(args.run_dirs[0], results)
     tables = [pivot(results, records), compare(results, args.against, records), written(results, records)]
+    if args.wide:
+        tables = [pivot(results, records), paired_wide(results, args.against, records)]
     print("\n\n".join(t for t in tables if t))
     return 0
 
