@@ -2,7 +2,8 @@
 # The measurements on the shipped testbed (the LRM trained on a mixture of kept-set shapes, helper in
 # KV-Rescue's regime), one command per number, each under the machine's CPU lock (other jobs may run between).
 # Run after configs/testbed/{lrm,lrm-robust,lrm-mix,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
-# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm (default: all, in this order).
+# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm rescue-confirm
+# (default: all, in this order).
 # The rescue steps run two single-threaded benches side by side under one lock (the 2 cores).
 set -ex
 cd "$(dirname "$0")/.."
@@ -16,7 +17,7 @@ RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --metho
   --settings full,helper,evict,bon,kvr,helper-search,full-search"  # + the controls: helper alone (2N) and a full-cache base, same search
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
-steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm}
+steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm rescue-confirm}
 one() { $LOCK bash -c "$1"; }  # the rescue commands are strings (quoted ';'), run by bash -c
 pair() { $LOCK bash -c "$1 & a=\$!; $2 & b=\$!; wait \$a; x=\$?; wait \$b; exit \$((x || \$?))"; }  # two single-threaded jobs on the 2 cores
 for step in $steps; do
@@ -102,6 +103,13 @@ for step in $steps; do
         cp runs/$run/records/*.json reports/$run/records/; [ -n "$extra" ] && cp $extra/records/*.json reports/$run/records/
         cp runs/$run/results.{md,json} runs/$run/accuracy_vs_budget.png reports/$run/
       done ;;
+    rescue-confirm)  # the rescue headline on confirm: window / R-KV / DynTS bases, B = 64, N = 4 + 4, the frozen verifier
+      # (dynts rescue's default, chosen on test: rescue-verifiers), with the helper-search and full-search controls
+      RC="${RESCUE/testbed:n=100,set=test/testbed:n=100,set=confirm} --final --budget 64 --n 4 --out reports/rescue/confirm-B64-N4"
+      RC="${RC/--prm testbed-prm-order/--prm 'testbed-prm-order*likelihood:testbed-helper'}"
+      pair "$RC --method window,rkv --settings evict,bon,kvr" "$RC --method dynts"
+      one "$RC"  # every cell is on disk: this only writes results.md / results.json
+      $PY -m eval.rescue.table reports/rescue/confirm-B64-N4 --write reports/rescue/table-confirm.md ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
+from eval.rescue.bench import DEFAULT_VERIFIER
 from eval.rescue.cli import main
 from eval.rescue.bench import testbed_step_verifier as step_verifier
 
@@ -40,7 +42,8 @@ def test_bench_runs_compares_and_resumes(tmp_path, monkeypatch, capsys):
 
     (row,) = rows([out])
     assert (row["budget"], row["n"], row["problems"], row["method"]) == ("B = 40", 2, 3, "window")
-    assert row["A_kvr"] == a_kvr and row["verifier"] == "testbed-prm-order"
+    assert row["A_kvr"] == a_kvr and row["verifier"] == DEFAULT_VERIFIER  # the docs' headline verifier
+    assert f"`--prm '{DEFAULT_VERIFIER}'`" in (Path(__file__).parents[1] / "docs" / "rescue.md").read_text()
     degen = {(d["setting"], d["method"]): d for d in summary["degeneration"]}
     assert row["loops_kvr"] == degen[("kvr", "window")]["loops"] / 3
     assert table_main([str(out), "--write", str(tmp_path / "table.md")]) == 0

@@ -51,6 +51,9 @@ from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_o
 
 __all__ = ["CONTROLS", "RescueEvalConfig", "SETTINGS", "STEPWISE", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
 
+# The verifier of docs/rescue.md's headline tables and the default of `dynts rescue`: the order-aware
+# testbed PRM times the likelihood of the full-context helper (dynts.rescue.scorer.ProductPRM).
+DEFAULT_VERIFIER = "testbed-prm-order*likelihood:testbed-helper"
 SETTINGS = ("full", "helper", "evict", "bon", "kvr", "kvr-noexit", "helper-search", "full-search")
 STEPWISE = ("bon", "kvr", "kvr-noexit")  # stepwise cells, one per base method
 CONTROLS = ("helper-search", "full-search")  # stepwise cells, method-independent
@@ -69,7 +72,7 @@ class RescueEvalConfig:
     out: str
     base: str = "testbed"
     helper: str = "testbed-helper"
-    prm: str = "testbed-prm-order"
+    prm: str = DEFAULT_VERIFIER
     methods: tuple[str, ...] = ("dynts", "window")
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     predictor: str | None = None

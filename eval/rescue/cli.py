@@ -16,7 +16,7 @@ from data_pipeline.testbed.task import final_tables
 from dynts.core.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
-from eval.rescue.bench import RescueEvalConfig, SETTINGS, evaluate, summary_table, load_eval_prm, helper_options, load_model
+from eval.rescue.bench import DEFAULT_VERIFIER, RescueEvalConfig, SETTINGS, evaluate, summary_table, load_eval_prm, helper_options, load_model
 from eval.rescue.calibrate import calibrate
 
 __all__ = ["main"]
@@ -25,8 +25,9 @@ __all__ = ["main"]
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default="testbed", help="base model: a dynts.load name or a local HF directory")
     p.add_argument("--helper", default="testbed-helper", help="full-context helper (same tokenizer as the base)")
-    p.add_argument("--prm", default="testbed-prm-order",
-                   help="PRM: testbed-prm-order (the testbed PRM that sees repeated steps), testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
+    p.add_argument("--prm", default=DEFAULT_VERIFIER,
+                   help=f"verifier (default {DEFAULT_VERIFIER}: the order-aware PRM times the helper's likelihood, "
+                        "the docs' headline verifier); testbed-prm-order (the testbed PRM that sees repeated steps), testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
                         "(e.g. likelihood:testbed: a full-context LM's token likelihoods), testbed-verifier (exact step checker), "
                         "or A*B: the product of such verifiers (e.g. testbed-prm-order*likelihood:testbed-helper)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
