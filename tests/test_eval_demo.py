@@ -7,14 +7,15 @@ import json
 
 import pytest
 
+from dynts.models import TESTBED
 from eval.harness import demo
 from pipeline_utils import tiny_eval_testbed
 
 
 def make_checkpoints(root, predictor: bool, families=("copy", "chain")):
     for family in families:
-        _, model, predictor_dir, _ = demo.FAMILIES[family]
-        tiny_eval_testbed(root / model, root / predictor_dir if predictor else None)
+        spec = demo.FAMILIES[family]
+        tiny_eval_testbed(root / TESTBED[spec.model], root / spec.predictor if predictor else None)
 
 
 def test_demo_without_checkpoints_says_what_to_do(tmp_path, monkeypatch, capsys):

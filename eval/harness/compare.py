@@ -122,6 +122,11 @@ def _paired(a: dict[str, Any], o: dict[str, Any]) -> dict[str, Any]:
             "sign": sign_test(per_question(a), per_question(o))}
 
 
+def _verdict(t: dict[str, Any]) -> str:
+    """A paired difference's verdict: its bootstrap CI above 0, below 0, or across it."""
+    return "leads" if t["lo"] > 0 else "trails" if t["hi"] < 0 else "CI includes 0"
+
+
 def _p(p: float) -> str:
     return f"{p:.2g}" if p >= 1e-4 else f"{p:.0e}"
 
@@ -148,7 +153,7 @@ def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: 
             ra, ro = records.get(a.get("key")), records.get(o.get("key"))
             if ra is not None and ro is not None:
                 t = _paired(ra, ro)
-                verdict = "leads" if t["lo"] > 0 else "trails" if t["hi"] < 0 else "CI includes 0"
+                verdict = _verdict(t)
                 mc, sg = t["mcnemar"], t["sign"]
                 paired.append(f"| {m} | {b} | {100 * t['diff']:+.1f} | [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}] | "
                               f"{mc['only_a']} / {mc['only_b']} | {_p(mc['p'])} | {sg['plus']} / {sg['minus']} ({_p(sg['p'])}) | {verdict} |")
@@ -168,13 +173,14 @@ def paired_wide(results: Sequence[dict[str, Any]], against: str = "dynts", recor
     """The paired differences of :func:`compare` as one method x budget table (the docs' final tables):
     each cell ``points [95 % CI]``, bold where the CI excludes 0; a first row gives ``B`` over the full
     cache's mean sequence (prompt included), as peers size budgets. Cells without records are left out."""
+    from .report import against_full
+
     records = records or {}
     methods, budgets, cells = _cells(results)
-    full = next((r for r in results if r.get("budget") is None and r.get("mean_generated_tokens")), None)
     lines = [f"| {against} minus | " + " | ".join(f"B = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
-    if full is not None and full.get("mean_prompt_tokens") is not None:
-        seq = full["mean_prompt_tokens"] + full["mean_generated_tokens"]
-        lines.append("| *B / full seq* | " + " | ".join(f"*{b / seq:.2f}*" for b in budgets) + " |")
+    fraction = {r["budget"]: r["budget_vs_full"] for r in against_full(results) if "budget_vs_full" in r}
+    if fraction:
+        lines.append("| *B / full seq* | " + " | ".join(f"*{fraction[b]:.2f}*" if b in fraction else "" for b in budgets) + " |")
     for m in methods:
         if m == against or (m, None) in cells:
             continue
@@ -187,7 +193,7 @@ def paired_wide(results: Sequence[dict[str, Any]], against: str = "dynts", recor
                 continue
             t = _paired(ra, ro)
             text = f"{100 * t['diff']:+.1f} [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}]"
-            row.append(f"**{text}**" if t["lo"] > 0 or t["hi"] < 0 else text)
+            row.append(text if _verdict(t) == "CI includes 0" else f"**{text}**")
         if any(row):
             lines.append(f"| {m} | " + " | ".join(row) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""
@@ -224,11 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_records:
         if args.write:
             parser.error("--write renders cells/*.json; --from-records reads records only: give one of them")
-        recs = [r for d in args.run_dirs for r in read_records(d)]
-        if not recs:
+        records = {r["key"]: r for d in args.run_dirs for r in read_records(d)}  # a cell two runs share counts once
+        if not records:
             parser.error(f"{', '.join(args.run_dirs)}: no records/*.json; a dynts eval run writes them next to its cells")
-        records = {r["key"]: r for r in recs}
-        results = cells_from_records(recs)
+        results = cells_from_records(list(records.values()))
     else:
         results, records = [], {}
         for run_dir in args.run_dirs:
@@ -243,9 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             from .report import write_reports
 
             write_reports(args.run_dirs[0], results)
-    tables = [pivot(results, records), compare(results, args.against, records), written(results, records)]
     if args.wide:
         tables = [pivot(results, records), paired_wide(results, args.against, records)]
+    else:
+        tables = [pivot(results, records), compare(results, args.against, records), written(results, records)]
     print("\n\n".join(t for t in tables if t))
     return 0
 

@@ -18,6 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from typing import NamedTuple
+
 from data_pipeline.testbed.task import final_tables
 from dynts.cli_options import add_load_arguments, load_kwargs
 
@@ -28,22 +30,32 @@ TABLE = ["method", "pass@1", "pass@1_se", "parse_rate", "mean_generated_tokens",
          "loop_rate", "evictions_per_sample", "tokens_per_second", "peak_kv_mib_per_sequence", "peak_cache_tokens"]
 
 
-# family -> (model name, checkpoint directory, predictor directory, benchmark options)
-FAMILIES: dict[str, tuple[str, str, str, str]] = {
-    "copy": ("testbed", "testbed-lrm", "testbed-predictor", ""),
-    "chain": ("testbed-chain", "testbed-chain-lrm", "testbed-chain-predictor", ",family=chain"),
+class Family(NamedTuple):
+    """One testbed task family as the demo runs it."""
+
+    model: str  # a bundled name (dynts.models.TESTBED gives its checkpoint directory)
+    predictor: str  # its predictor's directory under checkpoints/
+    options: str  # added to the testbed benchmark spec
+    oracles: str  # the eval.harness.methods list of its oracle presets (imported with dynts, on use)
+    config: str  # the config that trains the model, named when it is missing
+
+
+FAMILIES: dict[str, Family] = {
+    "copy": Family("testbed", "testbed-predictor", "", "ORACLES", "lrm.yaml"),
+    "chain": Family("testbed-chain", "testbed-chain-predictor", ",family=chain", "CHAIN_ORACLES", "chain-lrm.yaml"),
 }
 
 
-def demo_methods(have_predictor: bool, family: str = "copy", predictor: str = "testbed-predictor") -> tuple[list[str], list[str]]:
+def demo_methods(have_predictor: bool, family: str = "copy") -> tuple[list[str], list[str]]:
     """Every registered method that runs with default settings, the attention baselines also with
     question protection (``+q``), and the family's ground-truth oracles by kept-set shape;
     score-based ones only with a predictor. Returns (specs, skipped notes)."""
     import dynts
     from dynts.evictors.base import EVICTORS
 
-    from .methods import CHAIN_ORACLES, ORACLES, QUESTION_PROTECTED
+    from . import methods
 
+    predictor = FAMILIES[family].predictor
     specs, notes = [], []
     for name in sorted(dynts.available_methods(), key=lambda n: n != "full"):
         if name == "testbed-oracle":
@@ -56,7 +68,7 @@ def demo_methods(have_predictor: bool, family: str = "copy", predictor: str = "t
         except ValueError:
             continue  # needs explicit settings (e.g. "fixed")
         specs.append(name)
-    return specs + QUESTION_PROTECTED + (CHAIN_ORACLES if family == "chain" else ORACLES), notes
+    return specs + methods.QUESTION_PROTECTED + getattr(methods, FAMILIES[family].oracles), notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,13 +98,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from dynts.models import checkpoints_dir
+    from dynts.models import TESTBED, checkpoints_dir
 
-    missing = [(f, checkpoints_dir() / FAMILIES[f][1]) for f in families if not (checkpoints_dir() / FAMILIES[f][1] / "config.json").is_file()]
-    for family, path in missing:
-        config = "lrm.yaml" if family == "copy" else "chain-lrm.yaml"
-        print(f"demo: the {family} testbed model is missing at {path}; train it with "
-              f"`dynts testbed train --config configs/testbed/{config}`", file=sys.stderr)
+    paths = {f: checkpoints_dir() / TESTBED[FAMILIES[f].model] for f in families}
+    missing = [f for f in families if not (paths[f] / "config.json").is_file()]
+    for family in missing:
+        print(f"demo: the {family} testbed model is missing at {paths[family]}; train it with "
+              f"`dynts testbed train --config configs/testbed/{FAMILIES[family].config}`", file=sys.stderr)
     if missing:
         return 1
     if args.threads:
@@ -114,10 +126,10 @@ def run_family(family: str, args: argparse.Namespace, load_options: dict) -> int
     from .report import markdown_table
     from .runner import run
 
-    model, _, predictor_name, options = FAMILIES[family]
+    model, predictor_name, options = FAMILIES[family].model, FAMILIES[family].predictor, FAMILIES[family].options
     predictor = checkpoints_dir() / predictor_name
     have_predictor = (predictor / "predictor_config.json").is_file()
-    methods, notes = demo_methods(have_predictor, family, predictor_name)
+    methods, notes = demo_methods(have_predictor, family)
     for note in notes:
         print(f"demo: {note}", file=sys.stderr)
     run_dir = Path(args.run_dir) / family

@@ -44,19 +44,25 @@ from typing import Any, Sequence
 import torch
 
 from dynts.io import write_atomic
-from eval.rescue.table import control_columns, write_records
+from eval.rescue.table import CONTROLS, SEARCHES, STEPWISE, control_columns, write_records
 from dynts.predictor import find_predictor
 from dynts.rescue.results import EXIT_SIGNALS
 from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
 
-__all__ = ["CONTROLS", "RescueEvalConfig", "SETTINGS", "STEPWISE", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
+__all__ = ["CONTROLS", "RescueEvalConfig", "check_settings", "SETTINGS", "STEPWISE", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
 
 # The verifier of docs/rescue.md's headline tables and the default of `dynts rescue`: the order-aware
 # testbed PRM times the likelihood of the full-context helper (dynts.rescue.scorer.ProductPRM).
 DEFAULT_VERIFIER = "testbed-prm-order*likelihood:testbed-helper"
 SETTINGS = ("full", "helper", "evict", "bon", "kvr", "kvr-noexit", "helper-search", "full-search")
-STEPWISE = ("bon", "kvr", "kvr-noexit")  # stepwise cells, one per base method
-CONTROLS = ("helper-search", "full-search")  # stepwise cells, method-independent
+
+
+def check_settings(settings: Sequence[str], empty_ok: bool = True) -> None:
+    """Refuse unknown ``--settings`` (and, unless ``empty_ok``, an empty list), naming the choices."""
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown or not (settings or empty_ok):
+        raise ValueError(f"--settings {','.join(settings)!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no setting'}; "
+                         f"choose from {','.join(SETTINGS)}")
 
 
 @dataclass
@@ -102,9 +108,7 @@ class RescueEvalConfig:
     def __post_init__(self) -> None:
         if self.predictor == "auto":  # the trained predictor of the base (dynts.predictor.find_predictor)
             self.predictor = str(find_predictor(self.base))
-        unknown = set(self.settings) - set(SETTINGS)
-        if unknown:
-            raise ValueError(f"settings {sorted(unknown)} are unknown; choose from {list(SETTINGS)}")
+        check_settings(self.settings)
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an int >= 1 (candidates per model per step)")
         if self.degen_steps is None:
@@ -342,7 +346,7 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
     models: dict[str, Any] = {"base": load_model(config.base, **config.load_options)}
     if {"helper", "kvr", "kvr-noexit", *CONTROLS} & set(config.settings):
         models["helper"] = load_model(config.helper, **helper_options(config.load_options))
-    if {*STEPWISE, *CONTROLS} & set(config.settings):
+    if set(SEARCHES) & set(config.settings):
         models["prm"] = load_eval_prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
     tokenizer = models["base"][1]
     models["messages"] = [user_message(e, bench) for e in bench.examples]
@@ -431,7 +435,7 @@ def _by_signal(rates: dict[str, Any] | None) -> str:
 
 def _sides(setting: str, m: dict[str, Any]) -> str:
     """``base / helper`` percent of a stepwise cell's committed steps (``–`` for plain sampling)."""
-    if setting not in (*STEPWISE, *CONTROLS) or not m["committed_steps"]:
+    if setting not in SEARCHES or not m["committed_steps"]:
         return "–"
     return f"{_fmt(1 - m['helper_share'], True)} / {_fmt(m['helper_share'], True)}"
 

@@ -16,7 +16,7 @@ from data_pipeline.testbed.task import final_tables
 from dynts.core.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
-from eval.rescue.bench import DEFAULT_VERIFIER, RescueEvalConfig, SETTINGS, evaluate, summary_table, load_eval_prm, helper_options, load_model
+from eval.rescue.bench import DEFAULT_VERIFIER, RescueEvalConfig, SETTINGS, check_settings, evaluate, summary_table, load_eval_prm, helper_options, load_model
 from eval.rescue.calibrate import calibrate
 
 __all__ = ["main"]
@@ -179,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             write_atomic(Path(args.out), json.dumps(result, indent=1))
         return 0
     settings = tuple(s.strip() for s in args.settings.split(",") if s.strip())
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown or not settings:
-        raise SystemExit(f"--settings {args.settings!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no setting'}; "
-                         f"choose from {','.join(SETTINGS)}")
+    try:
+        check_settings(settings, empty_ok=False)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     config = RescueEvalConfig(
         benchmark=args.benchmark, out=args.out, base=args.base, helper=args.helper, prm=args.prm,
         methods=tuple(m.strip() for m in args.method.split(",") if m.strip()), predictor=args.predictor,

@@ -32,11 +32,13 @@ from eval.harness.loops import testbed_loops
 from eval.harness.records import cell_record, per_question, read_records, unpack_bits, write_record
 from eval.harness.stats import bootstrap_ci, mcnemar_exact, paired_difference, ratio_ci
 
-__all__ = ["CONTROLS", "RESCUE_BITS", "RESCUE_INTS", "SEARCHES", "budget_label", "control_columns", "controls_markdown", "markdown", "paired_stats", "rows_from_records", "rescue_record",
+__all__ = ["CONTROLS", "RESCUE_BITS", "RESCUE_INTS", "SEARCHES", "STEPWISE", "budget_label", "control_columns", "controls_markdown", "markdown", "paired_stats", "rows_from_records", "rescue_record",
            "rows", "run_records", "verifier_label", "write_records"]
 
-CONTROLS = ("helper-search", "full-search")  # method-independent stepwise cells (eval.rescue.bench)
-SEARCHES = ("bon", "kvr", "kvr-noexit", *CONTROLS)  # every stepwise cell: each committed step is the base's or the helper's
+# The stepwise settings of eval.rescue.bench (defined here, which the bench imports).
+STEPWISE = ("bon", "kvr", "kvr-noexit")  # stepwise cells, one per base method
+CONTROLS = ("helper-search", "full-search")  # stepwise cells, method-independent
+SEARCHES = (*STEPWISE, *CONTROLS)  # every stepwise cell: each committed step is the base's or the helper's
 RESCUE_BITS = ("correct", "looped")
 RESCUE_INTS = ("output_tokens", "base_tokens", "helper_tokens", "committed_steps", "helper_steps", "base_candidates",
                "early_exits", *(f"exit_{k}" for k in EXIT_SIGNALS))
