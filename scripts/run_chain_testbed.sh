@@ -1,7 +1,7 @@
 #!/bin/bash
 # The chain family's first measurements (issue #30; docs/testbed.md, "The chain family"), one command
 # per number, each under the machine's CPU lock (other jobs may run between).
-#   scripts/run_chain_testbed.sh [STEP...]   steps: lrm helper predictor full budget96 (default: all, in this order)
+#   scripts/run_chain_testbed.sh [STEP...]   steps: lrm helper prm predictor full budget96 (default: all, in this order)
 # Training resumes from the run's last checkpoint, so a step cut by a time limit continues on a rerun.
 set -ex
 cd "$(dirname "$0")/.."
@@ -11,12 +11,15 @@ LOCK="flock /tmp/dynts-cpu.lock"
 BENCH=testbed:n=200,family=chain,set=dev
 EVAL="$PY -m dynts.cli eval --benchmark $BENCH --k 1 --batch-size 100 --threads 1 --no-progress"
 pair() { $LOCK bash -c "$1 & a=\$!; $2 & b=\$!; wait \$a; x=\$?; wait \$b; exit \$((x || \$?))"; }  # two single-threaded jobs on the 2 cores
-for step in ${*:-lrm helper predictor full budget96}; do
+for step in ${*:-lrm helper prm predictor full budget96}; do
   date
   case $step in
     lrm)     $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-lrm.yaml --resume        # -> runs/testbed-chain-lrm/export
              $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-lrm-drill.yaml --resume ;;  # -> checkpoints/testbed-chain-lrm
     helper)  $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-helper.yaml --resume ;;  # -> checkpoints/testbed-chain-helper
+    prm)     # the chain PRM (~25 min) and its AUROC on gate traces (training-style and step-order negatives)
+             $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-prm.yaml --resume  # -> checkpoints/testbed-chain-prm
+             $LOCK $PY -m trainers.testbed_prm checkpoints/testbed-chain-prm --family chain --n 200 > reports/prm-chain.json ;;
     predictor)  # traces -> importance -> training -> checkpoints/testbed-chain-predictor
       $LOCK $PY -m dynts.cli pipeline --config configs/predictor/testbed-chain.pipeline.yaml ;;
     full)    # full-cache accuracy of the chain LRM and its helper

@@ -2,7 +2,8 @@
 # The measurements on the shipped testbed (the LRM trained on a mixture of kept-set shapes, helper in
 # KV-Rescue's regime), one command per number, each under the machine's CPU lock (other jobs may run between).
 # Run after configs/testbed/{lrm,lrm-robust,lrm-mix,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
-# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm rescue-confirm
+# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev
+#        rescue-confirm rescue-confirm-chain pareto-confirm (the chain steps after scripts/run_chain_testbed.sh: the chain models)
 # (default: all, in this order).
 # The rescue steps run two single-threaded benches side by side under one lock (the 2 cores).
 set -ex
@@ -15,9 +16,15 @@ RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,set=test --metho
   --max-steps 96 --max-step-tokens 64 --degen-steps 24 --entropy-threshold 3.3 --compress-threshold 0.5 \
   --compress-window 100 --guard 12 --entropy-window 6 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 0 \
   --settings full,helper,evict,bon,kvr,helper-search,full-search"  # + the controls: helper alone (2N) and a full-cache base, same search
+# the chain family's rescue: its LRM, helper, predictor and problems; the verifier is set per step
+CHAIN_RESCUE="${RESCUE/checkpoints\/testbed-predictor/checkpoints/testbed-chain-predictor} --base testbed-chain --helper testbed-chain-helper"
+CHAIN_RESCUE="${CHAIN_RESCUE/testbed:n=100,set=test/testbed:n=100,family=chain,set=test}"
+# the verifiers chosen on dev (verifiers-dev: reports/rescue/table-verifiers-dev.md), one per family
+COPY_VERIFIER='testbed-prm-order*likelihood:testbed-helper'
+CHAIN_VERIFIER='testbed-chain-prm*likelihood:testbed-chain-helper'
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
-steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm rescue-confirm}
+steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev rescue-confirm rescue-confirm-chain pareto-confirm}
 one() { $LOCK bash -c "$1"; }  # the rescue commands are strings (quoted ';'), run by bash -c
 pair() { $LOCK bash -c "$1 & a=\$!; $2 & b=\$!; wait \$a; x=\$?; wait \$b; exit \$((x || \$?))"; }  # two single-threaded jobs on the 2 cores
 for step in $steps; do
@@ -106,10 +113,49 @@ for step in $steps; do
     rescue-confirm)  # the rescue headline on confirm: window / R-KV / DynTS bases, B = 64, N = 4 + 4, the frozen verifier
       # (dynts rescue's default, chosen on test: rescue-verifiers), with the helper-search and full-search controls
       RC="${RESCUE/testbed:n=100,set=test/testbed:n=100,set=confirm} --final --budget 64 --n 4 --out reports/rescue/confirm-B64-N4"
-      RC="${RC/--prm testbed-prm-order/--prm 'testbed-prm-order*likelihood:testbed-helper'}"
+      RC="$RC --prm '$COPY_VERIFIER'"
       pair "$RC --method window,rkv --settings evict,bon,kvr" "$RC --method dynts"
       one "$RC"  # every cell is on disk: this only writes results.md / results.json
       $PY -m eval.rescue.table reports/rescue/confirm-B64-N4 --write reports/rescue/table-confirm.md ;;
+    verifiers-dev)  # the verifier choice, on dev only: the DynTS base at B = 64, N = 4 + 4, 100 dev problems per family;
+      # copy: the five verifiers of rescue-verifiers; chain: its PRM, its helper's likelihood, their product.
+      # The rule: the highest A_KVR; a tie goes to the one with fewer base tokens under KVR.
+      D=reports/rescue/dev-verifiers
+      V="${RESCUE/set=test/set=dev}"; V="${V/--method window,rkv,dynts/--method dynts} --budget 64 --n 4 --settings full,bon,kvr"
+      CV="${CHAIN_RESCUE/set=test/set=dev}"; CV="${CV/--method window,rkv,dynts/--method dynts} --budget 64 --n 4 --settings full,bon,kvr"
+      pair "$V --prm testbed-prm --loop-ngram 0 --loop-pattern 0 --out $D/copy-prm-blind" "$V --loop-ngram 0 --loop-pattern 0 --out $D/copy-no-screen"
+      pair "$V --out $D/copy-prm-order" "$V --prm likelihood:testbed-helper --out $D/copy-helper-likelihood"
+      pair "$V --prm '$COPY_VERIFIER' --out $D/copy-product" "$CV --prm testbed-chain-prm --out $D/chain-prm"
+      pair "$CV --prm likelihood:testbed-chain-helper --out $D/chain-helper-likelihood" "$CV --prm '$CHAIN_VERIFIER' --out $D/chain-product"
+      $PY -m eval.rescue.table $D/copy-{prm-blind,no-screen,prm-order,helper-likelihood,product} --method dynts --write reports/rescue/table-verifiers-dev.md
+      $PY -m eval.rescue.table $D/chain-{prm,helper-likelihood,product} --method dynts --write reports/rescue/table-verifiers-dev-chain.md ;;
+    rescue-confirm-chain)  # the chain family's rescue headline on confirm, as rescue-confirm: its frozen verifier, the controls
+      RC="${CHAIN_RESCUE/set=test/set=confirm} --final --budget 64 --n 4 --prm '$CHAIN_VERIFIER' --out reports/rescue/confirm-chain-B64-N4"
+      pair "$RC --method window,rkv --settings evict,bon,kvr" "$RC --method dynts"
+      one "$RC"  # every cell is on disk: this only writes results.md / results.json
+      $PY -m eval.rescue.table reports/rescue/confirm-chain-B64-N4 --write reports/rescue/table-confirm-chain.md ;;
+    pareto-confirm)  # Pareto retention on confirm, both families: the LRM's own traces of 100 confirm problems, 3 answers
+      # per trace and condition; paired CIs (eval.analyses.pareto_stats) from the per-trace records kept in reports/
+      for fam in copy chain; do
+        model=testbed; [ $fam = chain ] && model=testbed-chain
+        [ -d runs/analysis/confirm-$fam-traces ] || $LOCK $PY -m dynts.cli analyze traces --source testbed --model $model \
+          --family $fam --set confirm --final --n 100 --out runs/analysis/confirm-$fam-traces --threads 2
+        $LOCK $PY -m dynts.cli analyze pareto --traces runs/analysis/confirm-$fam-traces --model $model \
+          --out runs/analysis/pareto-confirm-$fam --runs 3 --threads 2
+        mkdir -p reports/pareto-confirm-$fam
+        cp runs/analysis/pareto-confirm-$fam/{pareto.png,pareto.csv,records.json,table.md} reports/pareto-confirm-$fam/
+      done ;;
+    confirm-ablations)  # the paper's Table 2 ablations and the remaining controls on confirm, copy, shipped LRM, B = 64 and
+      # 96, next to full and dynts (recomputed: the same seed gives the confirm step's records, which the tables pair with)
+      A="$PY -m dynts.cli eval --final --model testbed --predictor checkpoints/testbed-predictor --benchmark testbed:n=200,set=confirm \
+        --budget 64,96 --local-window 32 --retention 0.4 --k 1 --batch-size 100 --threads 1 --no-progress"
+      pair "$A --method full,dynts,dynts-no-question,dynts-no-thinking --run-dir runs/confirm-ablations" \
+           "$A --method dynts-no-local,t-random,t-bottom,oracle-token --run-dir runs/confirm-ablations-b"
+      mkdir -p reports/confirm-ablations/records
+      $PY -m eval.harness.compare runs/confirm-ablations runs/confirm-ablations-b --write > reports/confirm-ablations/compare.md
+      $PY -m eval.harness.compare runs/confirm-ablations runs/confirm-ablations-b --wide > reports/confirm-ablations/wide.md
+      cp runs/confirm-ablations/records/*.json runs/confirm-ablations-b/records/*.json reports/confirm-ablations/records/
+      cp runs/confirm-ablations/results.{md,json} reports/confirm-ablations/ ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

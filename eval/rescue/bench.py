@@ -33,6 +33,7 @@ Re-running the same ``bench`` command resumes: finished cells are read back.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
@@ -228,7 +229,8 @@ def testbed_step_verifier(question: str, steps: Sequence[str], family: str = "co
 
 
 def load_eval_prm(name: str, delimiter: str, trust_remote_code: bool = False, load_options: dict[str, Any] | None = None):
-    """The step scorer named ``name``: ``"testbed-verifier"`` (exact step check), ``"likelihood:<model>"``
+    """The step scorer named ``name``: ``"testbed-verifier"`` (exact step check; ``testbed-verifier:chain``
+    for the chain family), ``"likelihood:<model>"``
     (a causal LM as verifier), ``"A*B"`` (the product of two or more of these:
     :class:`~dynts.rescue.ProductPRM`) or anything :func:`dynts.rescue.load_prm` takes; placed with the
     ``dtype``/``device`` of ``load_options``."""
@@ -239,8 +241,11 @@ def load_eval_prm(name: str, delimiter: str, trust_remote_code: bool = False, lo
         from dynts.rescue import ProductPRM
 
         return ProductPRM([load_eval_prm(part, delimiter, trust_remote_code, load_options) for part in name.split("*")])
-    if name == "testbed-verifier":
-        return CallablePRM(testbed_step_verifier)
+    if name.split(":")[0] == "testbed-verifier":  # testbed-verifier[:chain]: the exact step check of a family
+        from data_pipeline.testbed import task
+
+        family = task.check_family(name.split(":", 1)[1] if ":" in name else "copy", "--prm testbed-verifier:<family>")
+        return CallablePRM(functools.partial(testbed_step_verifier, family=family))
     if name.startswith("likelihood:"):  # a causal LM as verifier, e.g. likelihood:testbed
         return load_prm(name.split(":", 1)[1], kind="likelihood", trust_remote_code=trust_remote_code, **placement)
     return load_prm(name, step_delimiter=delimiter, trust_remote_code=trust_remote_code, **placement)

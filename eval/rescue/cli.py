@@ -28,7 +28,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prm", default=DEFAULT_VERIFIER,
                    help=f"verifier (default {DEFAULT_VERIFIER}: the order-aware PRM times the helper's likelihood, "
                         "the docs' headline verifier); testbed-prm-order (the testbed PRM that sees repeated steps), testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
-                        "(e.g. likelihood:testbed: a full-context LM's token likelihoods), testbed-verifier (exact step checker), "
+                        "(e.g. likelihood:testbed: a full-context LM's token likelihoods), testbed-verifier (exact step checker; testbed-verifier:chain for the chain family), "
                         "or A*B: the product of such verifiers (e.g. testbed-prm-order*likelihood:testbed-helper)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
     p.add_argument("--predictor", default=None, help="importance predictor directory or auto (needed by --method dynts)")
