@@ -37,7 +37,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TESTBED = {"testbed": "testbed-lrm", "testbed-helper": "testbed-helper", "testbed-prm": "testbed-prm",
            "testbed-prm-order": "testbed-prm-order",
            # the chain family's models (data_pipeline/testbed/task.py, configs/testbed/chain-*.yaml)
-           "testbed-chain": "testbed-chain-lrm", "testbed-chain-helper": "testbed-chain-helper"}
+           "testbed-chain": "testbed-chain-lrm", "testbed-chain-helper": "testbed-chain-helper",
+           "testbed-chain-prm": "testbed-chain-prm"}
 BUNDLED = ("smollm2-135m", *TESTBED)
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",

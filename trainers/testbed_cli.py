@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 
 def _parser() -> argparse.ArgumentParser:
+    from data_pipeline.testbed.task import FAMILIES  # stdlib only: --help stays fast
+
     parser = argparse.ArgumentParser(prog="dynts testbed", description="the embedded testbed: a toy LRM, its helper and a PRM")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train one checkpoint from a YAML config (resumable)")
@@ -23,13 +24,17 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--min-think", type=int, default=150)
     sample.add_argument("--max-think", type=int, default=900)
     sample.add_argument("--family", default="copy", help="task family: copy or chain (use --model testbed-chain)")
-    report = sub.add_parser("report", help="compute the testbed's numbers; write reports/testbed.json")
+    report = sub.add_parser("report", help="compute the testbed's numbers of one task family; write reports/testbed.json "
+                            "(chain: reports/testbed-chain.json)")
+    report.add_argument("--family", default="copy", choices=FAMILIES, help="task family: copy (the default) or chain")
     report.add_argument("--n", type=int, default=200, help="fresh problems per policy")
     report.add_argument("--budget", type=int, default=None, help="eviction budget (default: a quarter of the mean trace)")
     report.add_argument("--local-window", type=int, default=64)
-    report.add_argument("--out", default="reports/testbed.json")
+    report.add_argument("--out", default=None, help="default: reports/testbed.json (--family chain: reports/testbed-chain.json)")
     report.add_argument("--seed", type=int, default=0)
     report.add_argument("--prm-only", action="store_true", help="recompute only the PRM numbers of an existing report")
+    report.add_argument("--skip-prm", action="store_true",
+                        help="leave the PRM out (e.g. before it is trained); add it later with --prm-only")
     report.add_argument("--helper-only", action="store_true", help="recompute only the helper numbers of an existing report")
     report.add_argument("--eviction-only", action="store_true", help="recompute only the eviction numbers of an existing report")
     report.add_argument("--min-think", type=int, default=300, help="second eviction run: ban </think> for this many tokens")
@@ -72,21 +77,22 @@ def main(argv: list[str]) -> int:
         return 0
     if args.command == "sample":
         return _sample(args)
-    from trainers.testbed_report import report, table, update_eviction, update_helper, update_oracle_shapes, update_prm
+    from trainers.testbed_report import family_models, report, table, update_eviction, update_helper, update_oracle_shapes, update_prm
 
+    family, out = args.family, args.out or family_models(args.family).out
     if args.oracles_from:
-        result = update_oracle_shapes(args.oracles_from, args.oracles_label, args.out)
+        result = update_oracle_shapes(args.oracles_from, args.oracles_label, out, family=family)
     elif args.prm_only:
-        result = update_prm(args.out, n=args.n)
+        result = update_prm(out, n=args.n, family=family)
     elif args.helper_only:
-        result = update_helper(args.out, seed=args.seed)
+        result = update_helper(out, seed=args.seed, family=family)
     elif args.eviction_only:
-        result = update_eviction(args.out, min_think=args.min_think)
+        result = update_eviction(out, min_think=args.min_think, family=family)
     else:
-        result = report(n=args.n, budget=args.budget, local_window=args.local_window, out=args.out, seed=args.seed,
-                        min_think=args.min_think)
+        result = report(n=args.n, budget=args.budget, local_window=args.local_window, out=out, seed=args.seed,
+                        min_think=args.min_think, family=family, skip_prm=args.skip_prm)
     print(table(result))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

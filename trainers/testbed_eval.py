@@ -11,7 +11,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from data_pipeline.testbed import task
 
 SAMPLING: dict[str, Any] = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
-CHECKPOINTS = {"testbed": "testbed-lrm", "testbed-helper": "testbed-helper", "testbed-prm": "testbed-prm"}
 
 
 class BanUntil:
