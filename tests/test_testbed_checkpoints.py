@@ -36,7 +36,8 @@ def test_checkpoints_are_standard_hf_dirs():
 
     for name, auto in (("testbed-lrm", AutoModelForCausalLM), ("testbed-helper", AutoModelForCausalLM),
                        ("testbed-prm", AutoModelForTokenClassification), ("testbed-prm-order", AutoModelForTokenClassification),
-                       ("testbed-chain-lrm", AutoModelForCausalLM), ("testbed-chain-helper", AutoModelForCausalLM)):
+                       ("testbed-chain-lrm", AutoModelForCausalLM), ("testbed-chain-helper", AutoModelForCausalLM),
+                       ("testbed-chain-prm", AutoModelForTokenClassification)):
         path = checkpoints_dir() / name
         assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
         model = auto.from_pretrained(path, local_files_only=True)
