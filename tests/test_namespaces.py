@@ -94,7 +94,7 @@ def test_gate_and_auroc_tools_read_the_gate_namespace(monkeypatch):
     monkeypatch.setattr(task, "problem_set", recording)
     from data_pipeline.testbed.tokenizer import build_tokenizer
     from dynts.rescue import CallablePRM
-    from eval.rescue.bench import testbed_step_verifier
+    from eval.rescue.verifiers import testbed_step_verifier
 
     result = testbed_prm.scorer_gate(CallablePRM(testbed_step_verifier), 3, build_tokenizer())
     assert result["gate_steps"] > 0

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from eval.rescue.bench import DEFAULT_VERIFIER
+from eval.rescue.verifiers import DEFAULT_VERIFIER
 from eval.rescue.cli import main
-from eval.rescue.bench import testbed_step_verifier as step_verifier
+from eval.rescue.verifiers import testbed_step_verifier as step_verifier
 
 ARGS = ["bench", "--benchmark", "testbed:n=3,set=test,min_think=60,max_think=150", "--method", "window",
         "--budget", "40", "--local-window", "8", "--n", "2", "--delimiter", ";", "--max-steps", "24",

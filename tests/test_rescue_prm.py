@@ -192,7 +192,7 @@ def test_likelihood_prm_separates_corrupted_testbed_steps():
 def test_product_of_verifiers():
     """``ProductPRM``: a step's score is the product of every scorer's; ``A*B`` in the bench builds it."""
     from dynts.rescue import CallablePRM, ProductPRM, StepRequest
-    from eval.rescue.bench import load_eval_prm
+    from eval.rescue.verifiers import load_eval_prm
 
     half = CallablePRM(lambda q, steps: 0.5)
     by_length = CallablePRM(lambda q, steps: 1.0 / len(steps))

@@ -237,7 +237,7 @@ def test_chain_training_rows_and_masks():
 
 
 def test_chain_prm_labels_and_step_verifier():
-    from eval.rescue.bench import testbed_step_verifier
+    from eval.rescue.verifiers import testbed_step_verifier
     from trainers.testbed_prm import corrupt
 
     for p in _chain(20):
@@ -263,7 +263,7 @@ def test_chain_prm_labels_and_step_verifier():
     words[j + 1] = str((int(words[j + 1]) + 1) % 10)  # miscopy the read result
     assert testbed_step_verifier(p.question, steps[:k] + [" ".join(words)], family="chain") == 0.0
     # the same check through --prm testbed-verifier:chain (the copy rule does not follow the chain)
-    from eval.rescue.bench import load_eval_prm
+    from eval.rescue.verifiers import load_eval_prm
 
     chain, copy = load_eval_prm("testbed-verifier:chain", ";"), load_eval_prm("testbed-verifier", ";")
     request = type("R", (), {"question": p.question, "step_texts": lambda self: steps[:k + 1]})()

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from data_pipeline.testbed import task
-from eval.rescue.bench import testbed_step_verifier as exact_check
+from eval.rescue.verifiers import testbed_step_verifier as exact_check
 from trainers.testbed_prm_order import ORDER_KINDS, order_heldout, order_negative, order_row
 
 

@@ -28,12 +28,12 @@ Examples::
     dynts rescue generate --base testbed --helper testbed-helper --prm testbed-prm-order --method window \\
         --budget 64 --local-window 16 --delimiter ';' --chat "a 6 b 6 c 0 d 4 e 8 find r2"
 
-Re-running the same ``bench`` command resumes: finished cells are read back.
+Re-running the same ``bench`` command resumes: finished cells are read back. The step scorers that
+``prm`` names are in :mod:`eval.rescue.verifiers`; ``results.md`` is :func:`eval.rescue.table.summary_table`.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import statistics
@@ -45,16 +45,14 @@ from typing import Any, Sequence
 import torch
 
 from dynts.io import write_atomic
-from eval.rescue.table import CONTROLS, SEARCHES, STEPWISE, control_columns, write_records
+from eval.rescue.table import CONTROLS, SEARCHES, STEPWISE, control_columns, summary_table, write_records
 from dynts.predictor import find_predictor
 from dynts.rescue.results import EXIT_SIGNALS
-from eval.rescue.oracle_choice import oracle_choice, oracle_choice_table, plot_oracle_choice
+from eval.rescue.oracle_choice import oracle_choice, plot_oracle_choice
+from eval.rescue.verifiers import DEFAULT_VERIFIER, load_eval_prm
 
-__all__ = ["CONTROLS", "RescueEvalConfig", "check_settings", "SETTINGS", "STEPWISE", "evaluate", "load_eval_prm", "summary_table", "testbed_step_verifier"]
+__all__ = ["CONTROLS", "RescueEvalConfig", "check_settings", "SETTINGS", "STEPWISE", "evaluate"]
 
-# The verifier of docs/rescue.md's headline tables and the default of `dynts rescue`: the order-aware
-# testbed PRM times the likelihood of the full-context helper (dynts.rescue.scorer.ProductPRM).
-DEFAULT_VERIFIER = "testbed-prm-order*likelihood:testbed-helper"
 SETTINGS = ("full", "helper", "evict", "bon", "kvr", "kvr-noexit", "helper-search", "full-search")
 
 
@@ -191,64 +189,6 @@ class RescueEvalConfig:
                 keep.pop("detector")
                 keep["weights"].pop("base")
         return keep
-
-
-def testbed_step_verifier(question: str, steps: Sequence[str], family: str = "copy") -> float:
-    """An exact step checker for the testbed, usable as ``prm=`` (a :class:`~dynts.rescue.CallablePRM`):
-    the *ideal* process reward the trained testbed PRM approximates, for an upper-bound reference.
-
-    A thinking step (``x xv op y yv gives rK= v ;``) scores 1 when it is the next key, copies the
-    question's operand values and computes ``v`` right; an answer step (``</think> rK= v``) scores 1
-    when it names the asked key and carries the value that key has in the committed steps; else 0.
-    ``family="chain"``: an operand naming a result (``r3``) must copy the value written at that
-    result's most recent committed definition (``task.operand_copies``).
-    """
-    from data_pipeline.testbed import task
-
-    parsed = task.parse_question(question)
-    if parsed is None:
-        return 0.0
-    operands, asked = parsed
-    words = steps[-1].split()
-    if task.END_THINK in words:
-        return float(task.check_answer(question, " ".join([*" ".join(steps[:-1]).split(), *words]), family))
-    found = task.parse_steps(words + ([task.SEP] if words and words[-1] != task.SEP else []), family)
-    if len(found) != 1:
-        return 0.0
-    x, xv, op, y, yv, key, v = found[0]
-    committed = task.parse_steps(" ".join(steps[:-1]), family)
-    done = len(committed)
-    if family == "copy":
-        value = operands[task.VARIABLES.index(x)], operands[task.VARIABLES.index(y)]
-        copied = (xv, yv) == value
-    else:
-        text = " ".join(steps[:-1]).split() + words + ([task.SEP] if words[-1] != task.SEP else [])
-        copied = all(task.operand_copies(text, operands, family)[-2:])
-    right = copied and v == task.OPS[op](xv, yv) and key == done + 1  # type: ignore[operator]
-    return float(right)
-
-
-def load_eval_prm(name: str, delimiter: str, trust_remote_code: bool = False, load_options: dict[str, Any] | None = None):
-    """The step scorer named ``name``: ``"testbed-verifier"`` (exact step check; ``testbed-verifier:chain``
-    for the chain family), ``"likelihood:<model>"``
-    (a causal LM as verifier), ``"A*B"`` (the product of two or more of these:
-    :class:`~dynts.rescue.ProductPRM`) or anything :func:`dynts.rescue.load_prm` takes; placed with the
-    ``dtype``/``device`` of ``load_options``."""
-    from dynts.rescue import CallablePRM, load_prm
-
-    placement = {k: v for k, v in (load_options or {}).items() if k in ("dtype", "device") and v is not None}
-    if "*" in name:  # a product of verifiers, e.g. testbed-prm-order*likelihood:testbed-helper
-        from dynts.rescue import ProductPRM
-
-        return ProductPRM([load_eval_prm(part, delimiter, trust_remote_code, load_options) for part in name.split("*")])
-    if name.split(":")[0] == "testbed-verifier":  # testbed-verifier[:chain]: the exact step check of a family
-        from data_pipeline.testbed import task
-
-        family = task.check_family(name.split(":", 1)[1] if ":" in name else "copy", "--prm testbed-verifier:<family>")
-        return CallablePRM(functools.partial(testbed_step_verifier, family=family))
-    if name.startswith("likelihood:"):  # a causal LM as verifier, e.g. likelihood:testbed
-        return load_prm(name.split(":", 1)[1], kind="likelihood", trust_remote_code=trust_remote_code, **placement)
-    return load_prm(name, step_delimiter=delimiter, trust_remote_code=trust_remote_code, **placement)
 
 
 def helper_options(load_options: dict[str, Any]) -> dict[str, Any]:
@@ -422,61 +362,3 @@ def compare(cells: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str
             row["recovered_fraction"] = (kvr["accuracy"] - bon["accuracy"]) / gap if gap > 0 else None
         out[m] = {**row, **control_columns(by, m)}
     return out
-
-
-def _fmt(v: Any, pct: bool = False) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, (int, float)):  # means of 0/1 outcomes can come back as ints
-        return f"{100 * v:.1f}" if pct else f"{v:.1f}"
-    return str(v)
-
-
-def _by_signal(rates: dict[str, Any] | None) -> str:
-    """Firing rates per detector signal as ``a / b / c / d`` (percent of base candidates)."""
-    rates = rates or {}
-    return " / ".join(_fmt(rates.get(k), True) for k in EXIT_SIGNALS)
-
-
-def _sides(setting: str, m: dict[str, Any]) -> str:
-    """``base / helper`` percent of a stepwise cell's committed steps (``–`` for plain sampling)."""
-    if setting not in SEARCHES or not m["committed_steps"]:
-        return "–"
-    return f"{_fmt(1 - m['helper_share'], True)} / {_fmt(m['helper_share'], True)}"
-
-
-def summary_table(summary: dict[str, Any]) -> str:
-    """Markdown: one row per cell (accuracy and decode cost), then the recovery comparison."""
-    signals = "/".join(EXIT_SIGNALS)
-    lines = [f"| setting | base method | pass@1 % | degen. % | capped % | steps | out. len | base tok | helper tok | early exit % | exit {signals} % | steps base / helper % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in summary["cells"]:
-        m = c["metrics"]
-        lines.append(f"| {c['setting']} | {c['method'] or '–'} | {_fmt(m['accuracy'], True)} | {_fmt(m['degeneration'], True)} | "
-                     f"{_fmt(m['length_capped'], True)} | {_fmt(m['committed_steps'])} | {_fmt(m['output_tokens'])} | "
-                     f"{_fmt(m['base_tokens'])} | {_fmt(m['helper_tokens'])} | {_fmt(m['early_exit'], True)} | "
-                     f"{_by_signal(m.get('exit_by_signal'))} | {_sides(c['setting'], m)} |")
-    comp = summary.get("comparison") or {}
-    if comp:
-        lines += ["", f"| base method | A_full % | A_evict (BoN) % | A_KVR % | A_helper-search % | A_full-search % | recovered | base tok BoN | base tok KVR | reduction % | helper share % | detector firing % | firing {signals} % |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for m, r in comp.items():
-            rec = r.get("recovered_fraction")
-            lines.append(f"| {m} | {_fmt(r.get('A_full'), True)} | {_fmt(r['A_evict(bon)'], True)} | {_fmt(r['A_kvr'], True)} | "
-                         f"{_fmt(r.get('A_helper_search'), True)} | {_fmt(r.get('A_full_search'), True)} | "
-                         f"{'–' if rec is None else f'{rec:.2f}'} | {_fmt(r['base_tokens_bon'])} | {_fmt(r['base_tokens_kvr'])} | "
-                         f"{_fmt(r['base_token_reduction'], True)} | {_fmt(r['helper_share'], True)} | {_fmt(r['detector_firing_rate'], True)} | "
-                         f"{_by_signal(r.get('firing_by_signal'))} |")
-    if summary.get("oracle_choice"):
-        lines += ["", "Oracle choice between the evicted base (one sample) and the helper (one sample), KV-Rescue Fig. 1a:", "",
-                  oracle_choice_table(summary["oracle_choice"]).rstrip("\n")]
-    if summary.get("degeneration"):
-        from eval.harness.testbed_errors import DEGENERATION_CLASSES
-
-        lines += ["", "What the wrong answers did (testbed):", "",
-                  "| setting | base method | problems | wrong | " + " | ".join(DEGENERATION_CLASSES) + " |",
-                  "|---|---|---|---|" + "---|" * len(DEGENERATION_CLASSES)]
-        for r in summary["degeneration"]:
-            lines.append(f"| {r['setting']} | {r['method'] or '–'} | {r['problems']} | {r['wrong']} | "
-                         + " | ".join(str(r[k]) for k in DEGENERATION_CLASSES) + " |")
-    return "\n".join(lines) + "\n"

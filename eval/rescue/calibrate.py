@@ -6,7 +6,8 @@ import json
 import math
 from typing import Any, Sequence
 
-from eval.rescue.bench import RescueEvalConfig, load_eval_prm, load_model, testbed_step_verifier
+from eval.rescue.bench import RescueEvalConfig, load_model
+from eval.rescue.verifiers import load_eval_prm, testbed_step_verifier
 
 __all__ = ["calibrate"]
 

@@ -16,8 +16,10 @@ from data_pipeline.testbed.task import final_tables
 from dynts.core.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
-from eval.rescue.bench import DEFAULT_VERIFIER, RescueEvalConfig, SETTINGS, check_settings, evaluate, summary_table, load_eval_prm, helper_options, load_model
+from eval.rescue.bench import RescueEvalConfig, SETTINGS, check_settings, evaluate, helper_options, load_model
 from eval.rescue.calibrate import calibrate
+from eval.rescue.table import summary_table
+from eval.rescue.verifiers import DEFAULT_VERIFIER, load_eval_prm
 
 __all__ = ["main"]
 

@@ -14,6 +14,10 @@ times, seed 0) and KV-Rescue is compared with best-of-N, the full cache, helper-
 ``--from-records`` recomputes the whole table from ``records/*.json`` alone; ``--write-records``
 writes them for runs that have only cells.
 
+:func:`summary_table` is the ``results.md`` of one run (``dynts rescue bench`` writes it): a row per
+cell (pass@1 and decode cost), then the recovery comparison, the oracle choice and, on the testbed,
+what the wrong answers did.
+
 The loop rate is the share of problems whose answer is wrong because the trajectory wrote a step key
 a second time (the testbed's ``loops`` class, :func:`eval.harness.testbed_errors.count_errors`);
 ``–`` off the testbed.
@@ -31,9 +35,10 @@ from dynts.rescue.results import EXIT_SIGNALS
 from eval.harness.loops import testbed_loops
 from eval.harness.records import cell_record, per_question, read_records, unpack_bits, write_record
 from eval.harness.stats import bootstrap_ci, mcnemar_exact, paired_difference, ratio_ci
+from eval.rescue.oracle_choice import oracle_choice_table
 
 __all__ = ["CONTROLS", "RESCUE_BITS", "RESCUE_INTS", "SEARCHES", "STEPWISE", "budget_label", "control_columns", "controls_markdown", "markdown", "paired_stats", "rows_from_records", "rescue_record",
-           "rows", "run_records", "verifier_label", "write_records"]
+           "rows", "run_records", "summary_table", "verifier_label", "write_records"]
 
 # The stepwise settings of eval.rescue.bench (defined here, which the bench imports).
 STEPWISE = ("bon", "kvr", "kvr-noexit")  # stepwise cells, one per base method
@@ -269,6 +274,64 @@ def controls_markdown(table: Sequence[dict[str, Any]]) -> str:
                      f"{_pct(r.get('A_full_search'))}{_ci(st.get('A_full_search_ci'))} | "
                      f"{_diff(st.get('kvr_minus_helper_search'))} | {_diff(st.get('kvr_minus_full_search'))} | "
                      + " / ".join(_pct(share.get(s)) for s in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v: Any, pct: bool = False) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, (int, float)):  # means of 0/1 outcomes can come back as ints
+        return f"{100 * v:.1f}" if pct else f"{v:.1f}"
+    return str(v)
+
+
+def _by_signal(rates: dict[str, Any] | None) -> str:
+    """Firing rates per detector signal as ``a / b / c / d`` (percent of base candidates)."""
+    rates = rates or {}
+    return " / ".join(_fmt(rates.get(k), True) for k in EXIT_SIGNALS)
+
+
+def _sides(setting: str, m: dict[str, Any]) -> str:
+    """``base / helper`` percent of a stepwise cell's committed steps (``–`` for plain sampling)."""
+    if setting not in SEARCHES or not m["committed_steps"]:
+        return "–"
+    return f"{_fmt(1 - m['helper_share'], True)} / {_fmt(m['helper_share'], True)}"
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """Markdown: one row per cell (accuracy and decode cost), then the recovery comparison."""
+    signals = "/".join(EXIT_SIGNALS)
+    lines = [f"| setting | base method | pass@1 % | degen. % | capped % | steps | out. len | base tok | helper tok | early exit % | exit {signals} % | steps base / helper % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in summary["cells"]:
+        m = c["metrics"]
+        lines.append(f"| {c['setting']} | {c['method'] or '–'} | {_fmt(m['accuracy'], True)} | {_fmt(m['degeneration'], True)} | "
+                     f"{_fmt(m['length_capped'], True)} | {_fmt(m['committed_steps'])} | {_fmt(m['output_tokens'])} | "
+                     f"{_fmt(m['base_tokens'])} | {_fmt(m['helper_tokens'])} | {_fmt(m['early_exit'], True)} | "
+                     f"{_by_signal(m.get('exit_by_signal'))} | {_sides(c['setting'], m)} |")
+    comp = summary.get("comparison") or {}
+    if comp:
+        lines += ["", f"| base method | A_full % | A_evict (BoN) % | A_KVR % | A_helper-search % | A_full-search % | recovered | base tok BoN | base tok KVR | reduction % | helper share % | detector firing % | firing {signals} % |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for m, r in comp.items():
+            rec = r.get("recovered_fraction")
+            lines.append(f"| {m} | {_fmt(r.get('A_full'), True)} | {_fmt(r['A_evict(bon)'], True)} | {_fmt(r['A_kvr'], True)} | "
+                         f"{_fmt(r.get('A_helper_search'), True)} | {_fmt(r.get('A_full_search'), True)} | "
+                         f"{'–' if rec is None else f'{rec:.2f}'} | {_fmt(r['base_tokens_bon'])} | {_fmt(r['base_tokens_kvr'])} | "
+                         f"{_fmt(r['base_token_reduction'], True)} | {_fmt(r['helper_share'], True)} | {_fmt(r['detector_firing_rate'], True)} | "
+                         f"{_by_signal(r.get('firing_by_signal'))} |")
+    if summary.get("oracle_choice"):
+        lines += ["", "Oracle choice between the evicted base (one sample) and the helper (one sample), KV-Rescue Fig. 1a:", "",
+                  oracle_choice_table(summary["oracle_choice"]).rstrip("\n")]
+    if summary.get("degeneration"):
+        from eval.harness.testbed_errors import DEGENERATION_CLASSES
+
+        lines += ["", "What the wrong answers did (testbed):", "",
+                  "| setting | base method | problems | wrong | " + " | ".join(DEGENERATION_CLASSES) + " |",
+                  "|---|---|---|---|" + "---|" * len(DEGENERATION_CLASSES)]
+        for r in summary["degeneration"]:
+            lines.append(f"| {r['setting']} | {r['method'] or '–'} | {r['problems']} | {r['wrong']} | "
+                         + " | ".join(str(r[k]) for k in DEGENERATION_CLASSES) + " |")
     return "\n".join(lines) + "\n"
 
 

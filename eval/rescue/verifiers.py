@@ -1,0 +1,80 @@
+"""The step scorers of ``dynts rescue``: what ``--prm NAME`` names.
+
+* ``testbed-verifier[:family]`` -- :func:`testbed_step_verifier`, the exact step check of the testbed
+  (the ideal process reward the trained testbed PRMs approximate; an upper-bound reference);
+* ``likelihood:<model>`` -- a full-context causal LM as verifier (:class:`dynts.rescue.LikelihoodPRM`);
+* ``A*B`` -- the product of two or more of these (:class:`dynts.rescue.ProductPRM`);
+* anything else -- :func:`dynts.rescue.load_prm` (a trained PRM, e.g. ``testbed-prm-order``).
+
+:func:`load_eval_prm` builds them; :data:`DEFAULT_VERIFIER` is the default of ``dynts rescue`` and of
+:class:`eval.rescue.bench.RescueEvalConfig`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+__all__ = ["DEFAULT_VERIFIER", "load_eval_prm", "testbed_step_verifier"]
+
+# The verifier of docs/rescue.md's headline tables and the default of `dynts rescue`: the order-aware
+# testbed PRM times the likelihood of the full-context helper (dynts.rescue.scorer.ProductPRM).
+DEFAULT_VERIFIER = "testbed-prm-order*likelihood:testbed-helper"
+
+
+def testbed_step_verifier(question: str, steps: Sequence[str], family: str = "copy") -> float:
+    """An exact step checker for the testbed, usable as ``prm=`` (a :class:`~dynts.rescue.CallablePRM`):
+    the *ideal* process reward the trained testbed PRM approximates, for an upper-bound reference.
+
+    A thinking step (``x xv op y yv gives rK= v ;``) scores 1 when it is the next key, copies the
+    question's operand values and computes ``v`` right; an answer step (``</think> rK= v``) scores 1
+    when it names the asked key and carries the value that key has in the committed steps; else 0.
+    ``family="chain"``: an operand naming a result (``r3``) must copy the value written at that
+    result's most recent committed definition (``task.operand_copies``).
+    """
+    from data_pipeline.testbed import task
+
+    parsed = task.parse_question(question)
+    if parsed is None:
+        return 0.0
+    operands, asked = parsed
+    words = steps[-1].split()
+    if task.END_THINK in words:
+        return float(task.check_answer(question, " ".join([*" ".join(steps[:-1]).split(), *words]), family))
+    found = task.parse_steps(words + ([task.SEP] if words and words[-1] != task.SEP else []), family)
+    if len(found) != 1:
+        return 0.0
+    x, xv, op, y, yv, key, v = found[0]
+    committed = task.parse_steps(" ".join(steps[:-1]), family)
+    done = len(committed)
+    if family == "copy":
+        value = operands[task.VARIABLES.index(x)], operands[task.VARIABLES.index(y)]
+        copied = (xv, yv) == value
+    else:
+        text = " ".join(steps[:-1]).split() + words + ([task.SEP] if words[-1] != task.SEP else [])
+        copied = all(task.operand_copies(text, operands, family)[-2:])
+    right = copied and v == task.OPS[op](xv, yv) and key == done + 1  # type: ignore[operator]
+    return float(right)
+
+
+def load_eval_prm(name: str, delimiter: str, trust_remote_code: bool = False, load_options: dict[str, Any] | None = None):
+    """The step scorer named ``name``: ``"testbed-verifier"`` (exact step check; ``testbed-verifier:chain``
+    for the chain family), ``"likelihood:<model>"``
+    (a causal LM as verifier), ``"A*B"`` (the product of two or more of these:
+    :class:`~dynts.rescue.ProductPRM`) or anything :func:`dynts.rescue.load_prm` takes; placed with the
+    ``dtype``/``device`` of ``load_options``."""
+    from dynts.rescue import CallablePRM, load_prm
+
+    placement = {k: v for k, v in (load_options or {}).items() if k in ("dtype", "device") and v is not None}
+    if "*" in name:  # a product of verifiers, e.g. testbed-prm-order*likelihood:testbed-helper
+        from dynts.rescue import ProductPRM
+
+        return ProductPRM([load_eval_prm(part, delimiter, trust_remote_code, load_options) for part in name.split("*")])
+    if name.split(":")[0] == "testbed-verifier":  # testbed-verifier[:chain]: the exact step check of a family
+        from data_pipeline.testbed import task
+
+        family = task.check_family(name.split(":", 1)[1] if ":" in name else "copy", "--prm testbed-verifier:<family>")
+        return CallablePRM(functools.partial(testbed_step_verifier, family=family))
+    if name.startswith("likelihood:"):  # a causal LM as verifier, e.g. likelihood:testbed
+        return load_prm(name.split(":", 1)[1], kind="likelihood", trust_remote_code=trust_remote_code, **placement)
+    return load_prm(name, step_delimiter=delimiter, trust_remote_code=trust_remote_code, **placement)
