@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.rescue.verifiers import DEFAULT_VERIFIER
+from eval.rescue.verifiers import DEFAULT_VERIFIER, FAMILY_VERIFIERS, default_verifier
 from eval.rescue.cli import main
 from eval.rescue.verifiers import testbed_step_verifier as step_verifier
 
@@ -43,7 +43,9 @@ def test_bench_runs_compares_and_resumes(tmp_path, monkeypatch, capsys):
     (row,) = rows([out])
     assert (row["budget"], row["n"], row["problems"], row["method"]) == ("B = 40", 2, 3, "window")
     assert row["A_kvr"] == a_kvr and row["verifier"] == DEFAULT_VERIFIER  # the docs' headline verifier
-    assert f"`--prm '{DEFAULT_VERIFIER}'`" in (Path(__file__).parents[1] / "docs" / "rescue.md").read_text()
+    docs = (Path(__file__).parents[1] / "docs" / "rescue.md").read_text()
+    for verifier in FAMILY_VERIFIERS.values():  # each family's headline verifier is the one docs/rescue.md names
+        assert f"`--prm '{verifier}'`" in docs
     degen = {(d["setting"], d["method"]): d for d in summary["degeneration"]}
     assert row["loops_kvr"] == degen[("kvr", "window")]["loops"] / 3
     assert table_main([str(out), "--write", str(tmp_path / "table.md")]) == 0
@@ -188,3 +190,16 @@ def test_controls_keep_the_fingerprints_of_committed_cells():
 def test_bad_settings_name_the_option_and_the_choices(tmp_path):
     with pytest.raises(SystemExit, match=r"--settings .*bogus.*choose from full,helper,.*helper-search,full-search"):
         main([*ARGS, "--settings", "full,bogus", "--out", str(tmp_path / "run")])
+
+
+def test_the_default_verifier_follows_the_helpers_family(monkeypatch, tmp_path):
+    """``dynts rescue`` without ``--prm``: the dev-chosen verifier of the helper's testbed family."""
+    from eval.rescue import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "evaluate", lambda config: seen.append(config.prm) or {})
+    monkeypatch.setattr(cli, "summary_table", lambda summary: "")
+    for helper in ("testbed-helper", "testbed-chain-helper"):
+        assert cli.main(["bench", "--benchmark", "testbed:n=2,set=dev", "--helper", helper, "--method", "window", "--out", str(tmp_path)]) == 0
+    assert seen == [DEFAULT_VERIFIER, "testbed-chain-prm*likelihood:testbed-chain-helper"]
+    assert default_verifier("my-own-helper") == DEFAULT_VERIFIER

@@ -67,7 +67,8 @@ def paired_rows(compact: dict[str, Any], against: Sequence[str] = ("random", "bo
     runs, cells = compact["runs"], compact["cells"]
     score = {c: [k / runs for k in v] for c, v in cells.items()}
     percents = sorted({float(c.split("@")[1]) for c in cells if c != FULL})
-    strategies = sorted({c.split("@")[0] for c in cells if c != FULL})
+    present = {c.split("@")[0] for c in cells if c != FULL}
+    strategies = [s for s in (lead, *against) if s in present] + sorted(present - {lead, *against})
     rows = []
     for p in percents:
         row: dict[str, Any] = {"percent": p}

@@ -19,7 +19,7 @@ from dynts.io import write_atomic
 from eval.rescue.bench import RescueEvalConfig, SETTINGS, check_settings, evaluate, helper_options, load_model
 from eval.rescue.calibrate import calibrate
 from eval.rescue.table import summary_table
-from eval.rescue.verifiers import DEFAULT_VERIFIER, load_eval_prm
+from eval.rescue.verifiers import DEFAULT_VERIFIER, FAMILY_VERIFIERS, default_verifier, load_eval_prm
 
 __all__ = ["main"]
 
@@ -27,9 +27,10 @@ __all__ = ["main"]
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default="testbed", help="base model: a dynts.load name or a local HF directory")
     p.add_argument("--helper", default="testbed-helper", help="full-context helper (same tokenizer as the base)")
-    p.add_argument("--prm", default=DEFAULT_VERIFIER,
-                   help=f"verifier (default {DEFAULT_VERIFIER}: the order-aware PRM times the helper's likelihood, "
-                        "the docs' headline verifier); testbed-prm-order (the testbed PRM that sees repeated steps), testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
+    p.add_argument("--prm", default=None,
+                   help=f"verifier (default: the docs' headline verifier of the helper's family, {DEFAULT_VERIFIER} "
+                        f"for testbed-helper, {FAMILY_VERIFIERS['testbed-chain-helper']} for testbed-chain-helper: the PRM "
+                        "times the helper's likelihood); testbed-prm-order (the testbed PRM that sees repeated steps), testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
                         "(e.g. likelihood:testbed: a full-context LM's token likelihoods), testbed-verifier (exact step checker; testbed-verifier:chain for the chain family), "
                         "or A*B: the product of such verifiers (e.g. testbed-prm-order*likelihood:testbed-helper)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
@@ -163,6 +164,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.prm is None:  # the headline verifier of the helper's family
+        args.prm = default_verifier(args.helper)
     torch.set_num_threads(args.threads)
     if args.command == "generate":
         return _generate(args)

@@ -15,11 +15,20 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-__all__ = ["DEFAULT_VERIFIER", "load_eval_prm", "testbed_step_verifier"]
+__all__ = ["DEFAULT_VERIFIER", "FAMILY_VERIFIERS", "default_verifier", "load_eval_prm", "testbed_step_verifier"]
 
-# The verifier of docs/rescue.md's headline tables and the default of `dynts rescue`: the order-aware
-# testbed PRM times the likelihood of the full-context helper (dynts.rescue.scorer.ProductPRM).
+# The verifiers of docs/rescue.md's headline tables, chosen on dev (reports/rescue/table-verifiers-dev*.md)
+# and the defaults of `dynts rescue`, keyed by the helper whose likelihood they use: the family's PRM
+# times the likelihood of the full-context helper (dynts.rescue.scorer.ProductPRM).
 DEFAULT_VERIFIER = "testbed-prm-order*likelihood:testbed-helper"
+FAMILY_VERIFIERS = {"testbed-helper": DEFAULT_VERIFIER,
+                    "testbed-chain-helper": "testbed-chain-prm*likelihood:testbed-chain-helper"}
+
+
+def default_verifier(helper: str) -> str:
+    """The headline verifier of ``helper``'s testbed family (:data:`FAMILY_VERIFIERS`), else
+    :data:`DEFAULT_VERIFIER`."""
+    return FAMILY_VERIFIERS.get(helper, DEFAULT_VERIFIER)
 
 
 def testbed_step_verifier(question: str, steps: Sequence[str], family: str = "copy") -> float:
