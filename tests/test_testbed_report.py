@@ -153,6 +153,11 @@ def test_chain_report_runs_the_chain_models_problems_and_oracles(tmp_path, monke
     assert list(result["eviction"]["policies"]) == ["full", "question+recent", "oracle", "oracle(step)"]
     assert result["eviction"]["policies"]["oracle"]["options"] == {"family": "chain"}
     assert result["eviction"]["local_window"] == 40 - task.QUESTION_TOKENS - 8
+    for row in [result["accuracy"]["lrm_full"], *result["eviction"]["policies"].values()]:  # the per-problem bits
+        rec = row["records"]
+        assert rec["problems"] == [p.name for p in task.problem_set("test", 2, family="chain")]
+        assert rec["correct"].count("1") / 2 == row["accuracy"] and rec["parsed"].count("1") / 2 == row["parse_rate"]
+        assert sum(rec["thinking_tokens"]) / 2 == row["mean_thinking_tokens"]
     text = tr.table(result)
     assert "chain family" in text and "--family chain --prm-only" in text and "lrm oracle(step) B=40" in text
     with pytest.raises(ValueError, match="'chain' family's report, not 'copy'"):

@@ -63,6 +63,16 @@ def written_value(problem: task.Problem, text: str) -> int | None:
     return None
 
 
+def problem_records(problems: Sequence[task.Problem], texts: Sequence[str]) -> dict[str, Any]:
+    """The per-problem results behind :func:`score`, compact: ``correct`` as a string of ``0``/``1``
+    (one per problem, in order), ``parsed`` likewise, and the thinking length of each trace."""
+    bits = lambda xs: "".join("1" if x else "0" for x in xs)  # noqa: E731
+    return {"problems": [p.name for p in problems],
+            "correct": bits(task.check_answer(p, t) for p, t in zip(problems, texts)),
+            "parsed": bits(task.parse_answer(t) is not None for t in texts),
+            "thinking_tokens": [len(task.thinking_words(t)) for t in texts]}
+
+
 def score(problems: Sequence[task.Problem], texts: Sequence[str]) -> dict[str, float]:
     """Accuracy, parse rate, mean thinking length and where errors come from.
 

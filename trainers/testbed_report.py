@@ -16,7 +16,7 @@ import torch
 
 from data_pipeline.testbed import task
 from dynts.io import write_atomic
-from trainers.testbed_eval import SAMPLING, load_testbed, score
+from trainers.testbed_eval import SAMPLING, load_testbed, problem_records, score
 
 Policy = tuple[str, str, dict[str, Any] | None]  # (label, method, method options)
 
@@ -125,6 +125,7 @@ def run_policy(
         texts += out.texts
         seconds += out.stats["seconds"]
     result = score(problems, texts)
+    result["records"] = problem_records(problems, texts)  # the per-problem bits behind the numbers
     result.update({"method": method, "options": options or {}, "min_think": min_think, "budget": budget, "local_window": local_window, "seconds": seconds})
     return texts, result
 
