@@ -33,8 +33,9 @@ for step in $steps; do
     predictor)  # traces -> importance -> training -> checkpoints/testbed-predictor
       $LOCK $PY -m dynts.cli pipeline --config configs/predictor/testbed.pipeline.yaml
       $LOCK $PY scripts/report_testbed_predictor.py --out reports/testbed-predictor.json ;;
-    report)  # reports/testbed.json: LRM and helper accuracy, oracle vs full, attention, PRM AUROC
-      $LOCK $PY -m dynts.cli testbed report --n 200 ;;
+    report)  # reports/testbed{,-chain}.json: LRM and helper accuracy, oracle vs full, attention, PRM AUROC, per-problem bits
+      DYNTS_THREADS=2 $LOCK $PY -m dynts.cli testbed report --n 200
+      DYNTS_THREADS=2 $LOCK $PY -m dynts.cli testbed report --family chain --n 200 ;;
     eval)  # every method, its +q variant, the random control, the ablations and the oracles at four budgets
       # (one locked job per budget, ~15 min each; the run dir resumes, so the table gathers all four)
       for budget in 64 96 128 192; do
