@@ -2,8 +2,8 @@
 # The measurements on the shipped testbed (the LRM trained on a mixture of kept-set shapes, helper in
 # KV-Rescue's regime), one command per number, each under the machine's CPU lock (other jobs may run between).
 # Run after configs/testbed/{lrm,lrm-robust,lrm-mix,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
-# Steps: predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev
-#        rescue-confirm rescue-confirm-chain pareto-confirm demo-confirm (the chain steps after scripts/run_chain_testbed.sh: the chain models)
+# Steps: predictor chain report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev
+#        rescue-confirm rescue-confirm-chain pareto-confirm demo-confirm
 # (default: all, in this order).
 # The rescue steps run two single-threaded benches side by side under one lock (the 2 cores).
 set -ex
@@ -24,7 +24,7 @@ COPY_VERIFIER='testbed-prm-order*likelihood:testbed-helper'
 CHAIN_VERIFIER='testbed-chain-prm*likelihood:testbed-chain-helper'
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
-steps=${*:-predictor report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev rescue-confirm rescue-confirm-chain pareto-confirm demo-confirm}
+steps=${*:-predictor chain report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev rescue-confirm rescue-confirm-chain pareto-confirm demo-confirm}
 one() { $LOCK bash -c "$1"; }  # the rescue commands are strings (quoted ';'), run by bash -c
 pair() { $LOCK bash -c "$1 & a=\$!; $2 & b=\$!; wait \$a; x=\$?; wait \$b; exit \$((x || \$?))"; }  # two single-threaded jobs on the 2 cores
 for step in $steps; do
@@ -165,6 +165,8 @@ for step in $steps; do
         cp runs/demo-confirm/$fam/results.{md,json} reports/demo-confirm/$fam/
         $PY -m eval.harness.compare runs/demo-confirm/$fam --wide > reports/demo-confirm/$fam/wide.md
       done ;;
+    chain)  # the chain family's models and first numbers (training, PRM, predictor, full cache, B = 96 on dev)
+      scripts/run_chain_testbed.sh ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
