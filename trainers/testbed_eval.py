@@ -63,23 +63,15 @@ def written_value(problem: task.Problem, text: str) -> int | None:
     return None
 
 
-def problem_records(problems: Sequence[task.Problem], texts: Sequence[str]) -> dict[str, Any]:
-    """The per-problem results behind :func:`score`, compact: ``correct`` as a string of ``0``/``1``
-    (one per problem, in order), ``parsed`` likewise, and the thinking length of each trace."""
-    bits = lambda xs: "".join("1" if x else "0" for x in xs)  # noqa: E731
-    return {"problems": [p.name for p in problems],
-            "correct": bits(task.check_answer(p, t) for p, t in zip(problems, texts)),
-            "parsed": bits(task.parse_answer(t) is not None for t in texts),
-            "thinking_tokens": [len(task.thinking_words(t)) for t in texts]}
-
-
-def score(problems: Sequence[task.Problem], texts: Sequence[str]) -> dict[str, float]:
+def score(problems: Sequence[task.Problem], texts: Sequence[str], records: bool = False) -> dict[str, Any]:
     """Accuracy, parse rate, mean thinking length and where errors come from.
 
     ``retrieval``: the answer equals the value the trace wrote for the asked key (the long-range
     lookup), among parsed answers; ``operand_copy``: step operands equal the question's values
     (chain: or the values written for the results they name, ``task.operand_copies``);
-    ``step_arithmetic``: ``xv op yv == v`` as written.
+    ``step_arithmetic``: ``xv op yv == v`` as written. ``records``: also the per-problem results
+    behind the numbers, compact (``correct`` and ``parsed`` as strings of ``0``/``1``, one per
+    problem in order, the thinking length of each trace and the problem names).
     """
     correct = [task.check_answer(p, t) for p, t in zip(problems, texts)]
     answers = [task.parse_answer(t) for t in texts]
@@ -90,7 +82,7 @@ def score(problems: Sequence[task.Problem], texts: Sequence[str]) -> dict[str, f
     pairs = [task.operand_copies(t, p.operands, p.family) for p, t in zip(problems, texts)]
     copied = [a and b for c in pairs for a, b in zip(c[::2], c[1::2])]  # both operands of a step right
     n_parsed = sum(a is not None for a in answers)
-    return {
+    result: dict[str, Any] = {
         "n": len(texts),
         "accuracy": sum(correct) / len(texts),
         "parse_rate": n_parsed / len(texts),
@@ -99,3 +91,8 @@ def score(problems: Sequence[task.Problem], texts: Sequence[str]) -> dict[str, f
         "operand_copy": sum(copied) / max(1, len(copied)),
         "step_arithmetic": sum(arith) / max(1, len(arith)),
     }
+    if records:
+        bits = lambda xs: "".join("1" if x else "0" for x in xs)  # noqa: E731
+        result["records"] = {"problems": [p.name for p in problems], "correct": bits(correct),
+                             "parsed": bits(a is not None for a in answers), "thinking_tokens": lengths}
+    return result

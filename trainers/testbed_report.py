@@ -16,7 +16,7 @@ import torch
 
 from data_pipeline.testbed import task
 from dynts.io import write_atomic
-from trainers.testbed_eval import SAMPLING, load_testbed, problem_records, score
+from trainers.testbed_eval import SAMPLING, load_testbed, score
 
 Policy = tuple[str, str, dict[str, Any] | None]  # (label, method, method options)
 
@@ -124,8 +124,7 @@ def run_policy(
         out = generate(model, tokenizer, chats, method=method, method_options=options, max_new_tokens=max_new_tokens, **kw, **SAMPLING)
         texts += out.texts
         seconds += out.stats["seconds"]
-    result = score(problems, texts)
-    result["records"] = problem_records(problems, texts)  # the per-problem bits behind the numbers
+    result = score(problems, texts, records=True)  # with the per-problem bits behind the numbers
     result.update({"method": method, "options": options or {}, "min_think": min_think, "budget": budget, "local_window": local_window, "seconds": seconds})
     return texts, result
 
@@ -295,8 +294,6 @@ def report(n: int = 200, budget: int | None = None, local_window: int = 64, out:
     fm = family_models(family)
     _threads()
     names = (fm.lrm, fm.helper) if skip_prm else fm.models
-    for name in names:
-        require_checkpoint(family, name)
     path = Path(out if out is not None else fm.out)
     problems = task.problem_set("test", n, family=family)
     result: dict[str, Any] = {"family": family, "n_problems": n, "problem_set": "test", "sampling": SAMPLING}

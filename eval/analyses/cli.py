@@ -131,14 +131,10 @@ def cmd_pareto(args: argparse.Namespace) -> int:
     summary = result.summary()
     png, table = plot_pareto(summary, out, title=f"Pareto retention ({args.model}, {config.context})")
     print(_table(summary, ["strategy", "percent", "accuracy", "recovery", "agreement", "answers", "traces"]))
-    from dynts.io import write_atomic
+    from .pareto_stats import compact_records, write_tables
 
-    from .pareto_stats import compact_records, markdown
-
-    compact = compact_records(result.records)  # the per-trace results reports/ keeps (pareto_stats recomputes the table)
-    write_atomic(out / "records.json", json.dumps(compact, separators=(",", ":")))
-    write_atomic(out / "table.md", markdown(compact))
-    print(f"\n{markdown(compact)}")
+    # the per-trace results reports/ keeps, and the paired table (python -m eval.analyses.pareto_stats recomputes it)
+    print(f"\n{write_tables(out, compact_records(result.records))}")
     print(f"full-thinking accuracy {result.full_accuracy:.3f}; wrote {png}, {table}, {out / 'records.json'} and {out / 'table.md'}")
     return 0
 

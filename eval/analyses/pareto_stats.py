@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 from dynts.io import write_atomic
 from eval.harness.stats import bootstrap_ci, paired_difference, sign_test
 
-__all__ = ["compact_records", "load_compact", "paired_rows", "markdown", "main"]
+__all__ = ["compact_records", "load_compact", "paired_rows", "markdown", "write_tables", "main"]
 
 FULL = "full@100"
 
@@ -106,6 +106,14 @@ def markdown(compact: dict[str, Any], against: Sequence[str] = ("random", "botto
     return "\n".join(lines) + "\n"
 
 
+def write_tables(run_dir: str | Path, compact: dict[str, Any]) -> str:
+    """Write ``records.json`` and ``table.md`` (:func:`markdown`) into ``run_dir``; return the table."""
+    table = markdown(compact)
+    write_atomic(Path(run_dir) / "records.json", json.dumps(compact, separators=(",", ":")))
+    write_atomic(Path(run_dir) / "table.md", table)
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a dynts analyze pareto --out directory (or a reports/ copy holding records.json)")
@@ -116,11 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"pareto_stats: {err}")
         return 2
-    table = markdown(compact)
-    print(table, end="")
-    if args.write:
-        write_atomic(Path(args.run_dir) / "records.json", json.dumps(compact, separators=(",", ":")))
-        write_atomic(Path(args.run_dir) / "table.md", table)
+    print(write_tables(args.run_dir, compact) if args.write else markdown(compact), end="")
     return 0
 
 
