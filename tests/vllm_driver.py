@@ -2,10 +2,15 @@
 
 ``python tests/vllm_driver.py SPEC.json`` -- SPEC: ``{"model", "engine": {LLM kwargs}, "requests":
 [{"prompt_token_ids", "max_tokens", "extra_args", "arrive_at_step"}]}``. Requests arrive at their step
-(``arrive_at_step``: 0 = before the first step), so later ones join while others decode. Prints
-``"admit_all": true`` switches the plugin's admission control off (vLLM then preempts under a tight pool).
-``{"outputs": {rid: {"token_ids", "finish_reason"}}, "max_stored": {rid: n}, "prefix_hits": {rid: tokens}, "stats": ...,
-"request_stats": ...}``
+(``arrive_at_step``: 0 = before the first step), so later ones join while others decode.
+``"admit_all": true`` switches the plugin's admission control off (vLLM then preempts under a tight pool);
+``"force_unsupported": true`` makes the plugin treat the installed vLLM as outside its supported range;
+``"engine": {"async_scheduling": true}`` runs async scheduling (on vLLM 0.34's CPU test bed the
+test-support plugin tests/support/vllm_cpu_testbed keeps it on).
+Prints ``{"outputs": {rid: {"token_ids", "finish_reason"} or {"error"}}, "max_stored": {rid: n},
+"prefix_hits": {rid: tokens}, "stats": ..., "request_stats": ..., "wrapped": [...]}`` (``wrapped``: the
+per-step methods of this engine's scheduler and runner that are dynts wrappers), or
+``{"engine_error": message}`` when the engine refuses to start.
 (``request_stats``: what each finished ``RequestOutput`` carries, :func:`dynts.vllm.metrics.request_stats`).
 Used by tests/test_vllm_plugin.py (an engine per process: vLLM keeps process-wide state).
 """
@@ -23,14 +28,23 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this proc
 
 def main(spec_path: str) -> None:  # noqa: C901
     from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
 
     from dynts.vllm.metrics import request_stats
 
     spec = json.load(open(spec_path))
+    if spec.get("force_unsupported"):  # before vLLM loads its plugins (at the engine's construction)
+        import dynts.vllm.compat
+
+        dynts.vllm.compat.SUPPORTED_RELEASES = (("0.0.1", "0.0.2", "v1"),)
     engine = dict(dtype="float32", block_size=32, enforce_eager=True, async_scheduling=False, seed=0,
                   max_num_seqs=16, max_model_len=1024)
     engine.update(spec.get("engine", {}))
-    llm = LLM(model=spec["model"], **engine)
+    try:
+        llm = LLM(model=spec["model"], **engine)
+    except (ValueError, ImportError, NotImplementedError) as err:
+        print("DYNTS_RESULT " + json.dumps({"engine_error": f"{type(err).__name__}: {err}"}))
+        return
     core = llm.llm_engine.engine_core.engine_core
     scheduler = core.scheduler
     hooks = getattr(scheduler, "_dynts", None)
@@ -54,7 +68,10 @@ def main(spec_path: str) -> None:  # noqa: C901
             i, r = pending.pop(0)
             params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args"),
                                     ignore_eos=r.get("ignore_eos", False))
-            llm.llm_engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]}, params)
+            try:
+                llm.llm_engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]}, params)
+            except (ValueError, VLLMValidationError) as err:  # what the server answers with HTTP 400
+                outputs[str(i)] = {"error": f"{type(err).__name__}: {err}"}
         for out in llm.llm_engine.step():
             if out.finished:
                 outputs[out.request_id] = {"token_ids": list(out.outputs[0].token_ids),
@@ -85,8 +102,38 @@ def main(spec_path: str) -> None:  # noqa: C901
         "steps": step,
         "stats": hooks.engine_stats() if hooks is not None else None,
         "request_stats": per_request,
+        "wrapped": wrapped_methods(llm, scheduler, core),
+        "engine_classes": engine_classes(scheduler, core),
     }
     print("DYNTS_RESULT " + json.dumps(result))
+
+
+def model_runner(core):
+    """The in-process engine's model runner (one worker: TP=1)."""
+    worker = getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None)
+    return getattr(worker, "model_runner", None)
+
+
+def engine_classes(scheduler, core) -> dict:
+    """What this engine runs: the scheduler class, the model runner's class chain, async scheduling."""
+    runner = model_runner(core)
+    return {"scheduler": type(scheduler).__name__,
+            "runner_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__] if runner else [],
+            "async_scheduling": bool(core.vllm_config.scheduler_config.async_scheduling),
+            "batch_queue": getattr(core, "batch_queue", None) is not None}
+
+
+def wrapped_methods(llm, scheduler, core) -> list[str]:
+    """The per-step methods of this engine's scheduler, model runner and output processor that are dynts
+    wrappers (an engine without dynts has none)."""
+    from dynts.vllm.wrapping import is_wrapped
+
+    objects = {"Scheduler": (scheduler, ["schedule", "_preempt_request", "_free_request", "update_from_output"]),
+               "ModelRunner": (model_runner(core),
+                               ["execute_model", "_prepare_inputs", "_model_forward", "prepare_attn", "sample_tokens"]),
+               "OutputProcessor": (llm.llm_engine.output_processor, ["process_outputs"])}
+    return [f"{label}.{name}" for label, (obj, names) in objects.items() if obj is not None for name in names
+            if is_wrapped(getattr(obj, name, None))]
 
 
 if __name__ == "__main__":

@@ -17,14 +17,24 @@ its own ``method``/``budget``/``local_window``/``retention`` in ``SamplingParams
 
 from __future__ import annotations
 
-from .compat import SUPPORTED_VLLM, check_vllm_version, missing_internals
+from .compat import SUPPORTED_RELEASES, check_vllm_version, missing_internals, unsupported_reason
 
-__all__ = ["SUPPORTED_VLLM", "check_vllm_version", "missing_internals", "register"]
+__all__ = ["SUPPORTED_RELEASES", "check_vllm_version", "missing_internals", "register"]
 
 
 def register() -> None:
-    """vLLM's ``general_plugins`` entry point: check the release and install the wrappers."""
-    check_vllm_version()
+    """vLLM's ``general_plugins`` entry point, called in every engine process whether or not it asks for dynts.
+
+    On a supported release it installs the wrappers (:mod:`dynts.vllm.patches`), which stay pass-throughs for
+    an engine without ``additional_config["dynts"]``. On another release it installs nothing that changes
+    vLLM: refusals only where dynts is asked for and one log line per engine (:mod:`dynts.vllm.refusals`).
+    """
+    reason = unsupported_reason()
+    if reason is not None:
+        from .refusals import install_refusals
+
+        install_refusals(reason)
+        return
     from .patches import install
 
     install()

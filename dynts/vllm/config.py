@@ -19,12 +19,24 @@ from typing import Any, Mapping
 
 from ..core import EVICTION_FIELDS, EvictionSettings
 
-__all__ = ["ENGINE_FIELDS", "MAX_VARIANTS", "REQUEST_FIELDS", "PluginConfig", "request_overrides"]
+__all__ = ["ENGINE_FIELDS", "MAX_VARIANTS", "REQUEST_FIELDS", "PluginConfig", "asks_for_dynts", "engine_asks_for_dynts",
+           "request_overrides"]
 
 ENGINE_FIELDS = EVICTION_FIELDS  # the eviction keywords of dynts.generate (dynts.core.settings)
 REQUEST_FIELDS = tuple(f for f in EVICTION_FIELDS if f not in ("predictor", "think_end"))  # those are the engine's
 FLAT_PREFIX = "dynts_"
 MAX_VARIANTS = 64  # per-request setting variants kept (least recently used dropped; a running request keeps its own)
+
+
+def asks_for_dynts(extra_args: Mapping[str, Any] | None) -> bool:
+    """Whether a request's ``extra_args`` carry dynts fields (nested ``dynts`` or flat ``dynts_*`` keys)."""
+    return bool(extra_args) and any(key == "dynts" or key.startswith(FLAT_PREFIX) for key in extra_args)
+
+
+def engine_asks_for_dynts(vllm_config: Any) -> bool:
+    """Whether the engine was started with an ``additional_config["dynts"]`` entry."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return "dynts" in extra
 
 
 def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -71,10 +83,7 @@ class PluginConfig:
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> "PluginConfig | None":
         """The plugin's config from a ``VllmConfig``; ``None`` (plugin inert) without a ``dynts`` entry."""
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        if "dynts" not in extra:
-            return None
-        return cls(extra["dynts"])
+        return cls(vllm_config.additional_config["dynts"]) if engine_asks_for_dynts(vllm_config) else None
 
     def _build(self, fields: dict[str, Any]) -> EvictionSettings:
         fields.setdefault("method", "dynts")

@@ -1,49 +1,46 @@
 """Where the plugin meets vLLM: wrappers around a handful of scheduler and model-runner methods.
 
-Every wrapper is inert unless the engine was started with ``additional_config={"dynts": {...}}``.
-The methods wrapped (checked to exist by :func:`dynts.vllm.compat.missing_internals`):
+An engine started without ``additional_config={"dynts": {...}}`` runs stock: the class-level wrappers run
+once per engine (construction) or once per request (the ``dynts`` fields check), and the per-step wrappers
+(``schedule``, ``execute_model``, ...) are bound only on the scheduler, runner and output processor of an
+engine that asked for dynts (:func:`dynts.vllm.wrapping.bind`). The methods wrapped (checked to exist by
+:func:`dynts.vllm.compat.missing_internals`):
 
 | process | method | what dynts adds |
 |---|---|---|
 | front end | ``EngineArgs.create_engine_config`` | refuses configurations it has not been tested with (:mod:`dynts.vllm.checks`), before any model load |
-| engine core | ``Scheduler.__init__`` | builds :class:`~dynts.vllm.scheduler.SchedulerHooks`; the same refusals (an engine core started on its own) |
-| engine core | ``Scheduler.schedule`` | eviction events and freed blocks before the round, admission by bounded footprint, the plan on the output |
-| engine core | ``Scheduler._preempt_request`` | a preempted evicted request fails loudly |
-| engine core | ``Scheduler._free_request`` | per-request state is dropped; its statistics join the request's ``kv_transfer_params`` (:mod:`dynts.vllm.metrics`) |
+| engine core | ``Scheduler.__init__`` | builds :class:`~dynts.vllm.scheduler.SchedulerHooks`; the same refusals (an engine core started on its own); binds the three below |
+| engine core | ``Scheduler.schedule`` (bound) | eviction events and freed blocks before the round, admission by bounded footprint, the plan on the output |
+| engine core | ``Scheduler._preempt_request`` (bound) | a preempted evicted request fails loudly |
+| engine core | ``Scheduler._free_request`` (bound) | per-request state is dropped; its statistics join the request's ``kv_transfer_params`` (:mod:`dynts.vllm.metrics`) |
 | engine core | ``KVCacheManager.allocate_slots`` (per instance) | blocks follow ``stored = num_computed_tokens - shift`` |
 | engine core | ``KVCacheCoordinator.cache_blocks``, ``.find_longest_cache_hit``, ``KVCacheManager.get_computed_blocks``, ``.prefix_cache_lookup_enabled`` (per instance) | only blocks inside the request's own protected prefix are hashed, shared and reused |
 | front end | ``InputProcessor.__init__`` | a dynts engine: the ``dynts_*`` Prometheus counters and the response wrappers below |
-| front end | ``InputProcessor.process_inputs`` | per-request ``dynts`` fields and the prompt checked against the budget (HTTP 400) |
-| front end | ``OutputProcessor.process_outputs`` | finished requests' statistics counted; ``n > 1`` children's merged |
+| front end | ``InputProcessor.process_inputs`` | per-request ``dynts`` fields and the prompt checked against the budget (HTTP 400); an engine without dynts refuses a request with ``dynts`` fields (HTTP 400) |
+| front end | ``OutputProcessor.process_outputs`` (installed with the first dynts front end) | finished requests' statistics counted; ``n > 1`` children's merged |
 | front end | ``OpenAIServingCompletion.request_output_to_completion_response``, ``OpenAIServingChat.chat_completion_full_generator`` | ``usage.dynts`` |
-| worker | ``GPUModelRunner.initialize_kv_cache`` | builds and checks :class:`~dynts.vllm.worker.WorkerHooks` (layout, KV groups, kernel blocks, tokenizer, predictor) |
-| worker | ``Worker.determine_available_memory`` (and the CPU worker's) | the slot table's bytes are charged against the KV cache |
-| worker | ``GPUModelRunner.execute_model`` / ``_prepare_inputs`` / ``_model_forward`` | :class:`~dynts.vllm.worker.WorkerHooks` per round |
+| worker | the model runner's methods | :mod:`dynts.vllm.runners` (one table per runner: V1 on vLLM 0.32, V2 on 0.34) |
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any
 
 from .checks import check_engine
-from .config import PluginConfig
+from .config import PluginConfig, asks_for_dynts
 from .metrics import Counters, attach, move_to_usage, pass_on, request_stats
 from .scheduler import SchedulerHooks
-from .worker import WorkerHooks, slot_table_bytes
+from .compat import runner_of
+from .runners import install_runner
+from .wrapping import bind, wrap
 
 __all__ = ["check_engine", "install"]
 
 _INSTALLED = False
 _RESPONSES = False
 _COUNTERS: Counters | None = None  # the front end of a dynts engine in this process
-
-
-def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
-    original = getattr(owner, name)
-    wrapped = functools.wraps(original)(make(original))
-    wrapped.__dynts_original__ = original
-    setattr(owner, name, wrapped)
+NOT_CONFIGURED = ("this engine evicts nothing: it was started without additional_config['dynts']; drop the request's "
+                  "dynts fields, or start vLLM with --additional-config '{\"dynts\": {...}}'")
 
 
 def _install_scheduler() -> None:
@@ -57,7 +54,7 @@ def _install_scheduler() -> None:
             if config is None:
                 return
             check_engine(self.vllm_config)
-            hooks = SchedulerHooks(self, config)
+            hooks = SchedulerHooks(self, config, ship_token_ids=runner_of() == "v2")
             self._dynts = hooks
             manager = self.kv_cache_manager
             allocate, cache, lookup = manager.allocate_slots, manager.coordinator.cache_blocks, manager.prefix_cache_lookup_enabled
@@ -99,13 +96,14 @@ def _install_scheduler() -> None:
             manager.coordinator.find_longest_cache_hit = find_longest_cache_hit
             manager.coordinator.cache_blocks = cache_blocks
             manager.prefix_cache_lookup_enabled = prefix_cache_lookup_enabled
+            bind(self, "schedule", schedule)
+            bind(self, "_preempt_request", preempt)
+            bind(self, "_free_request", free)
         return __init__
 
     def schedule(original):
         def wrapped(self, *args, **kwargs):
-            hooks = getattr(self, "_dynts", None)
-            if hooks is None:
-                return original(self, *args, **kwargs)
+            hooks = self._dynts
             plan = hooks.before_schedule()
             waiting = list(self.waiting)
             hidden = waiting[hooks.admissible(waiting):]
@@ -123,31 +121,21 @@ def _install_scheduler() -> None:
     def preempt(original):
         def _preempt_request(self, request, *args, **kwargs):
             original(self, request, *args, **kwargs)
-            if getattr(self, "_dynts", None) is not None:
-                self._dynts.on_preempt(request)
+            self._dynts.on_preempt(request)
         return _preempt_request
 
     def free(original):
         def _free_request(self, request, *args, **kwargs):
-            out = original(self, request, *args, **kwargs)
-            hooks = getattr(self, "_dynts", None)
-            if hooks is None:
-                return out
-            kv_transfer_params, ec_transfer_params = out
-            return attach(kv_transfer_params, hooks.forget(request.request_id)), ec_transfer_params
+            kv_transfer_params, ec_transfer_params = original(self, request, *args, **kwargs)
+            return attach(kv_transfer_params, self._dynts.forget(request.request_id)), ec_transfer_params
         return _free_request
 
-    _wrap(Scheduler, "__init__", init)
-    _wrap(Scheduler, "schedule", schedule)
-    _wrap(Scheduler, "_preempt_request", preempt)
-    _wrap(Scheduler, "_free_request", free)
+    wrap(Scheduler, "__init__", init)
 
 
 def _install_frontend() -> None:
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine import FinishReason
     from vllm.v1.engine.input_processor import InputProcessor
-    from vllm.v1.engine.output_processor import OutputProcessor
 
     def init(original):
         def __init__(self, *args, **kwargs):
@@ -162,24 +150,16 @@ def _install_frontend() -> None:
             request = original(self, *args, **kwargs)
             config = getattr(self, "_dynts_config", None)
             params = getattr(request, "sampling_params", None)
-            if config is not None and params is not None:
+            if params is None:
+                return request
+            if config is not None:
                 check_request(config, params.extra_args, len(request.prompt_token_ids or ()))
+            elif asks_for_dynts(params.extra_args):
+                from .refusals import refuse_request
+
+                raise refuse_request(NOT_CONFIGURED)
             return request
         return process_inputs
-
-    def outputs(original):
-        def process_outputs(self, engine_core_outputs, *args, **kwargs):
-            if _COUNTERS is not None:
-                for output in engine_core_outputs:
-                    state = self.request_states.get(output.request_id)
-                    if output.finish_reason is None or state is None:  # running, or aborted already
-                        continue
-                    _COUNTERS.finished(request_stats(output.kv_transfer_params),
-                                       failed=output.finish_reason == FinishReason.ERROR)
-                    if state.parent_req is not None:
-                        pass_on(state.parent_req, output)
-            return original(self, engine_core_outputs, *args, **kwargs)
-        return process_outputs
 
     def create(original):
         def create_engine_config(self, *args, **kwargs):
@@ -189,14 +169,14 @@ def _install_frontend() -> None:
             return vllm_config
         return create_engine_config
 
-    _wrap(EngineArgs, "create_engine_config", create)
-    _wrap(InputProcessor, "__init__", init)
-    _wrap(InputProcessor, "process_inputs", process)
-    _wrap(OutputProcessor, "process_outputs", outputs)
+    wrap(EngineArgs, "create_engine_config", create)
+    wrap(InputProcessor, "__init__", init)
+    wrap(InputProcessor, "process_inputs", process)
 
 
 def _serve_statistics(vllm_config: Any) -> None:
-    """A dynts engine's front end: the Prometheus counters of its model, ``usage.dynts`` in responses."""
+    """A dynts engine's front end: the Prometheus counters of its model, its finished requests counted,
+    ``usage.dynts`` in responses."""
     global _COUNTERS
     name = vllm_config.model_config.served_model_name
     _COUNTERS = Counters(name[0] if isinstance(name, (list, tuple)) else str(name))
@@ -204,12 +184,28 @@ def _serve_statistics(vllm_config: Any) -> None:
 
 
 def _install_responses() -> None:
-    """``usage.dynts`` in the non-streaming completion and chat responses (once per process)."""
+    """Finished requests' statistics counted, ``usage.dynts`` in the non-streaming completion and chat
+    responses (once per process, with its first dynts front end)."""
     global _RESPONSES
     if _RESPONSES:
         return
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    def outputs(original):
+        def process_outputs(self, engine_core_outputs, *args, **kwargs):
+            for output in engine_core_outputs:
+                state = self.request_states.get(output.request_id)
+                if output.finish_reason is None or state is None:  # running, or aborted already
+                    continue
+                _COUNTERS.finished(request_stats(output.kv_transfer_params),
+                                   failed=output.finish_reason == FinishReason.ERROR)
+                if state.parent_req is not None:
+                    pass_on(state.parent_req, output)
+            return original(self, engine_core_outputs, *args, **kwargs)
+        return process_outputs
 
     def completion(original):
         def request_output_to_completion_response(self, final_res_batch, *args, **kwargs):
@@ -222,8 +218,9 @@ def _install_responses() -> None:
             return move_to_usage(response, [response])  # it carries its final output's kv_transfer_params
         return chat_completion_full_generator
 
-    _wrap(OpenAIServingCompletion, "request_output_to_completion_response", completion)
-    _wrap(OpenAIServingChat, "chat_completion_full_generator", chat)
+    wrap(OutputProcessor, "process_outputs", outputs)
+    wrap(OpenAIServingCompletion, "request_output_to_completion_response", completion)
+    wrap(OpenAIServingChat, "chat_completion_full_generator", chat)
     _RESPONSES = True
 
 
@@ -239,70 +236,6 @@ def check_request(config: PluginConfig, extra_args: Any, prompt_length: int) -> 
         raise VLLMValidationError(f"dynts: {err}", parameter="vllm_xargs") from None
 
 
-def _install_worker() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker
-
-    workers = [Worker]
-    try:
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        workers.append(CPUWorker)
-    except ImportError:  # a build without the CPU worker
-        pass
-
-    def init_cache(original):
-        def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
-            original(self, kv_cache_config, *args, **kwargs)
-            if kwargs.get("is_profiling") or (args and args[0] is True):
-                return
-            config = PluginConfig.from_vllm(self.vllm_config)
-            # built and checked now (backend layout, KV groups, kernel blocks, tokenizer, predictor), not at a request
-            self._dynts = WorkerHooks(self, config, getattr(self, "_kernel_block_sizes", None)) if config else None
-        return initialize_kv_cache
-
-    def available(original):
-        def determine_available_memory(self, *args, **kwargs):
-            free = original(self, *args, **kwargs)
-            config = PluginConfig.from_vllm(self.vllm_config)
-            return free if config is None else max(0, free - slot_table_bytes(config, self.vllm_config))
-        return determine_available_memory
-
-    def execute(original):
-        def execute_model(self, scheduler_output, *args, **kwargs):
-            hooks = getattr(self, "_dynts", None)
-            if hooks is not None:
-                hooks.before_step(scheduler_output)
-            return original(self, scheduler_output, *args, **kwargs)
-        return execute_model
-
-    def prepare(original):
-        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
-            out = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
-            hooks = getattr(self, "_dynts", None)
-            if hooks:
-                hooks.after_prepare_inputs(num_scheduled_tokens)
-            return out
-        return _prepare_inputs
-
-    def forward(original):
-        def _model_forward(self, *args, **kwargs):
-            out = original(self, *args, **kwargs)
-            hooks = getattr(self, "_dynts", None)
-            if hooks:
-                hooks.after_forward(out)
-            return out
-        return _model_forward
-
-    _wrap(GPUModelRunner, "initialize_kv_cache", init_cache)
-    for worker in workers:
-        if "determine_available_memory" in vars(worker):  # each class that defines its own
-            _wrap(worker, "determine_available_memory", available)
-    _wrap(GPUModelRunner, "execute_model", execute)
-    _wrap(GPUModelRunner, "_prepare_inputs", prepare)
-    _wrap(GPUModelRunner, "_model_forward", forward)
-
-
 def install() -> None:
     """Install every wrapper once per process (vLLM calls the plugin in each of its processes)."""
     global _INSTALLED
@@ -310,5 +243,5 @@ def install() -> None:
         return
     _install_scheduler()
     _install_frontend()
-    _install_worker()
+    install_runner(runner_of())
     _INSTALLED = True

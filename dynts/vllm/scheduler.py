@@ -48,19 +48,24 @@ class StepPlan:
     Attributes:
         events: ``(request_id, stored, n_keep)`` of every request evicting before this round's forward.
         shifts: tokens evicted so far, per request with ``shift > 0``.
+        token_ids: for V2 runners, which keep no host copy of a request's tokens: ``(start, ids)`` per recorded
+            request, the ids of its tokens from absolute index ``start`` up to this round's last scheduled one
+            (``start = 0`` the first time a request is scheduled, so a prefix-cache hit's tokens are included).
     """
 
     events: list[tuple[str, int, int]] = field(default_factory=list)
     shifts: dict[str, int] = field(default_factory=dict)
+    token_ids: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
 
 class SchedulerHooks:
     """The plugin's state in one vLLM ``Scheduler`` (installed by :func:`dynts.vllm.patches.install`): it
     translates vLLM's requests and block pool into :class:`~dynts.core.policy.EvictionPolicy` calls."""
 
-    def __init__(self, scheduler: Any, config: PluginConfig) -> None:
+    def __init__(self, scheduler: Any, config: PluginConfig, ship_token_ids: bool = False) -> None:
         self.scheduler = scheduler
         self.config = config
+        self.ship_token_ids = ship_token_ids  # the workers run vLLM's V2 runner (no host copy of token ids)
         self.block_size = scheduler.block_size
         self.policy = EvictionPolicy(self.block_size, TRACE_ROUNDS)  # trace rows: (blocks in use, running)
         self.failed: set[str] = set()
@@ -162,11 +167,18 @@ class SchedulerHooks:
             self.failed.add(request.request_id)
 
     def after_schedule(self, output: Any, plan: StepPlan) -> None:
-        for rid in output.num_scheduled_tokens:
+        preempted = getattr(output, "preempted_req_ids", None)
+        if preempted:  # preempted by this very round: its blocks are back in the pool, nothing to move
+            plan.events = [event for event in plan.events if event[0] not in preempted]
+        new = {r.req_id for r in output.scheduled_new_reqs} if self.ship_token_ids else ()
+        for rid, scheduled in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[rid]
             entry = self.entry(request)
             if entry.shift:
                 plan.shifts[rid] = entry.shift
+            if self.ship_token_ids and (entry.may_evict or self.config.settings.needs_scores):
+                start = 0 if rid in new else request.num_computed_tokens - scheduled
+                plan.token_ids[rid] = (start, request.all_token_ids[start : request.num_computed_tokens])
             # num_computed_tokens already counts this round's tokens: the slots stored after its forward
             self.policy.scheduled(entry, request.num_computed_tokens - entry.shift, len(self._blocks(rid)))
         output.dynts_plan = plan

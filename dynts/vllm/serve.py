@@ -34,13 +34,19 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
-def engine_choices(passthrough: list[str], cuda: bool | None = None) -> tuple[dict[str, str], list[str]]:
-    """The environment and the vLLM flags ``dynts serve`` sets for the plugin (printed at start)."""
+def engine_choices(passthrough: list[str], cuda: bool | None = None, runner: str | None = None
+                   ) -> tuple[dict[str, str], list[str]]:
+    """The environment and the vLLM flags ``dynts serve`` sets for the plugin (printed at start): on vLLM 0.32
+    the V1 model runner, which the plugin drives there (0.34 has only the V2 runner)."""
     if cuda is None:
         import torch
 
         cuda = torch.cuda.is_available()
-    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if runner is None:
+        from .compat import runner_of
+
+        runner = runner_of()
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if runner == "v1" else {}
     flags = ["--no-async-scheduling"]
     given = any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in passthrough)
     if cuda and not given:
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dynts serve: {err}", file=sys.stderr)
         return 2
     env, flags = engine_choices(passthrough)
-    print("dynts serve --engine vllm sets " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(flags)
+    print("dynts serve --engine vllm sets " + " ".join([*(f"{k}={v}" for k, v in env.items()), *flags])
           + " (what the plugin needs; vLLM's GPU defaults are the V2 runner and async scheduling)",
           file=sys.stderr, flush=True)
     print("dynts serve --engine vllm:", " ".join(command), file=sys.stderr, flush=True)

@@ -146,10 +146,19 @@ class WorkerHooks:
         return load_predictor(self.config.predictor, mc.hf_text_config, final_norm_weight=weight.detach(),
                               name_or_path=mc.model)
 
+    # ------------------------------------------------------------------ the runner's request state
+    def sampling_params(self, rid: str) -> Any:
+        """The request's ``SamplingParams`` (``None`` for a pooling request)."""
+        return self.runner.requests[rid].sampling_params
+
+    def block_ids(self, rid: str) -> list[int]:
+        """The request's block ids in its one KV-cache group, in order."""
+        return self.runner.requests[rid].block_ids[0]
+
     # ------------------------------------------------------------------ per round
     def settings_of(self, rid: str) -> Any:
-        state = self.runner.requests[rid]
-        settings = self.config.for_request(state.sampling_params.extra_args if state.sampling_params else None)
+        params = self.sampling_params(rid)
+        settings = self.config.for_request(params.extra_args if params else None)
         if not getattr(settings, "_dynts_bound", False):
             settings.evictor.bind(self.tokenizer)
             if self.tp_group is not None:
@@ -173,7 +182,7 @@ class WorkerHooks:
             self._evict(plan.events)
 
     def _evict(self, events: list[tuple[str, int, int]]) -> None:
-        runner, bs = self.runner, self.block_size
+        bs = self.block_size
         entries = {}
         for rid, stored, n_keep in events:
             entry = self.tracker.slots.get(rid)
@@ -188,7 +197,7 @@ class WorkerHooks:
             rids = [entries[id(e)] for e in group.entries]
             slot = torch.arange(group.stored, device=device)
             physical = torch.stack([
-                torch.tensor(runner.requests[rid].block_ids[0][: math.ceil(group.stored / bs)], dtype=torch.long,
+                torch.tensor(self.block_ids(rid)[: math.ceil(group.stored / bs)], dtype=torch.long,
                              device=device)[slot // bs] * bs + slot % bs
                 for rid in rids
             ])  # [g, stored]
@@ -258,7 +267,7 @@ class WorkerHooks:
         """True when the request can never have an event (:meth:`EvictionSettings.may_evict`, the scheduler's rule
         too). Its slot metadata would never be read, so it is not recorded (without a predictor, no hidden-state
         rows need to line up with the recorded tokens)."""
-        params = self.runner.requests[rid].sampling_params
+        params = self.sampling_params(rid)
         return not settings.may_evict(prompt_length, params.max_tokens if params is not None else None)
 
     def after_forward(self, output: Any) -> None:

@@ -1,0 +1,131 @@
+"""Where the plugin meets vLLM's model runner: the V1 runner (vLLM 0.32, :mod:`dynts.vllm.worker`) or the V2
+runner (vLLM 0.34, :mod:`dynts.vllm.worker_v2`), chosen by the release (:func:`dynts.vllm.compat.runner_of`).
+
+Class-level wrappers run once per engine; the per-step ones are bound on the runner object of an engine that
+asked for dynts, when its KV cache is allocated (:func:`dynts.vllm.wrapping.bind`):
+
+| runner | method | what dynts adds |
+|---|---|---|
+| both | ``initialize_kv_cache`` | builds and checks the worker hooks (layout, KV groups, kernel blocks, tokenizer, predictor); binds the rest |
+| both | ``Worker.determine_available_memory`` (and the CPU worker's) | the slot table's bytes are charged against the KV cache |
+| V1 | ``execute_model`` / ``_prepare_inputs`` / ``_model_forward`` (bound) | :class:`~dynts.vllm.worker.WorkerHooks`: events, recording, scores |
+| V2 | ``execute_model`` (bound) | :class:`~dynts.vllm.worker_v2.RunnerV2Hooks`: events before the round's block writes, scores after the forward |
+| V2 | ``prepare_attn`` (bound) | recording; ``seq_lens`` and slot mappings from the stored slots, RoPE on logical positions |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .config import PluginConfig
+from .worker import WorkerHooks, slot_table_bytes
+from .worker_v2 import RunnerV2Hooks
+from .wrapping import bind, wrap
+
+__all__ = ["install_runner"]
+
+
+def _profiling(args: tuple, kwargs: dict) -> bool:
+    return bool(kwargs.get("is_profiling") or (args and args[0] is True))
+
+
+def _bind_v1(runner: Any) -> None:
+    def execute(original: Callable) -> Callable:
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            self._dynts.before_step(scheduler_output)
+            return original(self, scheduler_output, *args, **kwargs)
+        return execute_model
+
+    def prepare(original: Callable) -> Callable:
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            out = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+            self._dynts.after_prepare_inputs(num_scheduled_tokens)
+            return out
+        return _prepare_inputs
+
+    def forward(original: Callable) -> Callable:
+        def _model_forward(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            self._dynts.after_forward(out)
+            return out
+        return _model_forward
+
+    bind(runner, "execute_model", execute)
+    bind(runner, "_prepare_inputs", prepare)
+    bind(runner, "_model_forward", forward)
+
+
+def _bind_v2(runner: Any) -> None:
+    def execute(original: Callable) -> Callable:
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            if kwargs.get("dummy_run") or (len(args) > 1 and args[1]):  # profiling, warm-up, capture, DP padding
+                return original(self, scheduler_output, *args, **kwargs)
+            self._dynts.before_step(scheduler_output)
+            out = original(self, scheduler_output, *args, **kwargs)
+            self._dynts.after_execute()
+            return out
+        return execute_model
+
+    def attention(original: Callable) -> Callable:
+        def prepare_attn(self, input_batch):
+            stored_positions = self._dynts.before_attention(input_batch)
+            if stored_positions is None:
+                return original(self, input_batch)
+            logical = input_batch.positions  # RoPE reads these; slot mappings the stored ones
+            input_batch.positions = stored_positions
+            try:
+                return original(self, input_batch)
+            finally:
+                input_batch.positions = logical
+        return prepare_attn
+
+    bind(runner, "execute_model", execute)
+    bind(runner, "prepare_attn", attention)
+
+
+RUNNERS = {  # runner -> (module, hooks, the attribute holding the kernel block sizes, binder)
+    "v1": ("vllm.v1.worker.gpu_model_runner", WorkerHooks, "_kernel_block_sizes", _bind_v1),
+    "v2": ("vllm.v1.worker.gpu.model_runner", RunnerV2Hooks, "kernel_block_sizes", _bind_v2),
+}
+
+
+def install_runner(kind: str) -> None:
+    """Wrap the model runner the plugin drives on this release (``"v1"`` or ``"v2"``) and the workers' memory
+    report."""
+    import importlib
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    module, hooks_cls, kernel_attr, binder = RUNNERS[kind]
+    runner_cls = importlib.import_module(module).GPUModelRunner
+    workers = [Worker]
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        workers.append(CPUWorker)
+    except ImportError:  # a build without the CPU worker
+        pass
+
+    def init_cache(original: Callable) -> Callable:
+        def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+            original(self, kv_cache_config, *args, **kwargs)
+            if _profiling(args, kwargs):
+                return
+            config = PluginConfig.from_vllm(self.vllm_config)
+            # built and checked now (backend layout, KV groups, kernel blocks, tokenizer, predictor), not at a request
+            self._dynts = hooks_cls(self, config, getattr(self, kernel_attr, None)) if config else None
+            if config is not None and "execute_model" not in vars(self):  # once, even if the cache is rebuilt
+                binder(self)
+        return initialize_kv_cache
+
+    def available(original: Callable) -> Callable:
+        def determine_available_memory(self, *args, **kwargs):
+            free = original(self, *args, **kwargs)
+            config = PluginConfig.from_vllm(self.vllm_config)
+            return free if config is None else max(0, free - slot_table_bytes(config, self.vllm_config))
+        return determine_available_memory
+
+    wrap(runner_cls, "initialize_kv_cache", init_cache)
+    for worker in workers:
+        if "determine_available_memory" in vars(worker):  # each class that defines its own
+            wrap(worker, "determine_available_memory", available)

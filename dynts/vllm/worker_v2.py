@@ -1,0 +1,155 @@
+"""Worker side of the plugin on vLLM's V2 model runner (``vllm/v1/worker/gpu/model_runner.py``; vLLM 0.34's
+only runner, the CPU runner included).
+
+The V2 runner keeps no host copy of a request's block ids or token ids, derives positions, ``seq_lens`` and
+slot mappings on the device from ``num_computed_tokens``, and leaves the hidden states of the forward in
+``execute_model_state``. Per round (every method bound on the runner object by :mod:`dynts.vllm.patches`):
+
+1. ``execute_model``, first thing -- before ``update_requests`` zeroes newly allocated blocks, which may be
+   the tail blocks the scheduler just freed: the round's finished and preempted requests are forgotten, new
+   ones registered (their block ids and sampling parameters are read from the ``SchedulerOutput``, as vLLM
+   itself reads them), and every event of the round's :class:`~dynts.vllm.scheduler.StepPlan` runs the
+   :class:`~dynts.evictors.Evictor` and moves the kept K/V to the front slots of the request's blocks in every
+   layer; its block count in the runner's ``BlockTables`` is cut to the scheduler's, so the round's new
+   blocks append right after the kept ones;
+2. ``prepare_attn`` (after ``prepare_inputs`` built positions and ``seq_lens``, before any attention metadata):
+   the scheduled tokens' positions, ids (shipped by the scheduler: ``StepPlan.token_ids``) and segments are
+   recorded; ``seq_lens`` drops by each request's ``shift`` in the runner's persistent buffer (what a captured
+   graph reads) and the slot mappings are computed from ``position - shift`` while RoPE keeps the logical
+   positions;
+3. ``execute_model``, after the forward (outside any captured region): ``seq_lens`` gets its logical values
+   back for the sampler, and the predictor scores the final-norm hidden states of every scheduled token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core import Forward
+from .worker import WorkerHooks
+
+__all__ = ["RunnerV2Hooks"]
+
+
+class RunnerV2Hooks(WorkerHooks):
+    """The plugin's state in one V2 model runner (``GPUModelRunner`` of ``vllm.v1.worker.gpu``)."""
+
+    def __init__(self, runner: Any, config: Any, kernel_block_sizes: Any = None) -> None:
+        super().__init__(runner, config, kernel_block_sizes)
+        self.blocks: dict[str, list[int]] = {}  # block ids of the one KV group, as the scheduler allocated them
+        self.params: dict[str, Any] = {}  # SamplingParams per request
+        self.token_ids: dict[str, tuple[int, list[int]]] = {}  # this round's (start, ids) per recorded request
+        self.lowered: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_lens rows, shifts) restored after the forward
+
+    # ------------------------------------------------------------------ the runner's request state
+    def sampling_params(self, rid: str) -> Any:
+        return self.params[rid]
+
+    def block_ids(self, rid: str) -> list[int]:
+        return self.blocks[rid]
+
+    def _forget(self, rid: str) -> None:
+        if rid in self.tracker.slots:
+            self.tracker.release(rid)
+        self.shifts.pop(rid, None)
+        self.untracked.discard(rid)
+        self.blocks.pop(rid, None)
+        self.params.pop(rid, None)
+
+    # ------------------------------------------------------------------ per round
+    def before_step(self, scheduler_output: Any) -> None:
+        """Forget finished and preempted requests, register new ones, run the round's events, then take the
+        round's new blocks."""
+        for rid in [*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())]:
+            self._forget(rid)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._forget(new.req_id)  # a resumed request re-prefills from scratch
+            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.params[new.req_id] = new.sampling_params
+        plan = getattr(scheduler_output, "dynts_plan", None)
+        self.token_ids = plan.token_ids if plan is not None else {}
+        if plan is not None:
+            self.shifts = dict(plan.shifts)
+            if plan.events:
+                self._evict(plan.events)
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, new_blocks in zip(cached.req_ids, cached.new_block_ids):
+            if new_blocks is not None and rid in self.blocks:
+                self.blocks[rid].extend(new_blocks[0])
+
+    def _truncate_blocks(self, rid: str, keep: int) -> None:
+        """Cut a request's blocks to its first ``keep`` (the scheduler freed the rest), here and in the runner's
+        block table (its count: the round's new blocks are appended after it)."""
+        del self.blocks[rid][keep:]
+        tables = self.runner.block_tables
+        index = self.runner.req_states.req_id_to_index.get(rid)
+        if index is not None and tables.num_blocks.np[0, index] > keep:
+            tables.num_blocks.np[0, index] = keep
+
+    def before_attention(self, batch: Any) -> torch.Tensor | None:
+        """Record the scheduled tokens; lower ``seq_lens`` by each request's shift (in place). Returns the
+        positions the slot mappings must use (``position - shift``), or ``None`` when nothing is shifted."""
+        num_reqs = batch.num_reqs
+        scheduled = batch.num_scheduled_tokens[:num_reqs]
+        forwards, cached, shift_rows = [], [], np.zeros(num_reqs, dtype=np.int64)
+        for i, rid in enumerate(batch.req_ids[:num_reqs]):
+            q, computed = int(scheduled[i]), int(batch.num_computed_tokens_np[i])
+            shift = self.shifts.get(rid, 0)
+            shift_rows[i] = shift
+            if rid in self.untracked:
+                continue
+            entry = self.tracker.slots.get(rid)
+            if entry is None:
+                states = self.runner.req_states
+                settings, prompt = self.settings_of(rid), int(states.prompt_len.np[states.req_id_to_index[rid]])
+                if self.predictor is None and self._never_evicts(rid, settings, prompt):
+                    self.untracked.add(rid)
+                    continue
+                entry = self.tracker.open(rid, prompt, settings=settings)
+            ids = self._ids(rid, computed, q)
+            if computed > 0 and entry.peak_slots == 0:  # a prefix-cache hit: shared prompt blocks hold these
+                cached.append(Forward(entry, 0, 0, self._ids(rid, 0, computed)))
+            forwards.append(Forward(entry, computed, computed - shift, ids))
+        if cached:
+            self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
+        if forwards:
+            self.tracker.record(forwards, score=self.predictor is not None)
+        if not shift_rows.any():
+            return None
+        device = batch.seq_lens.device
+        shifts = torch.from_numpy(shift_rows).to(device, batch.seq_lens.dtype, non_blocking=True)
+        batch.seq_lens[:num_reqs] -= shifts
+        self.lowered = (batch.seq_lens[:num_reqs], shifts)
+        per_token = np.zeros(batch.positions.shape[0], dtype=np.int64)
+        per_token[: batch.num_tokens] = np.repeat(shift_rows, scheduled)
+        return batch.positions - torch.from_numpy(per_token).to(device, batch.positions.dtype, non_blocking=True)
+
+    def _ids(self, rid: str, start: int, count: int) -> list[int]:
+        """Ids of a request's tokens ``start .. start + count`` from the scheduler's shipment."""
+        shipped = self.token_ids.get(rid)
+        if shipped is None or shipped[0] > start or shipped[0] + len(shipped[1]) < start + count:
+            raise RuntimeError(f"dynts: the scheduler shipped no token ids for request {rid} positions "
+                               f"{start}..{start + count}; scheduler and worker disagree")
+        first = start - shipped[0]
+        return shipped[1][first : first + count]
+
+    def after_execute(self) -> None:
+        """Give ``seq_lens`` back its logical values (the sampler tells a finished prefill by ``seq_len >=
+        prefill_len``: a resumed request's stored length may be shorter) and score the recorded tokens from the
+        forward's final-norm hidden states."""
+        if self.lowered is not None:
+            rows, shifts = self.lowered
+            rows += shifts
+            self.lowered = None
+        if self.predictor is None or self.tracker.pending_scores is None:
+            return
+        state = getattr(self.runner, "execute_model_state", None)
+        hidden = getattr(state, "hidden_states", None)
+        if not isinstance(hidden, torch.Tensor):  # an intermediate pipeline stage: not the last rank
+            self.tracker.pending_scores = None
+            return
+        with torch.no_grad():
+            self.tracker.write_scores(hidden, self.predictor)
