@@ -84,7 +84,7 @@ check-vllm: $(VVENV)/.installed
 VLLM_CPU_DIR ?= ../shared/vllm-cpu
 VLLM_V2_WHEEL := $(VLLM_CPU_DIR)/vllm-0.34.0+cpu-cp311-cp311-linux_x86_64.whl
 V2VENV ?= .venv-vllm-v2
-V2_TESTS := tests/test_vllm_layouts.py tests/test_vllm_checks.py tests/test_vllm_inert.py tests/test_vllm_v2_testbed.py \
+V2_TESTS := tests/test_vllm_layouts.py tests/test_vllm_checks.py tests/test_vllm_inert.py tests/test_vllm_v2_testbed.py tests/test_vllm_async.py \
 	tests/test_vllm_plugin.py tests/test_vllm_server.py
 $(V2VENV)/.installed: pyproject.toml tests/support/vllm_cpu_testbed/pyproject.toml
 	python3.11 -m venv $(V2VENV)

@@ -47,16 +47,17 @@ def engine_config(**changes):
 ])
 def test_each_unsupported_engine_setting_is_refused_with_its_fix(changes, words):
     with pytest.raises(ValueError, match="dynts.vllm cannot evict with") as err:
-        check_engine(engine_config(**changes))
+        check_engine(engine_config(**changes), runner="v1")
     assert words in str(err.value)
 
 
 def test_supported_settings_pass_and_every_problem_is_listed():
-    assert engine_problems(engine_config()) == []
+    assert engine_problems(engine_config(), runner="v1") == []
     assert engine_problems(engine_config(attention_config=NS(backend=NS(name="FLASH_ATTN")),
-                                         kv_transfer_config=NS(kv_connector=None))) == []
-    both = engine_problems(engine_config(use_v2_model_runner=True, scheduler_config=NS(async_scheduling=True)))
-    assert len(both) == 2
+                                         kv_transfer_config=NS(kv_connector=None)), runner="v1") == []
+    v2_defaults = engine_config(use_v2_model_runner=True, scheduler_config=NS(async_scheduling=True))
+    assert len(engine_problems(v2_defaults, runner="v1")) == 2
+    assert engine_problems(v2_defaults, runner="v2") == []  # vLLM 0.34: the V2 runner with async scheduling
 
 
 def test_worker_refuses_several_kv_groups_and_split_kernel_blocks():
@@ -98,10 +99,12 @@ def test_serve_sets_what_the_plugin_needs():
 
     env, flags = engine_choices([], cuda=True, runner="v1")
     assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-    assert engine_choices([], cuda=True, runner="v2")[0] == {}  # vLLM 0.34: the V2 runner is the only one
     assert flags == ["--no-async-scheduling", "--attention-backend", "FLASH_ATTN"]
-    assert engine_choices(["--attention-backend", "TRITON_ATTN"], cuda=True)[1] == ["--no-async-scheduling"]
-    assert engine_choices([], cuda=False)[1] == ["--no-async-scheduling"]  # the CPU build has one backend
+    assert engine_choices(["--attention-backend", "TRITON_ATTN"], cuda=True, runner="v1")[1] == ["--no-async-scheduling"]
+    assert engine_choices([], cuda=False, runner="v1")[1] == ["--no-async-scheduling"]  # the CPU build has one backend
+    # vLLM 0.34: the V2 runner is the only one, and async scheduling stays vLLM's default
+    assert engine_choices([], cuda=True, runner="v2") == ({}, ["--attention-backend", "FLASH_ATTN"])
+    assert engine_choices([], cuda=False, runner="v2") == ({}, [])
 
 
 def test_internals_check_reads_a_source_tree(tmp_path):

@@ -5,8 +5,9 @@
 (``arrive_at_step``: 0 = before the first step), so later ones join while others decode.
 ``"admit_all": true`` switches the plugin's admission control off (vLLM then preempts under a tight pool);
 ``"force_unsupported": true`` makes the plugin treat the installed vLLM as outside its supported range;
-``"engine": {"async_scheduling": true}`` runs async scheduling (on vLLM 0.34's CPU test bed the
-test-support plugin tests/support/vllm_cpu_testbed keeps it on).
+``"stale_shift": true`` makes the V2 worker use each request's shift one round late (the async bug the protocol
+must not have: the test that catches it). Async scheduling is vLLM's default unless ``"engine"`` sets
+``async_scheduling`` (on vLLM 0.34's CPU test bed, tests/support/vllm_cpu_testbed keeps vLLM's default, on).
 Prints ``{"outputs": {rid: {"token_ids", "finish_reason"} or {"error"}}, "max_stored": {rid: n},
 "prefix_hits": {rid: tokens}, "stats": ..., "request_stats": ..., "wrapped": [...]}`` (``wrapped``: the
 per-step methods of this engine's scheduler and runner that are dynts wrappers), or
@@ -33,12 +34,24 @@ def main(spec_path: str) -> None:  # noqa: C901
     from dynts.vllm.metrics import request_stats
 
     spec = json.load(open(spec_path))
+    if spec.get("stale_shift"):
+        from dynts.vllm.worker_v2 import RunnerV2Hooks
+
+        before_step = RunnerV2Hooks.before_step
+
+        def stale_before_step(self, scheduler_output):
+            previous = dict(self.shifts)
+            before_step(self, scheduler_output)
+            self.shifts = previous  # the count of the round before: one step stale
+
+        RunnerV2Hooks.before_step = stale_before_step
     if spec.get("force_unsupported"):  # before vLLM loads its plugins (at the engine's construction)
         import dynts.vllm.compat
 
         dynts.vllm.compat.SUPPORTED_RELEASES = (("0.0.1", "0.0.2", "v1"),)
-    engine = dict(dtype="float32", block_size=32, enforce_eager=True, async_scheduling=False, seed=0,
-                  max_num_seqs=16, max_model_len=1024)
+    # async scheduling: vLLM's choice unless the spec sets it (0.32's CPU platform turns it off; the 0.34 test bed
+    # keeps vLLM's default, on, as on a GPU)
+    engine = dict(dtype="float32", block_size=32, enforce_eager=True, seed=0, max_num_seqs=16, max_model_len=1024)
     engine.update(spec.get("engine", {}))
     try:
         llm = LLM(model=spec["model"], **engine)

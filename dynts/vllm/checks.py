@@ -26,13 +26,19 @@ def _get(obj: Any, *path: str, default: Any = None) -> Any:
     return obj
 
 
-def engine_problems(vllm_config: Any) -> list[str]:
-    """Every engine setting the plugin has not been tested with, each with its fix (empty: supported)."""
+def engine_problems(vllm_config: Any, runner: str | None = None) -> list[str]:
+    """Every engine setting the plugin has not been tested with, each with its fix (empty: supported).
+    ``runner``: the model runner the plugin drives on this release (default: the installed vLLM's)."""
+    if runner is None:
+        from .compat import runner_of
+
+        runner = runner_of()
     problems = []
-    if _get(vllm_config, "use_v2_model_runner", default=False):
-        problems.append("vLLM's V2 model runner: set VLLM_USE_V2_MODEL_RUNNER=0")
-    if _get(vllm_config, "scheduler_config", "async_scheduling", default=False):
-        problems.append("async scheduling: pass --no-async-scheduling (Python: async_scheduling=False)")
+    if runner == "v1" and _get(vllm_config, "use_v2_model_runner", default=False):
+        problems.append("vLLM's V2 model runner on vLLM 0.32: set VLLM_USE_V2_MODEL_RUNNER=0 (or use vLLM 0.34)")
+    if runner == "v1" and _get(vllm_config, "scheduler_config", "async_scheduling", default=False):
+        problems.append("async scheduling on vLLM 0.32: pass --no-async-scheduling (Python: async_scheduling=False), "
+                        "or use vLLM 0.34")
     if _get(vllm_config, "speculative_config") is not None:
         problems.append("speculative decoding: drop --speculative-config")
     if _get(vllm_config, "parallel_config", "pipeline_parallel_size", default=1) > 1:
@@ -54,10 +60,10 @@ def engine_problems(vllm_config: Any) -> list[str]:
     return problems
 
 
-def check_engine(vllm_config: Any) -> None:
+def check_engine(vllm_config: Any, runner: str | None = None) -> None:
     """Raise ``ValueError`` for an engine configuration the plugin has not been tested with (every problem,
     each with its fix)."""
-    problems = engine_problems(vllm_config)
+    problems = engine_problems(vllm_config, runner)
     if problems:
         raise ValueError("dynts.vllm cannot evict with " + "; ".join(problems)
                          + ". Change these settings, or start vLLM without additional_config['dynts']")

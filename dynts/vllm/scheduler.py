@@ -49,8 +49,10 @@ class StepPlan:
         events: ``(request_id, stored, n_keep)`` of every request evicting before this round's forward.
         shifts: tokens evicted so far, per request with ``shift > 0``.
         token_ids: for V2 runners, which keep no host copy of a request's tokens: ``(start, ids)`` per recorded
-            request, the ids of its tokens from absolute index ``start`` up to this round's last scheduled one
-            (``start = 0`` the first time a request is scheduled, so a prefix-cache hit's tokens are included).
+            request, the ids of its tokens from absolute index ``start`` that the scheduler learned since its last
+            shipment (``start = 0`` the first time a request is scheduled, so a prefix-cache hit's tokens are
+            included). Under async scheduling the token a round computes was sampled by the round still in
+            flight: its id comes with the next round's plan, before that round's events.
     """
 
     events: list[tuple[str, int, int]] = field(default_factory=list)
@@ -66,6 +68,7 @@ class SchedulerHooks:
         self.scheduler = scheduler
         self.config = config
         self.ship_token_ids = ship_token_ids  # the workers run vLLM's V2 runner (no host copy of token ids)
+        self.shipped: dict[str, int] = {}  # per request: tokens whose ids the workers have been sent
         self.block_size = scheduler.block_size
         self.policy = EvictionPolicy(self.block_size, TRACE_ROUNDS)  # trace rows: (blocks in use, running)
         self.failed: set[str] = set()
@@ -99,6 +102,7 @@ class SchedulerHooks:
         ``freed_blocks``, ``peak_blocks``, and ``reserved_blocks`` for a bounded request; zeros without eviction)."""
         entry = self.policy.get(rid)
         stats = self.policy.finish(rid)
+        self.shipped.pop(rid, None)
         if entry is None:
             return {"peak_slots": 0, "evictions": 0, "evicted_tokens": 0, "freed_blocks": 0, "peak_blocks": 0}
         if not entry.settings.bounded:
@@ -177,8 +181,11 @@ class SchedulerHooks:
             if entry.shift:
                 plan.shifts[rid] = entry.shift
             if self.ship_token_ids and (entry.may_evict or self.config.settings.needs_scores):
-                start = 0 if rid in new else request.num_computed_tokens - scheduled
-                plan.token_ids[rid] = (start, request.all_token_ids[start : request.num_computed_tokens])
+                start = 0 if rid in new else self.shipped.get(rid, 0)
+                known = request.all_token_ids  # sampled ids land here in update_from_output, one round late if async
+                if len(known) > start or rid in new:
+                    plan.token_ids[rid] = (start, list(known[start:]))
+                    self.shipped[rid] = len(known)
             # num_computed_tokens already counts this round's tokens: the slots stored after its forward
             self.policy.scheduled(entry, request.num_computed_tokens - entry.shift, len(self._blocks(rid)))
         output.dynts_plan = plan

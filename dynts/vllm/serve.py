@@ -37,7 +37,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def engine_choices(passthrough: list[str], cuda: bool | None = None, runner: str | None = None
                    ) -> tuple[dict[str, str], list[str]]:
     """The environment and the vLLM flags ``dynts serve`` sets for the plugin (printed at start): on vLLM 0.32
-    the V1 model runner, which the plugin drives there (0.34 has only the V2 runner)."""
+    the V1 model runner and synchronous scheduling, which the plugin drives there (0.34 runs vLLM's defaults:
+    the V2 runner, async scheduling); on CUDA FlashAttention unless the caller picked a backend."""
     if cuda is None:
         import torch
 
@@ -47,7 +48,7 @@ def engine_choices(passthrough: list[str], cuda: bool | None = None, runner: str
 
         runner = runner_of()
     env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if runner == "v1" else {}
-    flags = ["--no-async-scheduling"]
+    flags = ["--no-async-scheduling"] if runner == "v1" else []
     given = any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in passthrough)
     if cuda and not given:
         flags += ["--attention-backend", "FLASH_ATTN"]

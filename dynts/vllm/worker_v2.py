@@ -41,7 +41,8 @@ class RunnerV2Hooks(WorkerHooks):
         super().__init__(runner, config, kernel_block_sizes)
         self.blocks: dict[str, list[int]] = {}  # block ids of the one KV group, as the scheduler allocated them
         self.params: dict[str, Any] = {}  # SamplingParams per request
-        self.token_ids: dict[str, tuple[int, list[int]]] = {}  # this round's (start, ids) per recorded request
+        self.known: dict[str, tuple[int, list[int]]] = {}  # ids received and not yet recorded: (first index, ids)
+        self.unlabelled: dict[str, list[tuple[int, int]]] = {}  # (position, slot) scored but waiting for their id
         self.lowered: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_lens rows, shifts) restored after the forward
 
     # ------------------------------------------------------------------ the runner's request state
@@ -58,6 +59,8 @@ class RunnerV2Hooks(WorkerHooks):
         self.untracked.discard(rid)
         self.blocks.pop(rid, None)
         self.params.pop(rid, None)
+        self.known.pop(rid, None)
+        self.unlabelled.pop(rid, None)
 
     # ------------------------------------------------------------------ per round
     def before_step(self, scheduler_output: Any) -> None:
@@ -70,10 +73,16 @@ class RunnerV2Hooks(WorkerHooks):
             self.blocks[new.req_id] = list(new.block_ids[0])
             self.params[new.req_id] = new.sampling_params
         plan = getattr(scheduler_output, "dynts_plan", None)
-        self.token_ids = plan.token_ids if plan is not None else {}
         if plan is not None:
+            for rid, (start, ids) in plan.token_ids.items():
+                self._receive(rid, start, ids)
+            self._label_late()
             self.shifts = dict(plan.shifts)
             if plan.events:
+                late = [rid for rid, _, _ in plan.events if self.unlabelled.get(rid)]
+                if late:
+                    raise RuntimeError(f"dynts: requests {late} evict before the ids of their stored tokens arrived; "
+                                       "the scheduler's plan is out of step with the worker")
                 self._evict(plan.events)
         cached = scheduler_output.scheduled_cached_reqs
         for rid, new_blocks in zip(cached.req_ids, cached.new_block_ids):
@@ -91,10 +100,15 @@ class RunnerV2Hooks(WorkerHooks):
 
     def before_attention(self, batch: Any) -> torch.Tensor | None:
         """Record the scheduled tokens; lower ``seq_lens`` by each request's shift (in place). Returns the
-        positions the slot mappings must use (``position - shift``), or ``None`` when nothing is shifted."""
+        positions the slot mappings must use (``position - shift``), or ``None`` when nothing is shifted.
+
+        A token whose id has not arrived yet (async scheduling: it is being sampled by the round in flight) is
+        scored now and labelled when its id comes with the next plan (:meth:`_label_late`)."""
         num_reqs = batch.num_reqs
         scheduled = batch.num_scheduled_tokens[:num_reqs]
         forwards, cached, shift_rows = [], [], np.zeros(num_reqs, dtype=np.int64)
+        score_rows: list[int] = []
+        score_slots: list[int] = []
         for i, rid in enumerate(batch.req_ids[:num_reqs]):
             q, computed = int(scheduled[i]), int(batch.num_computed_tokens_np[i])
             shift = self.shifts.get(rid, 0)
@@ -109,14 +123,25 @@ class RunnerV2Hooks(WorkerHooks):
                     self.untracked.add(rid)
                     continue
                 entry = self.tracker.open(rid, prompt, settings=settings)
-            ids = self._ids(rid, computed, q)
-            if computed > 0 and entry.peak_slots == 0:  # a prefix-cache hit: shared prompt blocks hold these
-                cached.append(Forward(entry, 0, 0, self._ids(rid, 0, computed)))
-            forwards.append(Forward(entry, computed, computed - shift, ids))
+                if computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
+                    cached.append(Forward(entry, 0, 0, self._take(rid, 0, computed, require=True)))
+            stored = computed - shift
+            ids = [] if self.unlabelled.get(rid) else self._take(rid, computed, q)
+            if ids:
+                forwards.append(Forward(entry, computed, stored, ids))
+            if len(ids) < q:
+                self.unlabelled.setdefault(rid, []).extend(
+                    (computed + j, stored + j) for j in range(len(ids), q))
+            score_rows += [entry.row] * q
+            score_slots += range(stored, stored + q)
         if cached:
             self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
         if forwards:
-            self.tracker.record(forwards, score=self.predictor is not None)
+            self.tracker.record(forwards)
+        if self.predictor is not None and score_rows:  # every token of the batch, in its order (all are tracked)
+            device = self.tracker.table.device
+            self.tracker.pending_scores = (torch.tensor(score_rows, device=device),
+                                           torch.tensor(score_slots, device=device), len(score_rows))
         if not shift_rows.any():
             return None
         device = batch.seq_lens.device
@@ -127,14 +152,49 @@ class RunnerV2Hooks(WorkerHooks):
         per_token[: batch.num_tokens] = np.repeat(shift_rows, scheduled)
         return batch.positions - torch.from_numpy(per_token).to(device, batch.positions.dtype, non_blocking=True)
 
-    def _ids(self, rid: str, start: int, count: int) -> list[int]:
-        """Ids of a request's tokens ``start .. start + count`` from the scheduler's shipment."""
-        shipped = self.token_ids.get(rid)
-        if shipped is None or shipped[0] > start or shipped[0] + len(shipped[1]) < start + count:
-            raise RuntimeError(f"dynts: the scheduler shipped no token ids for request {rid} positions "
-                               f"{start}..{start + count}; scheduler and worker disagree")
-        first = start - shipped[0]
-        return shipped[1][first : first + count]
+    # ------------------------------------------------------------------ token ids from the scheduler
+    def _receive(self, rid: str, start: int, ids: list[int]) -> None:
+        """Take a shipment of ids (absolute indices ``start ..``), contiguous with what is held."""
+        held = self.known.get(rid)
+        if held is None or start == 0:
+            self.known[rid] = (start, list(ids))
+            return
+        first, have = held
+        if start != first + len(have):
+            raise RuntimeError(f"dynts: token ids of request {rid} arrive from index {start}, the worker holds "
+                               f"{first}..{first + len(have)}; scheduler and worker disagree")
+        have.extend(ids)
+
+    def _take(self, rid: str, start: int, count: int, require: bool = False) -> list[int]:
+        """The held ids of indices ``start ..`` (at most ``count``; fewer when the rest has not arrived), dropped
+        once taken."""
+        first, have = self.known.get(rid, (start, []))
+        if first > start or (require and first + len(have) < start + count):
+            raise RuntimeError(f"dynts: no token ids for request {rid} indices {start}..{start + count}; "
+                               "scheduler and worker disagree")
+        ids = have[start - first : start - first + count]
+        self.known[rid] = (start + len(ids), have[start - first + len(ids):])
+        return ids
+
+    def _label_late(self) -> None:
+        """Record the metadata of scored tokens whose ids just arrived (their scores are kept)."""
+        forwards, table = [], self.tracker.table
+        for rid, waiting in list(self.unlabelled.items()):
+            ids = self._take(rid, waiting[0][0], len(waiting))
+            if not ids:
+                continue
+            entry = self.tracker.slots[rid]
+            forwards.append(Forward(entry, waiting[0][0], waiting[0][1], ids))
+            del waiting[: len(ids)]
+            if not waiting:
+                del self.unlabelled[rid]
+        if not forwards:
+            return
+        rows = torch.tensor([f.entry.row for f in forwards for _ in f.token_ids], device=table.device)
+        slots = torch.tensor([f.stored + j for f in forwards for j in range(len(f.token_ids))], device=table.device)
+        scores = table.scores[rows, slots].clone()
+        self.tracker.record(forwards)  # writes positions, segments and ids (and clears the slots' scores)
+        table.scores[rows, slots] = scores
 
     def after_execute(self) -> None:
         """Give ``seq_lens`` back its logical values (the sampler tells a finished prefill by ``seq_len >=
