@@ -4,8 +4,8 @@ vLLM calls the plugin in every engine process of an environment dynts is install
 the supported range the plugin installs nothing that changes vLLM: a stock engine starts and is token-identical
 to vLLM without dynts (``VLLM_PLUGINS`` naming every plugin but dynts keeps vLLM from loading it), while an engine or a request that asks
 for dynts is refused with the supported range. On a supported release a stock engine runs no dynts wrapper per
-step. Runs in each vLLM venv (``make check-vllm``: the 0.32 CPU wheel; ``make check-vllm-v2``: the 0.34 build,
-outside the plugin's range); skipped elsewhere.
+step. Runs in each vLLM venv (``make check-vllm``: the 0.32 CPU wheel, V1 runner; ``make check-vllm-v2``: the 0.34
+build, V2 runner); skipped elsewhere.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def requests() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory) -> dict:
-    return run_engine(tmp_path_factory.mktemp("sync"), TESTBED, requests(), env=ENV)
+    return run_engine(tmp_path_factory.mktemp("sync"), TESTBED, requests(), env=ENV, async_scheduling=False)
 
 
 def test_v2_runner_greedy_equals_transformers_generate(sync_run):
