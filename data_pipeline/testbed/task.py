@@ -309,6 +309,9 @@ def make_drill(
 #                                 ``"{set}:{i}"``: the same problem whatever the length range is, the
 #                                 committed numbers' sets);
 #   ``gate``                      the PRM gates and AUROC tools (``GATE``);
+#   ``ptest``                     the predictor's held-out metrics and the on-policy retention measure
+#                                 (``PREDICTOR_TEST``, eval/analyses/predictor_heldout.py): no epoch,
+#                                 recipe or setting is chosen on it;
 #   ``confirm``                   the final tables only (``CONFIRM``): refused outside
 #                                 :func:`final_tables`, which only the table commands enter;
 #   ``sealed``                    final-only too (``SEALED``), fresh: no command read it before the
@@ -321,7 +324,8 @@ def make_drill(
 GATE = "gate"
 CONFIRM = "confirm"
 SEALED = "sealed"
-FRESH_NAMESPACES: tuple[str, ...] = (GATE, CONFIRM, SEALED)
+PREDICTOR_TEST = "ptest"
+FRESH_NAMESPACES: tuple[str, ...] = (GATE, CONFIRM, SEALED, PREDICTOR_TEST)
 FINAL_ONLY: tuple[str, ...] = (CONFIRM, SEALED)
 _FINAL_TABLES: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar("final_tables", default=None)
 
