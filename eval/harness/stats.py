@@ -119,16 +119,21 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 def tost(a: Sequence[float], b: Sequence[float], margin: float = MARGIN) -> dict[str, float]:
     """Paired TOST equivalence test of ``mean(a - b)`` within ``(-margin, +margin)``: two one-sided
     one-sample t-tests on the per-question differences (``scipy.stats.ttest_1samp``: mean > -margin,
-    mean < +margin); ``p`` is the larger of the two. Differences without spread (every question the
-    same difference, e.g. two bit-identical cells) give ``p`` 0 inside the margin, 1 outside."""
+    mean < +margin); ``p`` is the larger of the two.
+
+    Differences without spread have no t statistic. Every difference 0 (two arms that agree on every
+    problem, e.g. bit-identical cells): ``p = (1 - margin) ** n``, exact for scores in [0, 1] (if the
+    true mean difference were at least ``margin``, a problem would differ with probability at least
+    ``margin``, so seeing none in ``n`` has probability at most that): 0.0023 at n = 200, 0.91 at
+    n = 3. Every difference the same nonzero value: ``p`` 1 (no equivalence claimed)."""
     if len(a) != len(b):
         raise ValueError(f"got {len(a)} and {len(b)} per-question scores; pair them question by question")
     if not margin > 0:
         raise ValueError(f"margin={margin!r} must be > 0 (a share: 0.03 = 3 points)")
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     if d.size < 2 or np.all(d == d[0]):
-        inside = d.size > 0 and -margin < d.mean() < margin
-        return {"p_lower": 0.0 if inside else 1.0, "p_upper": 0.0 if inside else 1.0, "p": 0.0 if inside else 1.0, "margin": margin}
+        p = float((1 - margin) ** d.size) if d.size and d[0] == 0 else 1.0
+        return {"p_lower": p, "p_upper": p, "p": p, "margin": margin}
     lower = float(ttest_1samp(d, -margin, alternative="greater").pvalue)
     upper = float(ttest_1samp(d, margin, alternative="less").pvalue)
     return {"p_lower": lower, "p_upper": upper, "p": max(lower, upper), "margin": margin}
