@@ -162,7 +162,7 @@ def test_rescue_table_recomputes_from_records(tmp_path):
     (run / "results.json").unlink()
     assert table_main([str(run), "--from-records", "--method", "window,rkv,dynts", "--write", str(tmp_path / "b.md")]) == 0
     a, b = (tmp_path / "a.md").read_text(), (tmp_path / "b.md").read_text()
-    assert a == b and "| **0.13** [-1.00, 0.80] |" in a and "+73.0 [+64.0, +81.0], p 2.1e-22" in a
+    assert a == b and "| 0.13 [-1.00, 0.80] |" in a and "+73.0 [+64.0, +81.0], p 2.1e-22, Holm " in a
     # the controls table: this run has no helper-search / full-search cells, but every stepwise cell's
     # committed steps by side (the DynTS base wrote 43.0 % of KV-Rescue's steps, every step of best-of-N)
     assert "KVR − helper-search" in a and "| dynts | " in a and "| 100.0 / 43.0 / – / – / – |" in a
@@ -273,3 +273,8 @@ def test_compare_marks_vacuous_cells_and_reports_k(tmp_path, capsys):
     assert cmp.main([str(tmp_path), "--from-records"]) == 0
     out = capsys.readouterr().out
     assert "| h2o | 96 | +60.0 |" in out and "| – | – | 12 / 0 (" in out and "vacuous (no selection slot)" in out
+    # records that predate selection_slots: from budget, W_l and retention with the prompt length given
+    # (the chain confirm table's B = 48: W_s = 48 - 14 - 32 = 2, floor(0.4 * 2) = 0 selected)
+    old = {"budget": 48, "local_window": 32, "retention": 0.4}
+    assert cmp.selection_slots(old) is None and cmp.selection_slots(old, 14) == 0
+    assert cmp.selection_slots({**old, "budget": 64}, 14) == 7

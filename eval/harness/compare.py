@@ -117,22 +117,28 @@ def pivot(results: Sequence[dict[str, Any]], records: dict[str, dict[str, Any]] 
     return "\n".join(lines)
 
 
-def selection_slots(cell: dict[str, Any]) -> int | None:
+def selection_slots(cell: dict[str, Any], question_tokens: int | None = None) -> int | None:
     """Selection slots a bounded cell kept per event, ``n_keep - W_q - W_l`` (0: the budget holds only
     the question and the local window, a *vacuous* cell where every question-protecting method keeps
-    the same set); from the cell's ``selection_slots``, else its ``n_keep`` and mean prompt; None
-    when unknown (records without them) or for the full cache."""
+    the same set); from the cell's ``selection_slots``, else its ``n_keep`` and mean prompt, else (records
+    written before cells recorded it) from its budget, local window and retention with a prompt of
+    ``question_tokens`` (``--question-tokens``; the testbed's is 14); None when unknown or for the full cache."""
     if cell.get("budget") is None:
         return None
     if cell.get("selection_slots") is not None:
         return int(cell["selection_slots"])
     if cell.get("n_keep") is not None and cell.get("mean_prompt_tokens") is not None and cell.get("local_window") is not None:
         return max(0, int(cell["n_keep"]) - round(cell["mean_prompt_tokens"]) - int(cell["local_window"]))
+    if question_tokens is not None and cell.get("local_window") is not None:
+        import dynts
+
+        budget = dynts.Budget(int(cell["budget"]), int(cell["local_window"]), float(cell.get("retention") or 0.4))
+        return budget.n_keep(question_tokens) - question_tokens - int(cell["local_window"])
     return None
 
 
-def _vacuous(*cells: dict[str, Any]) -> bool:
-    return any(selection_slots(c) == 0 for c in cells)
+def _vacuous(*cells: dict[str, Any], question_tokens: int | None = None) -> bool:
+    return any(selection_slots(c, question_tokens) == 0 for c in cells)
 
 
 def _paired(a: dict[str, Any], o: dict[str, Any], margin: float = MARGIN) -> dict[str, Any]:
@@ -144,7 +150,7 @@ def _paired(a: dict[str, Any], o: dict[str, Any], margin: float = MARGIN) -> dic
 
 
 def paired_tests(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None,
-                 margin: float = MARGIN, alpha: float = ALPHA) -> dict[tuple[str, int], dict[str, Any]]:
+                 margin: float = MARGIN, alpha: float = ALPHA, question_tokens: int | None = None) -> dict[tuple[str, int], dict[str, Any]]:
     """``against`` minus every other bounded method at every budget where both cells have records:
     :func:`eval.harness.stats.paired_test` with the table's Holm adjustment and verdicts
     (:func:`eval.harness.stats.table_verdicts`), by ``(method, budget)``. Vacuous cells
@@ -159,7 +165,7 @@ def paired_tests(results: Sequence[dict[str, Any]], against: str = "dynts", reco
             a, o = cells.get((against, b)), cells.get((m, b))
             ra, ro = records.get((a or {}).get("key")), records.get((o or {}).get("key"))
             if ra is not None and ro is not None:
-                found[(m, b)] = {**_paired(ra, ro, margin), "vacuous": _vacuous(a, o)}
+                found[(m, b)] = {**_paired(ra, ro, margin), "vacuous": _vacuous(a, o, question_tokens=question_tokens)}
     family = [key for key, t in found.items() if not t["vacuous"]]
     judged = dict(zip(family, table_verdicts([found[key] for key in family], alpha)))
     for key, t in found.items():
@@ -177,7 +183,7 @@ def _holm_p(p: float | None) -> str:
 
 
 def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None,
-            margin: float = MARGIN) -> str:
+            margin: float = MARGIN, question_tokens: int | None = None) -> str:
     """``against`` minus every other bounded method, in points: paired (CI, McNemar at k = 1, sign
     test, TOST, Holm, verdict: :func:`paired_tests`) where both cells have per-problem ``records``,
     else the unpaired SE of the difference."""
@@ -185,7 +191,7 @@ def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: 
     methods, budgets, cells = _cells(results)
     if not any((against, b) in cells for b in budgets):
         raise ValueError(f"against={against!r} has no bounded cell in these results; methods: {methods}")
-    tests = paired_tests(results, against, records, margin)
+    tests = paired_tests(results, against, records, margin, question_tokens=question_tokens)
     paired = [f"| {against} minus | B | points | paired 95 % CI | right only under {against} / the other (k = 1) | "
               f"McNemar exact p (k = 1) | sign test + / - (p) | Holm p | TOST ±{100 * margin:g} p (Holm) | verdict |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -219,7 +225,7 @@ def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: 
 
 
 def paired_wide(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None,
-                margin: float = MARGIN) -> str:
+                margin: float = MARGIN, question_tokens: int | None = None) -> str:
     """The paired differences of :func:`compare` as one method x budget table (the docs' final tables):
     each cell ``points [95 % CI]`` and its Holm-adjusted verdict (:func:`paired_tests`), **bold**
     where it leads or trails; a first row gives ``B`` over the full cache's mean sequence (prompt
@@ -228,7 +234,7 @@ def paired_wide(results: Sequence[dict[str, Any]], against: str = "dynts", recor
 
     records = records or {}
     methods, budgets, cells = _cells(results)
-    tests = paired_tests(results, against, records, margin)
+    tests = paired_tests(results, against, records, margin, question_tokens=question_tokens)
     short = {"leads": "leads", "trails": "trails", "inconclusive": "inconclusive"}
     lines = [f"| {against} minus | " + " | ".join(f"B = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     fraction = {r["budget"]: r["budget_vs_full"] for r in against_full(results) if "budget_vs_full" in r}
@@ -283,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-records", action="store_true", help="recompute every table from records/*.json alone")
     parser.add_argument("--margin", type=float, default=100 * MARGIN,
                         help="equivalence margin of the TOST verdicts, in points (default 3)")
+    parser.add_argument("--question-tokens", type=int, default=None,
+                        help="prompt length for finding vacuous cells in records that predate selection_slots (testbed: 14)")
     parser.add_argument("--wide", action="store_true",
                         help="only pass@1 and the paired differences as method x budget tables (the docs' final tables)")
     args = parser.parse_args(argv)
@@ -308,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
 
             write_reports(args.run_dirs[0], results)
     if args.wide:
-        tables = [pivot(results, records), paired_wide(results, args.against, records, args.margin / 100)]
+        tables = [pivot(results, records), paired_wide(results, args.against, records, args.margin / 100, args.question_tokens)]
     else:
-        tables = [pivot(results, records), compare(results, args.against, records, args.margin / 100), written(results, records)]
+        tables = [pivot(results, records), compare(results, args.against, records, args.margin / 100, args.question_tokens),
+                  written(results, records)]
     print("\n\n".join(t for t in tables if t))
     return 0
 

@@ -243,14 +243,16 @@ def _tokens(v: float | None) -> str:
 
 
 def markdown(table: Sequence[dict[str, Any]]) -> str:
-    """The table; accuracies and the recovered fraction with their bootstrap 95 % CIs, and KV-Rescue
-    minus best-of-N / the full cache paired (points [CI], McNemar exact p, Holm p over the table, verdict),
-    where records exist; then the controls table (:func:`controls_markdown`)."""
+    """The table; accuracies and the recovered fraction with their bootstrap 95 % CIs, the helper alone
+    through the same search (``helper-search``) beside KV-Rescue, and KV-Rescue minus best-of-N /
+    helper-search / the full cache paired (points [CI], McNemar exact p, Holm p over the table, verdict),
+    where records exist; then the controls table (:func:`controls_markdown`). Nothing is bold: the
+    recovered fraction measures the search with a full-context verifier as much as the base."""
     table = judged(table)
     signals = "/".join(EXIT_SIGNALS)
-    lines = [f"| budget | N | problems | verifier | base | A_full % | A_BoN % | A_KVR % | recovered | KVR − BoN | KVR − full | "
-             f"base tok BoN | base tok KVR | base tokens vs BoN | firing {signals} % | loops BoN / KVR % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| budget | N | problems | verifier | base | A_full % | A_BoN % | A_KVR % | A_helper-search % | recovered | KVR − BoN | "
+             f"KVR − helper-search | KVR − full | base tok BoN | base tok KVR | base tokens vs BoN | firing {signals} % | loops BoN / KVR % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         st = r.get("stats") or {}
         rec = r.get("recovered_fraction")
@@ -258,9 +260,10 @@ def markdown(table: Sequence[dict[str, Any]]) -> str:
         firing = " / ".join(_pct((r.get("firing_by_signal") or {}).get(k)) for k in EXIT_SIGNALS)
         lines.append(f"| {r['budget']} | {r['n']} + {r['n']} | {r['problems']} | {r['verifier']} | {r['method']} | "
                      f"{_pct(r.get('A_full'))}{_ci(st.get('A_full_ci'))} | {_pct(r['A_evict(bon)'])}{_ci(st.get('A_evict(bon)_ci'))} | "
-                     f"**{_pct(r['A_kvr'])}**{_ci(st.get('A_kvr_ci'))} | "
-                     f"{'–' if rec is None else f'**{rec:.2f}**' + _ci(st.get('recovered_ci'), 1, 2)} | "
-                     f"{_diff(st.get('kvr_minus_bon'))} | {_diff(st.get('kvr_minus_full'))} | "
+                     f"{_pct(r['A_kvr'])}{_ci(st.get('A_kvr_ci'))} | "
+                     f"{_pct(r.get('A_helper_search'))}{_ci(st.get('A_helper_search_ci'))} | "
+                     f"{'–' if rec is None else f'{rec:.2f}' + _ci(st.get('recovered_ci'), 1, 2)} | "
+                     f"{_diff(st.get('kvr_minus_bon'))} | {_diff(st.get('kvr_minus_helper_search'))} | {_diff(st.get('kvr_minus_full'))} | "
                      f"{_tokens(r['base_tokens_bon'])} | {_tokens(r['base_tokens_kvr'])} | "
                      f"{'–' if red is None else f'{-100 * red:+.0f} %'} | {firing} | "
                      f"{_pct(r['loops_bon'])} / {_pct(r['loops_kvr'])} |")
@@ -285,7 +288,7 @@ def controls_markdown(table: Sequence[dict[str, Any]]) -> str:
         share = r.get("base_step_share") or {}
         lines.append(f"| {r['budget']} | {r['n']} + {r['n']} | {r['problems']} | {r['verifier']} | {r['method']} | "
                      f"{_pct(r.get('A_full'))}{_ci(st.get('A_full_ci'))} | {_pct(r['A_evict(bon)'])}{_ci(st.get('A_evict(bon)_ci'))} | "
-                     f"**{_pct(r['A_kvr'])}**{_ci(st.get('A_kvr_ci'))} | "
+                     f"{_pct(r['A_kvr'])}{_ci(st.get('A_kvr_ci'))} | "
                      f"{_pct(r.get('A_helper_search'))}{_ci(st.get('A_helper_search_ci'))} | "
                      f"{_pct(r.get('A_full_search'))}{_ci(st.get('A_full_search_ci'))} | "
                      f"{_diff(st.get('kvr_minus_helper_search'))} | {_diff(st.get('kvr_minus_full_search'))} | "
