@@ -27,7 +27,7 @@ TINY = dict(
 
 @pytest.fixture(autouse=True)
 def final_ledger(tmp_path, monkeypatch):
-    """Every test's final-set ledger is its own file (``eval.ledger``): a test that runs a ``--final``
+    """Every test's final-set ledger is its own file (``eval.harness.ledger``): a test that runs a ``--final``
     command never appends to the committed ``reports/final-ledger.jsonl``."""
     path = tmp_path / "final-ledger.jsonl"
     monkeypatch.setenv("DYNTS_FINAL_LEDGER", str(path))

@@ -13,9 +13,9 @@ from data_pipeline.testbed import task
 
 ROOT = Path(__file__).resolve().parents[1]
 # the commands that produce final tables: the only modules that may name a final-only set, each through
-# eval.ledger.final_run, the only module that enters task.final_tables()
+# eval.harness.ledger.final_run, the only module that enters task.final_tables()
 FINAL_TABLE_COMMANDS = {"eval/harness/cli.py", "eval/harness/demo.py", "eval/rescue/cli.py", "eval/analyses/cli.py"}
-LEDGER_MODULE = "eval/ledger.py"
+LEDGER_MODULE = "eval/harness/ledger.py"
 SCANNED = ("dynts", "trainers", "eval", "data_pipeline", "scripts")
 
 
@@ -88,7 +88,7 @@ def test_eval_and_demo_opt_in_with_final(monkeypatch, tmp_path, final_ledger):
     assert cli.main(argv) == 2 and not seen  # refused: names the fix
     assert not final_ledger.exists()  # nothing read, nothing logged
     assert cli.main(argv + ["--final"]) == 0 and seen == [2]
-    from eval.ledger import read_ledger, revision
+    from eval.harness.ledger import read_ledger, revision
 
     (line,) = read_ledger()
     assert line["command"].startswith("dynts eval --model testbed --benchmark testbed:n=2,set=confirm") and line["command"].endswith("--final")
@@ -98,7 +98,7 @@ def test_eval_and_demo_opt_in_with_final(monkeypatch, tmp_path, final_ledger):
 
 
 def test_ledger_logs_failed_final_runs_and_nothing_else(final_ledger):
-    from eval.ledger import final_run, read_ledger
+    from eval.harness.ledger import final_run, read_ledger
 
     with final_run("dynts eval", ["--final"], enabled=False) as entry:
         with pytest.raises(ValueError):
@@ -122,7 +122,7 @@ def test_ledger_logs_failed_final_runs_and_nothing_else(final_ledger):
 def test_every_final_command_goes_through_the_ledger():
     """Each final-table command names ``final_run`` (so its ``--final`` work is logged); the committed
     ledger parses."""
-    from eval.ledger import LEDGER, read_ledger
+    from eval.harness.ledger import LEDGER, read_ledger
 
     for rel in sorted(FINAL_TABLE_COMMANDS):
         assert "final_run(" in (ROOT / rel).read_text(), rel

@@ -335,7 +335,7 @@ def final_tables() -> Iterator[list[dict[str, Any]]]:
     """Inside this block (and only there) :func:`problem_set` serves the final-only namespaces
     (:data:`FINAL_ONLY`: ``confirm``, ``sealed``). It yields the list of the final sets read inside
     it (``{"set", "n", "family", "min_think", "max_think"}`` per :func:`problem_set` call), which
-    :func:`eval.ledger.final_run` writes to the ledger. Only the ledger enters it, for the commands
+    :func:`eval.harness.ledger.final_run` writes to the ledger. Only the ledger enters it, for the commands
     that produce final tables on their explicit ``--final`` (``dynts eval --final``, ``dynts demo
     --final``, ``dynts rescue bench --final``, ``dynts analyze traces --final``);
     ``tests/test_namespaces.py`` checks that no other module does."""

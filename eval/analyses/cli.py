@@ -68,7 +68,7 @@ def cmd_traces(args: argparse.Namespace) -> int:
     if args.source == "testbed":  # the problems first: a refused set costs no model load
         from data_pipeline.testbed import task
 
-        from eval.ledger import final_run
+        from eval.harness.ledger import final_run
 
         with final_run("dynts analyze", getattr(args, "argv", None), args.final, args.out) as ledger:
             ledger["cells"] = [f"traces:{args.set}:{args.family}:n={args.n}"]

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
         config = config_from_args(args)
         print(f"dynts eval: run dir {config.run_dir}", file=sys.stderr)
-        from eval.ledger import final_run
+        from eval.harness.ledger import final_run
 
         with final_run("dynts eval", argv, args.final, config.run_dir) as ledger:
             results = run(config, after_cell=lambda cell: ledger["cells"].append(cell["key"]),

@@ -144,7 +144,7 @@ def run_family(family: str, args: argparse.Namespace, load_options: dict) -> int
 
     try:
         config = make()
-        from eval.ledger import final_run
+        from eval.harness.ledger import final_run
 
         with final_run("dynts demo", args.argv, args.final, run_dir) as ledger:
             try:

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         settings=settings, max_rows=args.max_rows,
         trust_remote_code=args.trust_remote_code, load_options=load_kwargs(args, given_only=True),
     )
-    from eval.ledger import final_run
+    from eval.harness.ledger import final_run
 
     with final_run("dynts rescue", sys.argv[1:] if argv is None else argv, args.final, config.out) as ledger:
         summary = evaluate(config)

@@ -34,7 +34,7 @@ from dynts.io import write_atomic
 
 __all__ = ["LEDGER", "append", "final_run", "ledger_path", "read_ledger", "revision"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LEDGER = ROOT / "reports" / "final-ledger.jsonl"
 
 
