@@ -201,7 +201,7 @@ for step in $steps; do
     chain-fair-dev)  # issue 39: the before/after table on dev, every method, the DynTS-favouring chain LRM (testbed-chain)
       # vs the fair one, each with its own predictor, k = 5, the fractions above (a vacuous share shows here first)
       DEV="$PY -m dynts.cli eval --benchmark testbed:n=200,family=chain,set=dev $K5"
-      M="$RANK_METHODS,chain-oracle-step,chain-oracle-value"
+      M="$RANK_METHODS,window,streamingllm,sepllm,chain-oracle-step,chain-oracle-value"  # every method
       pair "$DEV --model testbed-chain --predictor checkpoints/testbed-chain-predictor --method $M --run-dir runs/chain-dev-favouring" \
            "$DEV --model $CHAIN_FAIR --predictor $CHAIN_FAIR_PREDICTOR --method $M --run-dir runs/chain-dev-fair"
       for side in favouring fair; do
