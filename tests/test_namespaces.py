@@ -222,6 +222,11 @@ def test_rescue_bench_opts_in_with_final(monkeypatch, tmp_path):
         cli.main(argv)
     assert not seen
     assert cli.main(argv + ["--final"]) == 0 and seen == [2]
+    from eval.harness.ledger import read_ledger
+
+    (line,) = read_ledger()  # the final run's ledger line
+    assert line["command"].startswith("dynts rescue bench --benchmark testbed:n=2,set=confirm") and line["status"] == "finished"
+    assert line["sets"][0]["set"] == "confirm" and line["out"] == str(tmp_path / "run")
 
 
 def test_analysis_traces_opt_in_with_final(tmp_path):
@@ -234,5 +239,9 @@ def test_analysis_traces_opt_in_with_final(tmp_path):
             "--min-think", "60", "--max-think", "200", "--out", str(tmp_path / "traces")]
     assert cli.main(argv) == 2 and not (tmp_path / "traces").exists()
     assert cli.main(argv + ["--final"]) == 0
+    from eval.harness.ledger import read_ledger
+
+    (line,) = read_ledger()
+    assert line["command"].startswith("dynts analyze traces --source testbed") and line["sets"][0]["family"] == "chain"
     traces = load_traces(str(tmp_path / "traces"))
     assert len(traces) == 2 and set(traces["family"]) == {"chain"}
