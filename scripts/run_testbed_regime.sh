@@ -4,7 +4,11 @@
 # Run after configs/testbed/{lrm,lrm-robust,lrm-mix,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
 # Steps: predictor chain report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev
 #        rescue-confirm rescue-confirm-chain pareto-confirm demo-confirm
-# (default: all, in this order).
+# (default: all, in this order). Issue 39's steps are not in the default list; run them by name, in order:
+#        chain-fair chain-fair-dev sealed
+# (chain-fair trains the fair chain LRM and rebuilds its helper, PRM and predictor; chain-fair-dev is the
+# before/after table on dev and where the budget fractions are checked; sealed reads the final-only
+# `sealed` problems once every choice is made, and each of its runs appends to reports/final-ledger.jsonl).
 # The rescue steps run two single-threaded benches side by side under one lock (the 2 cores).
 set -ex
 cd "$(dirname "$0")/.."
@@ -24,6 +28,15 @@ COPY_VERIFIER='testbed-prm-order*likelihood:testbed-helper'
 CHAIN_VERIFIER='testbed-chain-prm*likelihood:testbed-chain-helper'
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
+# issue 39: the fair chain LRM (configs/testbed/chain-lrm-fair.yaml) and its rebuilt helper, PRM and predictor
+CHAIN_FAIR=runs/testbed-chain-lrm-fair/export
+CHAIN_FAIR_PREDICTOR=runs/testbed-chain-lrm-fair/predictor
+# the paper's protocol: k = 5 samples per problem, budgets as shares of the full cache's mean sequence
+# (--budget-fraction), W_l = 32; a share whose n_keep leaves no selection slot is refused under --final
+FRACTIONS=0.15,0.25,0.35
+RANK_METHODS=full,dynts,random,h2o+q,snapkv+q,rkv+q,h2o,snapkv,rkv
+ABLATIONS=dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom
+K5="--k 5 --budget-fraction $FRACTIONS --local-window 32 --retention 0.4 --batch-size 100 --threads 1 --no-progress"
 steps=${*:-predictor chain report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev rescue-confirm rescue-confirm-chain pareto-confirm demo-confirm}
 one() { $LOCK bash -c "$1"; }  # the rescue commands are strings (quoted ';'), run by bash -c
 pair() { $LOCK bash -c "$1 & a=\$!; $2 & b=\$!; wait \$a; x=\$?; wait \$b; exit \$((x || \$?))"; }  # two single-threaded jobs on the 2 cores
@@ -167,6 +180,55 @@ for step in $steps; do
       done ;;
     chain)  # the chain family's models and first numbers (training, PRM, predictor, full cache, B = 96 on dev)
       scripts/run_chain_testbed.sh ;;
+    chain-fair)  # issue 39, Build 1: the fair chain LRM from scratch (4 x 256, the mechanism shapes, lost values and
+      # reads), then its helper, PRM (+ AUROC on gate traces) and predictor rebuilt on it, the full cache on 200 dev
+      # problems x k = 5 (target >= 85 %), and the predictor held out on ptest with the on-policy retention table
+      $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-lrm-fair.yaml --resume      # -> $CHAIN_FAIR
+      $LOCK $PY -m dynts.cli eval --model $CHAIN_FAIR --benchmark testbed:n=200,family=chain,set=dev --method full \
+        --k 5 --batch-size 100 --threads 2 --no-progress --run-dir runs/chain-fair-dev-full
+      $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-fair-helper.yaml --resume   # -> runs/testbed-chain-fair-helper/export
+      $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-fair-prm.yaml --resume      # -> runs/testbed-chain-fair-prm/export
+      $LOCK $PY -m trainers.testbed_prm runs/testbed-chain-fair-prm/export --family chain --n 200 > reports/prm-chain-fair.json
+      $LOCK $PY -m dynts.cli pipeline --config configs/predictor/testbed-chain-fair.pipeline.yaml     # -> $CHAIN_FAIR_PREDICTOR
+      for side in favouring fair; do
+        model=testbed-chain; pred=checkpoints/testbed-chain-predictor
+        [ $side = fair ] && model=$CHAIN_FAIR && pred=$CHAIN_FAIR_PREDICTOR
+        $LOCK $PY -m eval.analyses.predictor_heldout --family chain --model $model --predictor $pred --n 200 --budget 96 \
+          --local-window 32 --methods full,dynts,random,h2o+q,snapkv+q,rkv+q --out reports/predictor-heldout/chain-$side.json
+      done
+      $LOCK $PY -m eval.analyses.predictor_heldout --family copy --n 200 --budget 96 --local-window 32 \
+        --methods full,dynts,random,h2o+q,snapkv+q,rkv+q --out reports/predictor-heldout/copy.json ;;
+    chain-fair-dev)  # issue 39: the before/after table on dev, every method, the DynTS-favouring chain LRM (testbed-chain)
+      # vs the fair one, each with its own predictor, k = 5, the fractions above (a vacuous share shows here first)
+      DEV="$PY -m dynts.cli eval --benchmark testbed:n=200,family=chain,set=dev $K5"
+      M="$RANK_METHODS,window,streamingllm,sepllm,chain-oracle-step,chain-oracle-value"  # every method
+      pair "$DEV --model testbed-chain --predictor checkpoints/testbed-chain-predictor --method $M --run-dir runs/chain-dev-favouring" \
+           "$DEV --model $CHAIN_FAIR --predictor $CHAIN_FAIR_PREDICTOR --method $M --run-dir runs/chain-dev-fair"
+      for side in favouring fair; do
+        mkdir -p reports/chain-dev-$side/records
+        $PY -m eval.harness.compare runs/chain-dev-$side --write > reports/chain-dev-$side/compare.md
+        $PY -m eval.harness.compare runs/chain-dev-$side --wide > reports/chain-dev-$side/wide.md
+        cp runs/chain-dev-$side/records/*.json reports/chain-dev-$side/records/
+        cp runs/chain-dev-$side/results.{md,json} reports/chain-dev-$side/
+      done ;;
+    sealed)  # issue 39, Builds 2-3: the final tables on the final-only `sealed` problems, read only here (dynts eval
+      # --final; each run appends to reports/final-ledger.jsonl): chain n = 500 on the fair chain LRM, copy n = 200 on
+      # the fair copy LRM (lrm-fair.yaml), k = 5, the fractions above, every ranked method, the oracles and the
+      # Table 2 ablations; verdicts Holm-adjusted per table with TOST +-3 points (eval.harness.compare --wide)
+      SEALED="$PY -m dynts.cli eval --final $K5"
+      CHAIN="$SEALED --benchmark testbed:n=500,family=chain,set=sealed --model $CHAIN_FAIR --predictor $CHAIN_FAIR_PREDICTOR"
+      COPY="$SEALED --benchmark testbed:n=200,set=sealed --model runs/testbed-lrm-fair/export --predictor runs/testbed-lrm-fair/predictor"
+      pair "$CHAIN --method $RANK_METHODS --run-dir runs/sealed-chain" \
+           "$CHAIN --method full,chain-oracle-step,chain-oracle-value,$ABLATIONS --run-dir runs/sealed-chain-b"
+      pair "$COPY --method $RANK_METHODS --run-dir runs/sealed-copy" \
+           "$COPY --method full,oracle-step,oracle-value,$ABLATIONS --run-dir runs/sealed-copy-b"
+      for run in sealed-chain sealed-copy; do
+        mkdir -p reports/$run/records
+        $PY -m eval.harness.compare runs/$run runs/$run-b --write > reports/$run/compare.md
+        $PY -m eval.harness.compare runs/$run runs/$run-b --wide > reports/$run/wide.md   # the tables docs/evaluation.md will print
+        cp runs/$run/records/*.json runs/$run-b/records/*.json reports/$run/records/
+        cp runs/$run/results.{md,json} reports/$run/
+      done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

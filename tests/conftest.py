@@ -25,6 +25,15 @@ TINY = dict(
 )
 
 
+@pytest.fixture(autouse=True)
+def final_ledger(tmp_path, monkeypatch):
+    """Every test's final-set ledger is its own file (``eval.harness.ledger``): a test that runs a ``--final``
+    command never appends to the committed ``reports/final-ledger.jsonl``."""
+    path = tmp_path / "final-ledger.jsonl"
+    monkeypatch.setenv("DYNTS_FINAL_LEDGER", str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module of tiny models: their matrices gain nothing from a second

@@ -371,8 +371,10 @@ def test_pareto_stats_pairs_conditions_trace_by_trace(tmp_path):
     assert compact["cells"]["random@30"] == [1 if i % 2 == 0 else 0 for i in sorted(range(n), key=lambda i: f"q{i}")]
     (row,) = pareto_stats.paired_rows(compact)
     assert row["top"][0] == 1.0 and row["random"][0] == 0.25 and row["bottom"][0] == 0.0
-    diff, lo, hi, p = row["top-random"]
+    diff, lo, hi, p, p_holm, verdict = row["top-random"]
     assert diff == 75.0 and lo < 75.0 < hi and lo > 50 and p < 1e-6  # all 40 traces favour top
+    assert p_holm == pytest.approx(2 * p) and verdict == "leads"  # Holm over the table's two differences
+    assert row["top-bottom"][5] == "leads"
     assert row["top-bottom"][:1] == (100.0,)
     # the table recomputes from the compact records that reports/ keeps
     (tmp_path / "pareto_records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -247,3 +247,40 @@ def test_compare_states_who_leads_by_two_standard_errors(tmp_path, capsys):
     for i, r in enumerate(results):
         (tmp_path / "cells" / f"{i}.json").write_text(json.dumps(r))
     assert main([str(tmp_path)]) == 0 and "dynts minus" in capsys.readouterr().out
+
+
+def test_k_samples_distinct_recorded_seeds_fraction_budgets_and_vacuous_cells(tiny_testbed, tmp_path):
+    """k samples per problem: the record holds k per problem, pass@1 is the mean of the per-problem
+    means, every sample's (seed, row) stream is recorded and distinct; budgets given as shares of the
+    full cache's mean sequence resolve after the full cell; a budget whose n_keep leaves no selection
+    slot is flagged (selection_slots 0) or, under vacuous='refuse', refused before generating."""
+    from eval.harness.records import per_question, read_records
+
+    run_dir = tmp_path / "run"
+    results = run(config(tiny_testbed, run_dir, k=3, budgets=[], budget_fractions=[0.9], batch_size=4))
+    full, window = results
+    seq = full["mean_prompt_tokens"] + full["mean_generated_tokens"]
+    assert window["budget_fraction"] == 0.9 and window["budget"] == round(0.9 * seq)
+    records = {r["key"]: r for r in read_records(run_dir)}
+    for cell in results:
+        rec = records[cell["key"]]
+        assert rec["k"] == 3 and len(rec["bits"]["correct"]) == 3 * len(rec["ids"])
+        scores = per_question(rec)
+        assert cell["pass@1"] == pytest.approx(sum(scores) / len(scores))
+        streams = list(zip(rec["ints"]["seed"], rec["ints"]["row"]))
+        assert len(set(streams)) == len(streams)  # every sample its own (seed, row) stream
+    rows = [json.loads(line) for line in (run_dir / "samples" / f"{window['key']}.jsonl").read_text().splitlines()]
+    assert {(r["question"], r["sample"]) for r in rows} == {(q, s) for q in range(3) for s in range(3)}
+    assert window["selection_slots"] >= 1 and records[window["key"]]["cell"]["selection_slots"] == window["selection_slots"]
+
+    q = round(full["mean_prompt_tokens"])
+    vacuous = q + 6 + 2  # W_s = 2 slots, floor(0.4 * 2) = 0 selected
+    with pytest.raises(ValueError, match="no selection slot"):
+        run(config(tiny_testbed, tmp_path / "refused", budgets=[vacuous], k=1, vacuous="refuse"))
+    assert not (tmp_path / "refused" / "cells").exists() or not any((tmp_path / "refused" / "cells").glob("*window*"))
+    flagged = run(config(tiny_testbed, tmp_path / "flagged", budgets=[vacuous, vacuous + 1], k=1))
+    assert [r.get("selection_slots") for r in flagged] == [None, 0, 1]
+    with pytest.raises(ValueError, match="add the full cache"):
+        config(tiny_testbed, tmp_path / "x", methods=["window"], budgets=[], budget_fractions=[0.5])
+    with pytest.raises(ValueError, match="budget_fractions"):
+        config(tiny_testbed, tmp_path / "x", budgets=[], budget_fractions=[1.5])

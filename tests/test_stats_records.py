@@ -9,7 +9,8 @@ import pytest
 
 from eval.harness import compare as cmp
 from eval.harness.records import cell_record, eval_record, pack_bits, per_question, read_records, unpack_bits, write_record
-from eval.harness.stats import bootstrap_ci, mcnemar_exact, paired_difference, ratio_ci, sign_test
+from eval.harness.stats import (bootstrap_ci, holm, mcnemar_exact, paired_difference, paired_test, ratio_ci, sign_test,
+                                table_verdicts, tost)
 
 
 def test_mcnemar_exact_by_hand():
@@ -92,7 +93,8 @@ def test_compare_is_paired_and_recomputes_from_records(tmp_path, capsys):
     assert "| dynts | 90.0 [" in from_run or "| dynts | 90.0 [" in from_run.replace(" (no eviction)", "")
     assert cmp.main([str(run), "--wide"]) == 0
     wide = capsys.readouterr().out
-    assert "| dynts minus | B = 64 |" in wide and "| h2o | **+50.0 [" in wide and "McNemar" not in wide
+    # 6 vs 1 discordant problems: the bootstrap CI excludes 0, the exact test does not (p = 0.125)
+    assert "| dynts minus | B = 64 |" in wide and "| h2o | +50.0 [" in wide and "] inconclusive |" in wide and "McNemar" in wide
     assert "| *B / full seq* | *0.50* |" in wide  # 64 / (14 + 114)
     # write the compact records (as a dynts eval run does), drop everything else, recompute
     for cell in cmp.finished_cells(run):
@@ -160,7 +162,119 @@ def test_rescue_table_recomputes_from_records(tmp_path):
     (run / "results.json").unlink()
     assert table_main([str(run), "--from-records", "--method", "window,rkv,dynts", "--write", str(tmp_path / "b.md")]) == 0
     a, b = (tmp_path / "a.md").read_text(), (tmp_path / "b.md").read_text()
-    assert a == b and "| **0.13** [-1.00, 0.80] |" in a and "+73.0 [+64.0, +81.0], p 2.1e-22" in a
+    assert a == b and "| 0.13 [-1.00, 0.80] |" in a and "+73.0 [+64.0, +81.0], p 2.1e-22, Holm " in a
     # the controls table: this run has no helper-search / full-search cells, but every stepwise cell's
     # committed steps by side (the DynTS base wrote 43.0 % of KV-Rescue's steps, every step of best-of-N)
     assert "KVR − helper-search" in a and "| dynts | " in a and "| 100.0 / 43.0 / – / – / – |" in a
+
+
+# ---------------------------------------------------------------- Holm, TOST and verdicts
+
+
+def test_holm_by_hand():
+    # sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04 -> running max 0.02, 0.03, 0.06, 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.6]) == [1.0, 1.0]  # capped at 1, monotone
+    assert holm([0.04]) == [0.04] and holm([]) == []
+    # the issue's case: 13 raw p-values just under 0.05 among 130 fail Holm
+    raw = [1e-4] * 5 + [0.04] * 13 + [0.5] * 112  # 1e-4 x 130 = 0.013 passes, 0.04 x 125 does not
+    adjusted = holm(raw)
+    assert sum(p < 0.05 for p in raw) == 18 and sum(p < 0.05 for p in adjusted) == 5
+
+
+def _diffs(plus: int, minus: int, n: int) -> tuple[list[float], list[float]]:
+    """Per-problem 0/1 scores of two arms: ``plus`` problems right only under a, ``minus`` only under b."""
+    a = [1.0] * plus + [0.0] * minus + [0.0] * (n - plus - minus)
+    b = [0.0] * plus + [1.0] * minus + [0.0] * (n - plus - minus)
+    return a, b
+
+
+def test_tost_against_the_t_distribution():
+    from scipy.stats import t as student
+
+    # 10 problems +1, 10 problems -1, 180 ties (n = 200): mean 0, sd sqrt(20 / 199), se = sd / sqrt(200)
+    a, b = _diffs(10, 10, 200)
+    se = (20 / 199) ** 0.5 / 200 ** 0.5
+    for margin, equivalent in ((0.03, False), (0.05, True)):
+        expected = student.sf(margin / se, 199)  # both one-sided tests give the same p (mean 0)
+        t = tost(a, b, margin)
+        assert t["p"] == pytest.approx(expected, rel=1e-9) and (t["p"] < 0.05) == equivalent
+    assert tost(a, b, 0.03)["p"] == pytest.approx(0.0911, abs=5e-4)  # by hand: t = 0.03 / 0.022417 = 1.338, df 199
+    # identical arms have no spread: p = (1 - m)^n, not equivalent on 3 problems, equivalent on 200
+    assert tost([1, 0, 1], [1, 0, 1])["p"] == pytest.approx(0.97 ** 3)
+    assert tost([1] * 200, [1] * 200)["p"] == pytest.approx(0.97 ** 200) and tost([1] * 200, [1] * 200)["p"] < 0.0025
+    assert tost([1, 1, 1], [0, 0, 0])["p"] == 1.0  # every problem +100 points
+    with pytest.raises(ValueError, match="margin"):
+        tost(a, b, 0)
+
+
+def test_four_to_zero_is_not_a_lead():
+    """The issue's anti-conservative case: 4 problems right only under a, none only under b, n = 200.
+    The percentile bootstrap CI excludes 0; exact McNemar gives p = 2 / 16 = 0.125; +2 points is not
+    within +-3 either by TOST (p_upper = P(T_199 <= (0.02 - 0.03) / se) = 0.157): inconclusive."""
+    from scipy.stats import t as student
+
+    a, b = _diffs(4, 0, 200)
+    test = paired_test(a, b, 1)
+    assert test["lo"] > 0  # what the old verdict read
+    assert test["mcnemar"]["p"] == pytest.approx(2 / 16) and test["p"] == test["mcnemar"]["p"]
+    sd = ((4 * 0.98 ** 2 + 196 * 0.02 ** 2) / 199) ** 0.5
+    assert test["tost"]["p"] == pytest.approx(student.cdf((0.02 - 0.03) / (sd / 200 ** 0.5), 199), rel=1e-9)
+    (judged,) = table_verdicts([test])
+    assert judged["verdict"] == "inconclusive"
+
+
+def test_k_samples_use_the_sign_test_over_problem_means():
+    # 3 problems x 5 samples: per-problem means; McNemar is not used with k > 1
+    a, b = [1.0, 0.8, 0.6, 0.4], [0.6, 0.8, 0.2, 0.0]  # +, tie, +, +
+    t = paired_test(a, b, 5)
+    assert t["mcnemar"] is None and t["sign"] == {"plus": 3, "minus": 0, "p": pytest.approx(0.25)} and t["p"] == t["sign"]["p"]
+    assert t["diff"] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="k=0"):
+        paired_test(a, b, 0)
+
+
+def test_table_verdicts_holm_order_and_words():
+    # TOST p-values are Holm-adjusted too: at n = 200, 10 vs 10 is equivalent within +-5 alone (p 0.013)
+    # but not in a family of 4 (0.054); at n = 400 it is (p ~ 5e-6)
+    big_lead, trail, small = _diffs(30, 2, 400), _diffs(1, 25, 400), _diffs(10, 10, 400)
+    tests = [paired_test(*big_lead, 1), paired_test(*trail, 1), paired_test(*small, 1, margin=0.05), paired_test(*_diffs(6, 2, 100), 1)]  # +4 points, p 0.29
+    out = table_verdicts(tests)
+    raw = [t["p"] for t in tests]
+    assert [t["p_holm"] for t in out] == pytest.approx(holm(raw))
+    assert [t["verdict"] for t in out] == ["leads", "trails", "equivalent within ±5", "inconclusive"]
+    assert out[0]["p_holm"] == pytest.approx(min(1.0, 4 * raw[0]))  # the smallest p is multiplied by the family size
+    # Holm can turn a raw p < 0.05 into no verdict: alone it leads, in a family of 20 it does not
+    single = paired_test(*_diffs(9, 1, 200), 1)
+    assert single["p"] < 0.05 and table_verdicts([single])[0]["verdict"] == "leads"
+    assert table_verdicts([single] * 20)[0]["verdict"] == "inconclusive"
+
+
+def test_compare_marks_vacuous_cells_and_reports_k(tmp_path, capsys):
+    """k = 5 per problem: no McNemar column values, the sign test decides; a cell whose n_keep leaves no
+    selection slot is marked vacuous and left out of the Holm family."""
+    n, k = 12, 5
+    rows = lambda right: [{"question": q, "sample": s, "correct": right(q, s), "tokens": 10} for q in range(n) for s in range(k)]  # noqa: E731
+    arms = {"dynts": lambda q, s: True, "h2o": lambda q, s: s < 2, "rkv": lambda q, s: True}
+    ids = [f"p{q}" for q in range(n)]
+    cells = []
+    for label, right in arms.items():
+        for budget, slots in ((48, 0), (96, 20)):
+            key = f"{label}-{budget}"
+            write_record(tmp_path, eval_record(key, {"method": {"label": label}, "budget": budget, "local_window": 32,
+                                                     "selection_slots": slots}, ids, k, rows(right)))
+    recs = {r["key"]: r for r in read_records(tmp_path)}
+    results = cmp.cells_from_records(list(recs.values()))
+    tests = cmp.paired_tests(results, "dynts", recs)
+    assert tests[("h2o", 48)]["verdict"].startswith("vacuous") and tests[("h2o", 48)]["p_holm"] is None
+    assert tests[("h2o", 96)]["mcnemar"] is None and tests[("h2o", 96)]["sign"]["plus"] == n
+    assert tests[("h2o", 96)]["verdict"] == "leads"  # 12 of 12 problems: p = 2 / 4096, Holm x2
+    assert tests[("rkv", 96)]["verdict"] == "inconclusive"  # bit-identical on 12 problems: TOST p = 0.97^12 = 0.69
+    assert cmp.main([str(tmp_path), "--from-records"]) == 0
+    out = capsys.readouterr().out
+    assert "| h2o | 96 | +60.0 |" in out and "| – | – | 12 / 0 (" in out and "vacuous (no selection slot)" in out
+    # records that predate selection_slots: from budget, W_l and retention with the prompt length given
+    # (the chain confirm table's B = 48: W_s = 48 - 14 - 32 = 2, floor(0.4 * 2) = 0 selected)
+    old = {"budget": 48, "local_window": 32, "retention": 0.4}
+    assert cmp.selection_slots(old) is None and cmp.selection_slots(old, 14) == 0
+    assert cmp.selection_slots({**old, "budget": 64}, 14) == 7

@@ -270,3 +270,30 @@ def test_chain_prm_labels_and_step_verifier():
     assert chain.score([request]) == [1.0] and copy.score([request]) == [0.0]
     with pytest.raises(ValueError, match="testbed-verifier:<family>"):
         load_eval_prm("testbed-verifier:nope", ";")
+
+
+def test_lose_reads_and_the_fair_chain_recipe_loads():
+    """``keep_reads=False`` forces none of the read results (a drawn shape keeps them only by its own
+    draw); ``data.evict_lose_reads`` is validated; configs/testbed/chain-lrm-fair.yaml (issue 39) loads,
+    trains from scratch with the mechanism shapes and both lose options, and draws batches."""
+    from pathlib import Path
+
+    import yaml
+
+    from trainers.eviction_masks import draw_kept_set
+    from trainers.testbed_lm import LMConfig, TraceStream
+
+    p = _chain(10)[3]
+    reads = task.read_values(p.tokens, "chain")
+    for shape in ("tokens", "values", "windows"):
+        kept, _w, _p = draw_kept_set(list(p.tokens), random.Random(0), (16, 32), 0.0, shape, keep_asked=False, keep_reads=False)
+        assert not any(kept[v] for v in reads), shape  # keep probability 0: nothing but the question
+    with pytest.raises(ValueError, match="evict_lose_reads"):
+        LMConfig.from_dict({"data": {"evict_lose_reads": 1.5}, "stages": [{"steps": 1, "lr": 1e-3, "lr_end": 1e-4, "long_frac": 1.0}]})
+    root = Path(__file__).resolve().parents[1]
+    cfg = LMConfig.from_dict(yaml.safe_load((root / "configs/testbed/chain-lrm-fair.yaml").read_text()))
+    assert cfg.init_from is None and cfg.data.family == "chain" and cfg.model["hidden_size"] == 256
+    assert cfg.data.evict_lose_asked == cfg.data.evict_lose_reads == 0.3
+    assert {"h2o", "snapkv"} <= set(cfg.data.evict_shapes) and cfg.data.evict_shapes["h2o"] + cfg.data.evict_shapes["snapkv"] == pytest.approx(0.5)
+    batch = TraceStream(cfg, 0).batch(cfg.data.short_steps + 1)
+    assert "attention_mask" in batch and batch["input_ids"].shape[0] in (cfg.data.long_batch, cfg.data.short_batch)

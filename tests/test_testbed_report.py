@@ -208,3 +208,25 @@ def test_the_cli_takes_a_family_and_its_default_report_path(monkeypatch, capsys)
     assert "wrote reports/testbed-chain.json" in capsys.readouterr().out
     assert testbed_cli.main(["report", "--n", "3"]) == 0
     assert (seen["family"], seen["out"], seen["skip_prm"]) == ("copy", "reports/testbed.json", False)
+
+
+def test_run_policy_draws_k_samples_per_problem_with_recorded_streams():
+    """k = 3: texts problem-major, records hold every sample with its (batch seed, row) stream, all
+    distinct; accuracy is the mean of the per-problem means; k = 1 seeds batches as before."""
+    from data_pipeline.testbed import task
+    from trainers import testbed_report as tr
+    from trainers.testbed_eval import load_testbed
+
+    model, tok = load_testbed("testbed")
+    problems = task.problem_set("test", 2)
+    texts, result = tr.run_policy(model, tok, problems, "full", k=3, batch_size=4, max_new_tokens=30)
+    rec = result["records"]
+    assert len(texts) == 6 and result["k"] == rec["k"] == 3 and result["n_problems"] == 2
+    assert rec["problems"] == ["test:0", "test:1"] and len(rec["correct"]) == 6
+    assert list(zip(rec["seeds"], rec["rows"])) == [(0, 0), (0, 1), (0, 2), (0, 3), (4, 0), (4, 1)]
+    per_problem = [rec["correct"][i * 3:(i + 1) * 3].count("1") / 3 for i in range(2)]
+    assert result["accuracy"] == pytest.approx(sum(per_problem) / 2)
+    _, one = tr.run_policy(model, tok, problems, "full", k=1, batch_size=1, max_new_tokens=5)
+    assert one["records"]["seeds"] == [0, 1] and one["k"] == 1
+    with pytest.raises(ValueError, match="k=0"):
+        tr.run_policy(model, tok, problems, "full", k=0)

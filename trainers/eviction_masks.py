@@ -34,8 +34,10 @@ shapes never force it, whatever the option.
 
 In a chain trace (``task`` family ``chain``) every drawn shape also keeps the key and value of each
 result a later step reads (``task.read_values``; also in rows that lose the asked value): without
-them that step's operand copy is a guess, as an operand would be without the question. The mechanism
-shapes keep only what their scores keep. Copy traces read no results.
+them that step's operand copy is a guess, as an operand would be without the question. That favours a
+method that keeps read results, so ``data.evict_lose_reads`` (default 0) gives the probability that a
+drawn-shape row forces none of them (they stay visible only if the shape keeps them on its own,
+``keep_reads=False``). The mechanism shapes keep only what their scores keep. Copy traces read no results.
 
 No shape is taken from a method under test's code (no predictor, no evictor call): the mechanism
 shapes re-implement H2O's and SnapKV's rules on the training model's own attention. With
@@ -93,7 +95,8 @@ def eviction_visibility(tokens: Sequence[str], rng: random.Random, window: tuple
 
 
 def draw_kept_set(
-    tokens: Sequence[str], rng: random.Random, window: tuple[int, int], keep_max: float, shape: str = "steps", keep_asked: bool = True
+    tokens: Sequence[str], rng: random.Random, window: tuple[int, int], keep_max: float, shape: str = "steps", keep_asked: bool = True,
+    keep_reads: bool = True,
 ) -> tuple[torch.Tensor, int, float]:
     """What an evicting cache keeps of one trace: ``(kept, W, p)``.
 
@@ -102,7 +105,8 @@ def draw_kept_set(
     is the row's keep probability; for ``attention`` the ranked part is added later by
     :func:`add_attention_ranked` (``kept`` then holds the question and the asked key and value), for
     a mechanism shape the whole kept set is (``kept`` holds the question only). ``keep_asked=False``
-    (a row that loses the asked value) forces nothing of the asked step.
+    (a row that loses the asked value) forces nothing of the asked step; ``keep_reads=False`` forces
+    none of the results later chain steps read.
     """
     kept = torch.zeros(len(tokens), dtype=torch.bool)
     kept[: task.QUESTION_TOKENS] = True
@@ -112,7 +116,7 @@ def draw_kept_set(
     if shape in MECHANISM_SHAPES:
         return kept, rng.randint(*window), p_keep
     start = task.QUESTION_TOKENS
-    reads = task.read_values(tokens, "chain") if any(t in task.QUERY_KEYS for t in tokens[start:end]) else []
+    reads = task.read_values(tokens, "chain") if keep_reads and any(t in task.QUERY_KEYS for t in tokens[start:end]) else []
     for v in reads:  # chain: the results later steps read (key and value); none in a copy trace
         kept[v - 1 : v + 1] = True
     if shape == "steps":

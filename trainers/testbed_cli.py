@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--local-window", type=int, default=64)
     report.add_argument("--out", default=None, help="default: reports/testbed.json (--family chain: reports/testbed-chain.json)")
     report.add_argument("--seed", type=int, default=0)
+    report.add_argument("--k", type=int, default=1, help="samples per problem (pass@1 = their mean; the paper's protocol: 5)")
     report.add_argument("--prm-only", action="store_true", help="recompute only the PRM numbers of an existing report")
     report.add_argument("--skip-prm", action="store_true",
                         help="leave the PRM out (e.g. before it is trained); add it later with --prm-only")
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
         result = update_eviction(out, min_think=args.min_think, family=family)
     else:
         result = report(n=args.n, budget=args.budget, local_window=args.local_window, out=out, seed=args.seed,
-                        min_think=args.min_think, family=family, skip_prm=args.skip_prm)
+                        min_think=args.min_think, family=family, skip_prm=args.skip_prm, k=args.k)
     print(table(result))
     print(f"wrote {out}")
     return 0

@@ -17,7 +17,8 @@ Two fine-tuning options start from a trained model (``init_from``):
   other kept-set shapes in (single tokens, values only, windows, attention-ranked subsets, and the
   caches H2O and SnapKV would keep, simulated on the model's own attention;
   :mod:`trainers.eviction_masks`), so the model does not favour one shape of kept set;
-  ``evict_lose_asked`` drops the forced asked value from some rows.
+  ``evict_lose_asked`` drops the forced asked value from some rows, ``evict_lose_reads`` (chain) the
+  forced results later steps read.
 * ``slip``: traces write some step values wrong by a fixed rule (``task.SLIPS``): a helper whose
   errors are of capability (arithmetic), not of context.
 """
@@ -79,6 +80,7 @@ class DataConfig:
     evict_every: int = 32  # snapkv shape: tokens between two eviction events
     evict_observe: int = 8  # snapkv shape: the observation window (the last queries that vote)
     evict_lose_asked: float = 0.0  # drawn shapes: probability a row does not force-keep the asked key and value
+    evict_lose_reads: float = 0.0  # drawn shapes, chain: probability a row does not force-keep the results later steps read
 
     def __post_init__(self) -> None:
         if self.slip is not None and self.slip not in task.SLIPS:
@@ -96,9 +98,10 @@ class DataConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"data.{name}={value!r}: give an int >= 1 ({what}), e.g. {name}: {type(self).__dataclass_fields__[name].default}")
-        lose = self.evict_lose_asked
-        if isinstance(lose, bool) or not isinstance(lose, (int, float)) or not 0.0 <= lose <= 1.0:
-            raise ValueError(f"data.evict_lose_asked={lose!r}: give a probability in [0, 1] (0 = always force-keep the asked value), e.g. evict_lose_asked: 0.3")
+        for name, what in (("evict_lose_asked", "the asked value"), ("evict_lose_reads", "the results later chain steps read")):
+            lose = getattr(self, name)
+            if isinstance(lose, bool) or not isinstance(lose, (int, float)) or not 0.0 <= lose <= 1.0:
+                raise ValueError(f"data.{name}={lose!r}: give a probability in [0, 1] (0 = always force-keep {what}), e.g. {name}: 0.3")
 
 
 @dataclass
@@ -246,8 +249,10 @@ class TraceStream(IterableDataset):
                     continue
                 shape = draw_shape(d.evict_shapes, rng)
                 lose = shape not in MECHANISM_SHAPES and d.evict_lose_asked > 0 and rng.random() < d.evict_lose_asked
+                lose_reads = shape not in MECHANISM_SHAPES and d.evict_lose_reads > 0 and rng.random() < d.evict_lose_reads
                 tokens = rows[-1][0]
-                kept, window, share = draw_kept_set(tokens, rng, d.evict_window, d.evict_keep, shape, keep_asked=not lose)
+                kept, window, share = draw_kept_set(tokens, rng, d.evict_window, d.evict_keep, shape, keep_asked=not lose,
+                                                    keep_reads=not lose_reads)
                 visibility.append((kept, window))
                 shapes[r], lost[r] = SHAPES.index(shape), lose
                 end = tokens.index(task.END_THINK) if task.END_THINK in tokens else len(tokens)

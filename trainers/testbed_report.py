@@ -104,9 +104,19 @@ def run_policy(
     batch_size: int = 50,
     max_new_tokens: int = 1100,
     min_think: int = 0,
+    k: int = 1,
 ) -> tuple[list[str], dict[str, Any]]:
-    """Generate every problem's trace with ``dynts.generate`` under one eviction policy
-    (``min_think``: ``</think>`` is banned for the first that many tokens)."""
+    """Generate ``k`` traces per problem with ``dynts.generate`` under one eviction policy
+    (``min_think``: ``</think>`` is banned for the first that many tokens). The texts come back
+    problem-major (problem ``i``'s samples at ``i * k ... i * k + k - 1``); ``accuracy`` is pass@1, the
+    mean over problems of each problem's mean over its samples, and ``records`` hold every sample's
+    bits, its batch seed and its row in that batch (its random stream: distinct per sample)."""
+    if k < 1:
+        raise ValueError(f"k={k!r}: samples per problem must be >= 1")
+    names = [p.name for p in problems]
+    problems = [p for p in problems for _ in range(k)]
+    seeds: list[int] = []
+    rows: list[int] = []
     from transformers import LogitsProcessorList
 
     import data_pipeline.testbed.oracle  # noqa: F401  (registers "testbed-oracle")
@@ -118,6 +128,8 @@ def run_policy(
     for i in range(0, len(problems), batch_size):
         torch.manual_seed(seed + i)
         chats = [[{"role": "user", "content": p.question}] for p in problems[i : i + batch_size]]
+        seeds += [seed + i] * len(chats)
+        rows += list(range(len(chats)))
         kw: dict[str, Any] = {} if method == "full" else {"budget": budget, "local_window": local_window}
         if min_think:
             kw["logits_processor"] = LogitsProcessorList([BanUntil(tokenizer.convert_tokens_to_ids(task.END_THINK), min_think, task.QUESTION_TOKENS)])
@@ -125,7 +137,8 @@ def run_policy(
         texts += out.texts
         seconds += out.stats["seconds"]
     result = score(problems, texts, records=True)  # with the per-problem bits behind the numbers
-    result.update({"method": method, "options": options or {}, "min_think": min_think, "budget": budget, "local_window": local_window, "seconds": seconds})
+    result["records"].update({"problems": names, "k": k, "seeds": seeds, "rows": rows})
+    result.update({"k": k, "n_problems": len(names), "method": method, "options": options or {}, "min_think": min_think, "budget": budget, "local_window": local_window, "seconds": seconds})
     return texts, result
 
 
@@ -187,13 +200,13 @@ def checkpoint_facts(name: str, family: str = "copy") -> dict[str, Any]:
 
 
 def eviction(model: Any, tokenizer: Any, problems: Sequence[task.Problem], budget: int, local_window: int, seed: int,
-             min_think: int = 0, full: dict[str, Any] | None = None, family: str = "copy") -> dict[str, Any]:
+             min_think: int = 0, full: dict[str, Any] | None = None, family: str = "copy", k: int = 1) -> dict[str, Any]:
     """Full cache vs question + recent vs the family's oracles (key + value, the whole asked step;
-    copy also the value token alone)."""
-    policies = {"full": full if full is not None else run_policy(model, tokenizer, problems, "full", seed=seed, min_think=min_think)[1]}
+    copy also the value token alone), ``k`` samples per problem."""
+    policies = {"full": full if full is not None else run_policy(model, tokenizer, problems, "full", seed=seed, min_think=min_think, k=k)[1]}
     for name, method, options in family_models(family).policies:
         policies[name] = run_policy(model, tokenizer, problems, method, options, budget=budget, local_window=local_window,
-                                    seed=seed, min_think=min_think)[1]
+                                    seed=seed, min_think=min_think, k=k)[1]
     return {"budget": budget, "local_window": local_window, "min_think": min_think, "policies": policies}
 
 
@@ -265,10 +278,10 @@ def update_oracle_shapes(run_dir: str | Path, label: str, out: str | Path | None
     return result
 
 
-def helper_accuracy(problems: Sequence[task.Problem], seed: int = 0, family: str = "copy") -> dict[str, Any]:
+def helper_accuracy(problems: Sequence[task.Problem], seed: int = 0, family: str = "copy", k: int = 1) -> dict[str, Any]:
     """The family's helper's full-cache scores on ``problems`` (the report's ``accuracy.helper_full``)."""
     helper, tok = load_testbed(family_models(family).helper)
-    return run_policy(helper, tok, problems, "full", seed=seed)[1]
+    return run_policy(helper, tok, problems, "full", seed=seed, k=k)[1]
 
 
 def update_eviction(out: str | Path | None = None, min_think: int = 300, family: str = "copy") -> dict[str, Any]:
@@ -279,16 +292,18 @@ def update_eviction(out: str | Path | None = None, min_think: int = 300, family:
     lrm, tok = load_testbed(family_models(family).lrm)
     ev = result["eviction"]
     full = ev["policies"]["full"]
-    result["eviction"] = eviction(lrm, tok, problems, ev["budget"], ev["local_window"], 0, full=full, family=family)
+    k = result.get("k", 1)
+    result["eviction"] = eviction(lrm, tok, problems, ev["budget"], ev["local_window"], 0, full=full, family=family, k=k)
     result["eviction_min_think"] = eviction(lrm, tok, problems, ev["budget"], ev["local_window"], 0, min_think=min_think,
-                                            family=family)
+                                            family=family, k=k)
     _write(path, result)
     return result
 
 
 def report(n: int = 200, budget: int | None = None, local_window: int = 64, out: str | Path | None = None,
-           seed: int = 0, min_think: int = 300, family: str = "copy", skip_prm: bool = False) -> dict[str, Any]:
-    """Every number of the module docstring for ``family`` on ``n`` problems of its ``"test"`` set,
+           seed: int = 0, min_think: int = 300, family: str = "copy", skip_prm: bool = False, k: int = 1) -> dict[str, Any]:
+    """Every number of the module docstring for ``family`` on ``n`` problems of its ``"test"`` set
+    (``k`` samples per problem, pass@1 their mean; the attention ranks read each problem's first sample),
     written to ``out`` (default: the family's :attr:`FamilyModels.out`). ``skip_prm`` leaves the PRM
     out (add it later with :func:`update_prm`); a missing checkpoint raises before any generation."""
     fm = family_models(family)
@@ -296,18 +311,18 @@ def report(n: int = 200, budget: int | None = None, local_window: int = 64, out:
     names = (fm.lrm, fm.helper) if skip_prm else fm.models
     path = Path(out if out is not None else fm.out)
     problems = task.problem_set("test", n, family=family)
-    result: dict[str, Any] = {"family": family, "n_problems": n, "problem_set": "test", "sampling": SAMPLING}
+    result: dict[str, Any] = {"family": family, "n_problems": n, "k": k, "problem_set": "test", "sampling": SAMPLING}
     result["checkpoints"] = {name: checkpoint_facts(name, family) for name in names}
     lrm, tok = load_testbed(fm.lrm)
-    texts, full = run_policy(lrm, tok, problems, "full", seed=seed)
-    result["accuracy"] = {"lrm_full": full, "helper_full": helper_accuracy(problems, seed, family)}
+    texts, full = run_policy(lrm, tok, problems, "full", seed=seed, k=k)
+    result["accuracy"] = {"lrm_full": full, "helper_full": helper_accuracy(problems, seed, family, k)}
     if budget is None:
         budget = int(round(full["mean_thinking_tokens"] / 4))
     local_window = min(local_window, budget - task.QUESTION_TOKENS - 8)
-    result["eviction"] = eviction(lrm, tok, problems, budget, local_window, seed, full=full, family=family)
-    result["eviction_min_think"] = eviction(lrm, tok, problems, budget, local_window, seed, min_think=min_think, family=family)
+    result["eviction"] = eviction(lrm, tok, problems, budget, local_window, seed, full=full, family=family, k=k)
+    result["eviction_min_think"] = eviction(lrm, tok, problems, budget, local_window, seed, min_think=min_think, family=family, k=k)
     eager, _ = load_testbed(fm.lrm, attn_implementation="eager")
-    result["attention"] = attention_ranks(eager, tok, problems, texts)
+    result["attention"] = attention_ranks(eager, tok, problems, texts[::k])
     if not skip_prm:
         result["prm"] = _prm(family, n)
     if path.is_file():  # the kept-set shape check comes from eval runs (update_oracle_shapes): keep it

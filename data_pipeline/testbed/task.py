@@ -32,7 +32,7 @@ import contextlib
 import contextvars
 import random
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 PAD, UNK, BOS, EOS, THINK, END_THINK, SEP = "<pad>", "<unk>", "<bos>", "<eos>", "<think>", "</think>", ";"
 VARIABLES: tuple[str, ...] = ("a", "b", "c", "d", "e")
@@ -309,28 +309,40 @@ def make_drill(
 #                                 ``"{set}:{i}"``: the same problem whatever the length range is, the
 #                                 committed numbers' sets);
 #   ``gate``                      the PRM gates and AUROC tools (``GATE``);
+#   ``ptest``                     the predictor's held-out metrics and the on-policy retention measure
+#                                 (``PREDICTOR_TEST``, eval/analyses/predictor_heldout.py): no epoch,
+#                                 recipe or setting is chosen on it;
 #   ``confirm``                   the final tables only (``CONFIRM``): refused outside
 #                                 :func:`final_tables`, which only the table commands enter;
+#   ``sealed``                    final-only too (``SEALED``), fresh: no command read it before the
+#                                 ranking run of issue 39 (k samples per problem); guarded as
+#                                 ``confirm`` is, and every read is logged (:func:`final_tables`);
 #   ``train...``                  refused: training draws its own ``"train:..."`` seeds.
-# ``gate`` and ``confirm`` seed problem ``i`` by ``"{set}:{min_think}-{max_think}:{i}"``, so other
+# ``gate``, ``confirm`` and ``sealed`` seed problem ``i`` by ``"{set}:{min_think}-{max_think}:{i}"``, so other
 # length ranges give other problems (``dev``/``test`` share them across ranges:
 # :func:`shared_questions` measures it).
 GATE = "gate"
 CONFIRM = "confirm"
-FRESH_NAMESPACES: tuple[str, ...] = (GATE, CONFIRM)
-FINAL_ONLY: tuple[str, ...] = (CONFIRM,)
-_FINAL_TABLES: contextvars.ContextVar[bool] = contextvars.ContextVar("final_tables", default=False)
+SEALED = "sealed"
+PREDICTOR_TEST = "ptest"
+FRESH_NAMESPACES: tuple[str, ...] = (GATE, CONFIRM, SEALED, PREDICTOR_TEST)
+FINAL_ONLY: tuple[str, ...] = (CONFIRM, SEALED)
+_FINAL_TABLES: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar("final_tables", default=None)
 
 
 @contextlib.contextmanager
-def final_tables() -> Iterator[None]:
-    """Inside this block (and only there) :func:`problem_set` serves the ``confirm`` namespace.
-    Only the commands that produce final tables enter it, on their explicit ``--final``
-    (``dynts eval --final``, ``dynts demo --final``); ``tests/test_namespaces.py`` checks that no
-    other module does."""
-    token = _FINAL_TABLES.set(True)
+def final_tables() -> Iterator[list[dict[str, Any]]]:
+    """Inside this block (and only there) :func:`problem_set` serves the final-only namespaces
+    (:data:`FINAL_ONLY`: ``confirm``, ``sealed``). It yields the list of the final sets read inside
+    it (``{"set", "n", "family", "min_think", "max_think"}`` per :func:`problem_set` call), which
+    :func:`eval.harness.ledger.final_run` writes to the ledger. Only the ledger enters it, for the commands
+    that produce final tables on their explicit ``--final`` (``dynts eval --final``, ``dynts demo
+    --final``, ``dynts rescue bench --final``, ``dynts analyze traces --final``);
+    ``tests/test_namespaces.py`` checks that no other module does."""
+    reads: list[dict[str, Any]] = []
+    token = _FINAL_TABLES.set(reads)
     try:
-        yield
+        yield reads
     finally:
         _FINAL_TABLES.reset(token)
 
@@ -358,11 +370,14 @@ def problem_set(
     if base.startswith("train"):
         raise ValueError("the 'train' namespace is reserved for training data")
     space = namespace(base)
-    if space in FINAL_ONLY and not _FINAL_TABLES.get():
-        raise ValueError(
-            f"problem_set({base!r}): the {space!r} namespace is read only by the final tables; "
-            f"choose, gate and tune on set=dev, set=test or set={GATE}, or produce a final table with "
-            "dynts eval --final / dynts demo --final")
+    if space in FINAL_ONLY:
+        reads = _FINAL_TABLES.get()
+        if reads is None:
+            raise ValueError(
+                f"problem_set({base!r}): the {space!r} namespace is read only by the final tables; "
+                f"choose, gate and tune on set=dev, set=test or set={GATE}, or produce a final table with "
+                "dynts eval --final / dynts demo --final")
+        reads.append({"set": base, "n": n, "family": family, "min_think": min_think, "max_think": max_think})
     if space in FRESH_NAMESPACES:
         extra = "".join(f",{k}={v}" for k, v in sorted(kw.items()) if k != "family")
         seeds = [f"{base}:{min_think}-{max_think}{extra}:{i}" for i in range(n)]

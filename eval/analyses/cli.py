@@ -14,7 +14,6 @@ Each writes PNG + CSV under ``--out`` and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -69,7 +68,10 @@ def cmd_traces(args: argparse.Namespace) -> int:
     if args.source == "testbed":  # the problems first: a refused set costs no model load
         from data_pipeline.testbed import task
 
-        with task.final_tables() if args.final else contextlib.nullcontext():
+        from eval.harness.ledger import final_run
+
+        with final_run("dynts analyze", getattr(args, "argv", None), args.final, args.out) as ledger:
+            ledger["cells"] = [f"traces:{args.set}:{args.family}:n={args.n}"]
             problems = task.problem_set(args.set, args.n, min_think=args.min_think, max_think=args.max_think, family=args.family)
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, **load_kwargs(args))
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the final-set ledger
     try:
         set_threads(args.threads)
     except ValueError as err:

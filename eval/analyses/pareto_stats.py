@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from dynts.io import write_atomic
-from eval.harness.stats import bootstrap_ci, paired_difference, sign_test
+from eval.harness.stats import MARGIN, bootstrap_ci, paired_test, table_verdicts
 
 __all__ = ["compact_records", "load_compact", "paired_rows", "markdown", "write_tables", "main"]
 
@@ -61,15 +61,17 @@ def load_compact(run_dir: str | Path) -> dict[str, Any]:
     return compact_records(json.loads(line) for line in path.read_text().splitlines() if line.strip())
 
 
-def paired_rows(compact: dict[str, Any], against: Sequence[str] = ("random", "bottom"), lead: str = "top") -> list[dict[str, Any]]:
+def paired_rows(compact: dict[str, Any], against: Sequence[str] = ("random", "bottom"), lead: str = "top",
+                margin: float = MARGIN) -> list[dict[str, Any]]:
     """One row per percent: every strategy's accuracy and CI, and ``lead`` minus each of ``against``
-    (paired bootstrap difference in points, its CI and the sign test's p)."""
+    (paired bootstrap difference in points, its CI, the test's p and the Holm-adjusted verdict over
+    every difference of the table)."""
     runs, cells = compact["runs"], compact["cells"]
     score = {c: [k / runs for k in v] for c, v in cells.items()}
     percents = sorted({float(c.split("@")[1]) for c in cells if c != FULL})
     present = {c.split("@")[0] for c in cells if c != FULL}
     strategies = [s for s in (lead, *against) if s in present] + sorted(present - {lead, *against})
-    rows = []
+    rows, where, tests = [], [], []
     for p in percents:
         row: dict[str, Any] = {"percent": p}
         for s in strategies:
@@ -79,9 +81,11 @@ def paired_rows(compact: dict[str, Any], against: Sequence[str] = ("random", "bo
         for other in against:
             a, b = score.get(_cell(lead, p)), score.get(_cell(other, p))
             if a is not None and b is not None:
-                d = paired_difference(a, b)
-                row[f"{lead}-{other}"] = (100 * d["diff"], 100 * d["lo"], 100 * d["hi"], sign_test(a, b)["p"])
+                where.append((len(rows), f"{lead}-{other}"))
+                tests.append(paired_test(a, b, runs, margin=margin))
         rows.append(row)
+    for (i, name), t in zip(where, table_verdicts(tests)):
+        rows[i][name] = (100 * t["diff"], 100 * t["lo"], 100 * t["hi"], t["p"], t["p_holm"], t["verdict"])
     return rows
 
 
@@ -98,10 +102,10 @@ def markdown(compact: dict[str, Any], against: Sequence[str] = ("random", "botto
         lo, hi = bootstrap_ci(x)
         head += f"; full thinking {100 * sum(x) / n:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]"
     lines = [head, "", "| p (%) | " + " | ".join(f"{s} %" for s in strategies) + " | "
-             + " | ".join(f"{d} (pts, sign p)" for d in diffs) + " |", "|---" * (1 + len(strategies) + len(diffs)) + "|"]
+             + " | ".join(f"{d} (pts, p, Holm p, verdict)" for d in diffs) + " |", "|---" * (1 + len(strategies) + len(diffs)) + "|"]
     for r in rows:
         accs = [f"{100 * r[s][0]:.1f} [{100 * r[s][1]:.1f}, {100 * r[s][2]:.1f}]" for s in strategies]
-        ds = [f"{r[d][0]:+.1f} [{r[d][1]:+.1f}, {r[d][2]:+.1f}], p {r[d][3]:.2g}" for d in diffs]
+        ds = [f"{r[d][0]:+.1f} [{r[d][1]:+.1f}, {r[d][2]:+.1f}], p {r[d][3]:.2g}, Holm {r[d][4]:.2g}, {r[d][5]}" for d in diffs]
         lines.append(f"| {r['percent']:g} | " + " | ".join(accs + ds) + " |")
     return "\n".join(lines) + "\n"
 

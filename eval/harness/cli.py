@@ -19,13 +19,11 @@ Re-running the same command resumes: finished cells are skipped.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import sys
 from pathlib import Path
 
-from data_pipeline.testbed.task import final_tables
 from dynts.cli_options import add_load_arguments, load_kwargs, set_threads
 
 from .methods import ABLATIONS, CONTROLS, QUESTION_PROTECTED
@@ -74,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ablations", action="store_true",
                    help="add DynTS's Table 2 ablations: " + ", ".join(ABLATIONS))
     p.add_argument("--budget", default=None, help="comma list of cache budgets B, e.g. 1024,2048")
+    p.add_argument("--budget-fraction", default=None,
+                   help="comma list of budgets as shares of the full cache's mean sequence on each benchmark, e.g. "
+                        "0.15,0.25 (needs --method full; resolved after the full cache ran)")
+    p.add_argument("--allow-vacuous", action="store_true",
+                   help="with --final, run budgets whose n_keep leaves no selection slot (flagged vacuous in the tables) "
+                        "instead of refusing them")
     p.add_argument("--local-window", default=None, help="comma list of local windows W_l (default: half of each budget)")
     p.add_argument("--retention", default="0.4", help="comma list of retention ratios (default 0.4)")
     p.add_argument("--k", type=str, default="5", help="samples per question; pass@1 is their mean (paper: 5)")
@@ -158,6 +162,8 @@ def config_from_args(args: argparse.Namespace):
     config = EvalConfig(
         model=args.model, benchmarks=benchmarks, methods=methods,
         budgets=parse_int_list(args.budget, "--budget") if args.budget else [],
+        budget_fractions=parse_float_list(args.budget_fraction, "--budget-fraction") if args.budget_fraction else [],
+        vacuous="refuse" if args.final and not args.allow_vacuous else "flag",
         local_windows=parse_int_list(args.local_window, "--local-window") if args.local_window else None,
         retentions=parse_float_list(args.retention, "--retention"), k=k[0], limit=args.limit,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
@@ -197,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
         config = config_from_args(args)
         print(f"dynts eval: run dir {config.run_dir}", file=sys.stderr)
-        with final_tables() if args.final else contextlib.nullcontext():
-            results = run(config, load_options=load_kwargs(args, given_only=True))
+        from eval.harness.ledger import final_run
+
+        with final_run("dynts eval", argv, args.final, config.run_dir) as ledger:
+            results = run(config, after_cell=lambda cell: ledger["cells"].append(cell["key"]),
+                          load_options=load_kwargs(args, given_only=True))
+            ledger["cells"] = [r["key"] for r in results]
     except ValueError as err:
         print(f"dynts eval: error: {err}", file=sys.stderr)
         return 2

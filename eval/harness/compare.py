@@ -1,19 +1,23 @@
 """One method against the others, budget by budget: the tables ``docs/evaluation.md`` prints.
 
-``python -m eval.harness.compare RUN_DIR [RUN_DIR ...] [--against dynts] [--write] [--from-records]``
+``python -m eval.harness.compare RUN_DIR [RUN_DIR ...] [--against dynts] [--margin 3] [--write] [--from-records]``
 reads every finished cell of one or more runs on the same problems (``cells/*.json``, whichever command wrote them) with its per-problem results
 (``records/<key>.json``, :mod:`eval.harness.records`, else ``samples/<key>.jsonl``) and prints
 
 1. pass@1 % and its bootstrap 95 % CI (questions resampled, 10,000 times, seed 0), one row per method,
    one column per budget (the full cache first);
 2. for each other method and budget, ``against - method`` in points, **paired** on the same
-   questions: the paired bootstrap 95 % CI of the difference, McNemar's exact test over the
-   (question, sample) pairs (right under one method only), the sign test over per-question scores,
-   and a verdict: ``leads`` (the CI above 0), ``trails`` (below 0) or ``CI includes 0``;
+   questions' per-problem scores (the mean over their ``k`` samples): the paired bootstrap 95 % CI
+   of the difference, McNemar's exact test where ``k = 1`` (right under one method only), the sign
+   test over per-problem scores, the TOST equivalence test within ``--margin`` points, both
+   Holm-adjusted over the table, and a verdict: ``leads``, ``trails``, ``equivalent within ±m`` or
+   ``inconclusive`` (:func:`eval.harness.stats.table_verdicts`); a cell whose budget leaves no
+   selection slot (``n_keep`` = question + local window) is marked ``vacuous`` and left out of the
+   Holm family;
 3. what the runs wrote: mean generated tokens, loop %, truncated %, evictions per sample.
 
 ``--wide`` prints 1 and the paired differences as one method x budget table instead (each cell
-``points [CI]``, bold where the CI excludes 0, a first row with ``B / full seq``).
+``points [CI]`` and its verdict, bold where it leads or trails, a first row with ``B / full seq``).
 
 Cells without per-problem results fall back to ``pass@1 ± SE`` and the unpaired
 ``sqrt(se_a^2 + se_b^2)`` (``leads`` = at least 2 SE). ``--from-records`` recomputes all tables from
@@ -30,10 +34,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .records import eval_record, per_question, read_records, unpack_bits
-from .stats import bootstrap_ci, mcnemar_exact, paired_difference, sign_test
+from .stats import ALPHA, MARGIN, bootstrap_ci, paired_test, table_verdicts
 
-__all__ = ["cells_from_records", "compare", "finished_cells", "main", "paired_wide", "pivot",
-           "record_of_samples", "records_of", "written"]
+__all__ = ["cells_from_records", "compare", "finished_cells", "main", "paired_tests", "paired_wide", "pivot",
+           "record_of_samples", "records_of", "selection_slots", "written"]
 
 def finished_cells(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every finished cell of a run directory, the full cache first, then by method and budget."""
@@ -113,33 +117,84 @@ def pivot(results: Sequence[dict[str, Any]], records: dict[str, dict[str, Any]] 
     return "\n".join(lines)
 
 
-def _paired(a: dict[str, Any], o: dict[str, Any]) -> dict[str, Any]:
+def selection_slots(cell: dict[str, Any], question_tokens: int | None = None) -> int | None:
+    """Selection slots a bounded cell kept per event, ``n_keep - W_q - W_l`` (0: the budget holds only
+    the question and the local window, a *vacuous* cell where every question-protecting method keeps
+    the same set); from the cell's ``selection_slots``, else its ``n_keep`` and mean prompt, else (records
+    written before cells recorded it) from its budget, local window and retention with a prompt of
+    ``question_tokens`` (``--question-tokens``; the testbed's is 14); None when unknown or for the full cache."""
+    if cell.get("budget") is None:
+        return None
+    if cell.get("selection_slots") is not None:
+        return int(cell["selection_slots"])
+    if cell.get("n_keep") is not None and cell.get("mean_prompt_tokens") is not None and cell.get("local_window") is not None:
+        return max(0, int(cell["n_keep"]) - round(cell["mean_prompt_tokens"]) - int(cell["local_window"]))
+    if question_tokens is not None and cell.get("local_window") is not None:
+        import dynts
+
+        budget = dynts.Budget(int(cell["budget"]), int(cell["local_window"]), float(cell.get("retention") or 0.4))
+        return budget.n_keep(question_tokens) - question_tokens - int(cell["local_window"])
+    return None
+
+
+def _vacuous(*cells: dict[str, Any], question_tokens: int | None = None) -> bool:
+    return any(selection_slots(c, question_tokens) == 0 for c in cells)
+
+
+def _paired(a: dict[str, Any], o: dict[str, Any], margin: float = MARGIN) -> dict[str, Any]:
     if a["ids"] != o["ids"] or a["k"] != o["k"]:
         raise ValueError(f"cells {a['key']} and {o['key']} ran on other questions (or another k); "
                          "pair only cells of one benchmark and k (one run directory)")
-    diff = paired_difference(per_question(a), per_question(o))
-    return {**diff, "mcnemar": mcnemar_exact(a["bits"]["correct"], o["bits"]["correct"]),
-            "sign": sign_test(per_question(a), per_question(o))}
+    bits = (a["bits"]["correct"], o["bits"]["correct"]) if a["k"] == 1 else None
+    return paired_test(per_question(a), per_question(o), a["k"], bits, margin)
 
 
-def _verdict(t: dict[str, Any]) -> str:
-    """A paired difference's verdict: its bootstrap CI above 0, below 0, or across it."""
-    return "leads" if t["lo"] > 0 else "trails" if t["hi"] < 0 else "CI includes 0"
+def paired_tests(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None,
+                 margin: float = MARGIN, alpha: float = ALPHA, question_tokens: int | None = None) -> dict[tuple[str, int], dict[str, Any]]:
+    """``against`` minus every other bounded method at every budget where both cells have records:
+    :func:`eval.harness.stats.paired_test` with the table's Holm adjustment and verdicts
+    (:func:`eval.harness.stats.table_verdicts`), by ``(method, budget)``. Vacuous cells
+    (:func:`selection_slots` 0) keep their tests but leave the Holm family; their verdict is ``vacuous``."""
+    records = records or {}
+    methods, budgets, cells = _cells(results)
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    for m in methods:
+        if m == against or (m, None) in cells:
+            continue
+        for b in budgets:
+            a, o = cells.get((against, b)), cells.get((m, b))
+            ra, ro = records.get((a or {}).get("key")), records.get((o or {}).get("key"))
+            if ra is not None and ro is not None:
+                found[(m, b)] = {**_paired(ra, ro, margin), "vacuous": _vacuous(a, o, question_tokens=question_tokens)}
+    family = [key for key, t in found.items() if not t["vacuous"]]
+    judged = dict(zip(family, table_verdicts([found[key] for key in family], alpha)))
+    for key, t in found.items():
+        if t["vacuous"]:
+            judged[key] = {**t, "p_holm": None, "tost_p_holm": None, "verdict": "vacuous (no selection slot)"}
+    return {key: judged[key] for key in found}
 
 
 def _p(p: float) -> str:
     return f"{p:.2g}" if p >= 1e-4 else f"{p:.0e}"
 
 
-def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None) -> str:
-    """``against`` minus every other bounded method, in points: paired (CI, McNemar, sign test) where
-    both cells have per-problem ``records``, else the unpaired SE of the difference."""
+def _holm_p(p: float | None) -> str:
+    return "–" if p is None else _p(p)
+
+
+def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None,
+            margin: float = MARGIN, question_tokens: int | None = None) -> str:
+    """``against`` minus every other bounded method, in points: paired (CI, McNemar at k = 1, sign
+    test, TOST, Holm, verdict: :func:`paired_tests`) where both cells have per-problem ``records``,
+    else the unpaired SE of the difference."""
     records = records or {}
     methods, budgets, cells = _cells(results)
     if not any((against, b) in cells for b in budgets):
         raise ValueError(f"against={against!r} has no bounded cell in these results; methods: {methods}")
-    paired = [f"| {against} minus | B | points | paired 95 % CI | right only under {against} / the other | "
-              "McNemar exact p | sign test + / - (p) | verdict |", "|---|---|---|---|---|---|---|---|"]
+    tests = paired_tests(results, against, records, margin, question_tokens=question_tokens)
+    paired = [f"| {against} minus | B | points | paired 95 % CI | right only under {against} / the other (k = 1) | "
+              f"McNemar exact p (k = 1) | sign test + / - (p) | Holm p | TOST ±{100 * margin:g} p (Holm) | verdict |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     unpaired = [f"| {against} minus (unpaired) | " + " | ".join(f"B = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for m in methods:
         if m == against or not any((m, b) in cells for b in budgets):
@@ -150,13 +205,13 @@ def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: 
                 row.append("")
                 continue
             a, o = cells[(against, b)], cells[(m, b)]
-            ra, ro = records.get(a.get("key")), records.get(o.get("key"))
-            if ra is not None and ro is not None:
-                t = _paired(ra, ro)
-                verdict = _verdict(t)
+            if (m, b) in tests:
+                t = tests[(m, b)]
                 mc, sg = t["mcnemar"], t["sign"]
+                mcn = ("–", "–") if mc is None else (f"{mc['only_a']} / {mc['only_b']}", _p(mc["p"]))
                 paired.append(f"| {m} | {b} | {100 * t['diff']:+.1f} | [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}] | "
-                              f"{mc['only_a']} / {mc['only_b']} | {_p(mc['p'])} | {sg['plus']} / {sg['minus']} ({_p(sg['p'])}) | {verdict} |")
+                              f"{mcn[0]} | {mcn[1]} | {sg['plus']} / {sg['minus']} ({_p(sg['p'])}) | {_holm_p(t['p_holm'])} | "
+                              f"{_holm_p(t['tost_p_holm'])} | {t['verdict']} |")
                 row.append("")
                 continue
             diff = 100 * (a["pass@1"] - o["pass@1"])
@@ -169,14 +224,18 @@ def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: 
     return "\n\n".join("\n".join(t) for t in tables)
 
 
-def paired_wide(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None) -> str:
+def paired_wide(results: Sequence[dict[str, Any]], against: str = "dynts", records: dict[str, dict[str, Any]] | None = None,
+                margin: float = MARGIN, question_tokens: int | None = None) -> str:
     """The paired differences of :func:`compare` as one method x budget table (the docs' final tables):
-    each cell ``points [95 % CI]``, bold where the CI excludes 0; a first row gives ``B`` over the full
-    cache's mean sequence (prompt included), as peers size budgets. Cells without records are left out."""
+    each cell ``points [95 % CI]`` and its Holm-adjusted verdict (:func:`paired_tests`), **bold**
+    where it leads or trails; a first row gives ``B`` over the full cache's mean sequence (prompt
+    included), as peers size budgets. Cells without records are left out."""
     from .report import against_full
 
     records = records or {}
     methods, budgets, cells = _cells(results)
+    tests = paired_tests(results, against, records, margin, question_tokens=question_tokens)
+    short = {"leads": "leads", "trails": "trails", "inconclusive": "inconclusive"}
     lines = [f"| {against} minus | " + " | ".join(f"B = {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     fraction = {r["budget"]: r["budget_vs_full"] for r in against_full(results) if "budget_vs_full" in r}
     if fraction:
@@ -186,17 +245,21 @@ def paired_wide(results: Sequence[dict[str, Any]], against: str = "dynts", recor
             continue
         row = []
         for b in budgets:
-            ra = records.get(cells.get((against, b), {}).get("key"))
-            ro = records.get(cells.get((m, b), {}).get("key"))
-            if ra is None or ro is None:
+            t = tests.get((m, b))
+            if t is None:
                 row.append("")
                 continue
-            t = _paired(ra, ro)
-            text = f"{100 * t['diff']:+.1f} [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}]"
-            row.append(text if _verdict(t) == "CI includes 0" else f"**{text}**")
+            word = short.get(t["verdict"], "equivalent" if t["verdict"].startswith("equivalent") else "vacuous")
+            text = f"{100 * t['diff']:+.1f} [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}] {word}"
+            row.append(f"**{text}**" if t["verdict"] in ("leads", "trails") else text)
         if any(row):
             lines.append(f"| {m} | " + " | ".join(row) + " |")
-    return "\n".join(lines) if len(lines) > 2 else ""
+    if len(lines) <= 2:
+        return ""
+    note = (f"Verdicts: sign test over problems (exact McNemar at k = 1) and TOST within ±{100 * margin:g} points, each "
+            f"Holm-adjusted over this table's {sum(not t['vacuous'] for t in tests.values())} cells, alpha {ALPHA}; "
+            "vacuous = no selection slot at this budget (left out of the family).")
+    return "\n".join(lines) + "\n\n" + note
 
 
 def written(results: Sequence[dict[str, Any]], records: dict[str, dict[str, Any]]) -> str:
@@ -224,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true",
                         help="render all finished cells as results.{json,csv,md} and plots (in the first RUN_DIR)")
     parser.add_argument("--from-records", action="store_true", help="recompute every table from records/*.json alone")
+    parser.add_argument("--margin", type=float, default=100 * MARGIN,
+                        help="equivalence margin of the TOST verdicts, in points (default 3)")
+    parser.add_argument("--question-tokens", type=int, default=None,
+                        help="prompt length for finding vacuous cells in records that predate selection_slots (testbed: 14)")
     parser.add_argument("--wide", action="store_true",
                         help="only pass@1 and the paired differences as method x budget tables (the docs' final tables)")
     args = parser.parse_args(argv)
@@ -249,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
 
             write_reports(args.run_dirs[0], results)
     if args.wide:
-        tables = [pivot(results, records), paired_wide(results, args.against, records)]
+        tables = [pivot(results, records), paired_wide(results, args.against, records, args.margin / 100, args.question_tokens)]
     else:
-        tables = [pivot(results, records), compare(results, args.against, records), written(results, records)]
+        tables = [pivot(results, records), compare(results, args.against, records, args.margin / 100, args.question_tokens),
+                  written(results, records)]
     print("\n\n".join(t for t in tables if t))
     return 0
 

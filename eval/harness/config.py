@@ -32,6 +32,13 @@ class EvalConfig:
         benchmarks: benchmark specs (:func:`eval.harness.benchmarks.load_benchmark`).
         methods: method specs (:mod:`eval.harness.methods`), e.g. ``["full", "window", "dynts"]``.
         budgets: cache budgets ``B`` (bounded methods run once per value).
+        budget_fractions: budgets as shares of the full cache's mean sequence (prompt + generated
+            tokens) on each benchmark, ``B = round(f * mean full seq)``, resolved after the ``full``
+            cell ran (it must be among ``methods``); with ``budgets`` both sets run.
+        vacuous: what to do with a budget whose ``n_keep`` leaves no selection slot (question + local
+            window fill it, so every question-protecting method keeps the same set): ``"flag"`` (run
+            it, mark the cell ``selection_slots: 0``; tables call it vacuous) or ``"refuse"`` (raise
+            before generating; ``dynts eval --final`` refuses unless ``--allow-vacuous``).
         local_windows: ``W_l`` values; ``None`` = half of each budget.
         retentions: selection-window retention ratios.
         k: samples per question (pass@1 is their mean).
@@ -57,6 +64,7 @@ class EvalConfig:
     benchmarks: Sequence[str]
     methods: Sequence[str]
     budgets: Sequence[int] = ()
+    budget_fractions: Sequence[float] = ()
     local_windows: Sequence[int] | None = None
     retentions: Sequence[float] = (0.4,)
     k: int = 5
@@ -75,6 +83,7 @@ class EvalConfig:
     think_end: str = "</think>"
     grade_on: str = "auto"
     progress: bool = True
+    vacuous: str = "flag"
 
     def __post_init__(self) -> None:
         if not self.benchmarks:
@@ -84,8 +93,16 @@ class EvalConfig:
             bad = [v for v in values if not _is_int(v) or v < (1 if name == "budgets" else 0)]
             if bad:
                 raise ValueError(f"{name} must be {'positive' if name == 'budgets' else 'non-negative'} integers; got {bad}")
-        if any(m.bounded for m in self.method_specs) and not self.budgets:
-            raise ValueError("bounded methods need budgets, e.g. budgets=[1024] (--budget 1024)")
+        bad = [f for f in self.budget_fractions if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1]
+        if bad:
+            raise ValueError(f"budget_fractions must be shares in (0, 1) of the full cache's mean sequence, e.g. 0.25; got {bad}")
+        if self.budget_fractions and not any(not m.bounded and m.name == "full" for m in self.method_specs):
+            raise ValueError("budget_fractions are shares of the full cache's mean trace: add the full cache (--method full,...)")
+        if any(m.bounded for m in self.method_specs) and not self.budgets and not self.budget_fractions:
+            raise ValueError("bounded methods need budgets, e.g. budgets=[1024] (--budget 1024) or budget_fractions=[0.25] "
+                             "(--budget-fraction 0.25)")
+        if self.vacuous not in ("flag", "refuse"):
+            raise ValueError(f"vacuous={self.vacuous!r} must be 'flag' or 'refuse'")
         bad = [r for r in self.retentions if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1]
         if bad or not self.retentions:
             raise ValueError(f"retentions must be numbers in (0, 1], e.g. 0.4; got {list(self.retentions) or 'nothing'}")

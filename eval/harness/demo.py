@@ -13,14 +13,12 @@ testbed ...`` gives every knob.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
 import sys
 from pathlib import Path
 
 from typing import NamedTuple
 
-from data_pipeline.testbed.task import final_tables
 from dynts.cli_options import add_load_arguments, load_kwargs
 
 __all__ = ["main"]
@@ -89,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="discard earlier demo results")
     add_load_arguments(parser)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the final-set ledger
     load_options = load_kwargs(args, given_only=True)
     families = [f.strip() for f in args.family.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILIES]
@@ -145,15 +144,18 @@ def run_family(family: str, args: argparse.Namespace, load_options: dict) -> int
 
     try:
         config = make()
-        with final_tables() if args.final else contextlib.nullcontext():
+        from eval.harness.ledger import final_run
+
+        with final_run("dynts demo", args.argv, args.final, run_dir) as ledger:
             try:
-                results = run(config, load_options=load_options)
+                results = run(config, after_cell=lambda cell: ledger["cells"].append(cell["key"]), load_options=load_options)
             except ValueError as err:
                 if "other settings" not in str(err):
                     raise
                 print(f"demo: checkpoints changed since the last demo; starting over in {run_dir}", file=sys.stderr)
                 shutil.rmtree(run_dir)
                 results = run(make(), load_options=load_options)
+            ledger["cells"] = [r["key"] for r in results]
     except ValueError as err:
         print(f"demo: error: {err}", file=sys.stderr)
         return 2

@@ -22,13 +22,16 @@ from typing import Any, Sequence
 
 from dynts.io import write_atomic
 
-__all__ = ["EVAL_BITS", "EVAL_INTS", "FORMAT", "cell_record", "eval_record", "pack_bits", "per_question", "read_records",
+__all__ = ["EVAL_BITS", "EVAL_INTS", "EVAL_SEEDS", "FORMAT", "cell_record", "eval_record", "pack_bits", "per_question", "read_records",
            "unpack_bits", "write_record"]
 
 FORMAT = "dynts-records/1"
 # what a dynts eval cell keeps per (question, sample): samples/<key>.jsonl fields
 EVAL_BITS = ("correct", "looped", "truncated", "answered")
 EVAL_INTS = ("tokens", "evictions")
+# and, where the samples carry them (runs since the seeds were recorded), each sample's random stream:
+# the seed of its generate call and its row in that call
+EVAL_SEEDS = ("seed", "row")
 
 
 def pack_bits(values: Sequence[bool]) -> str:
@@ -62,9 +65,10 @@ def cell_record(key: str, cell: dict[str, Any], ids: Sequence[str], k: int, rows
 
 def eval_record(key: str, cell: dict[str, Any], ids: Sequence[str], k: int, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The record of a ``dynts eval`` cell from its sample rows (``question``, ``sample``, ``correct``,
-    ``tokens``, ...; any order)."""
+    ``tokens``, ...; any order); ``seed`` and ``row`` (:data:`EVAL_SEEDS`) are kept when every row has them."""
     rows = sorted(samples, key=lambda r: (r["question"], r["sample"]))
-    return cell_record(key, cell, ids, k, rows, EVAL_BITS, EVAL_INTS)
+    seeds = EVAL_SEEDS if rows and all(f in r for r in rows for f in EVAL_SEEDS) else ()
+    return cell_record(key, cell, ids, k, rows, EVAL_BITS, (*EVAL_INTS, *seeds))
 
 
 def write_record(run_dir: str | Path, record: dict[str, Any]) -> Path:

@@ -43,7 +43,7 @@ from .methods import MethodSpec
 from .prompts import encode_prompts, user_message
 from .records import eval_record, write_record
 
-__all__ = ["Cell", "EvalConfig", "plan_cells", "run", "summarize", "write_atomic"]
+__all__ = ["Cell", "EvalConfig", "batch_seed", "fraction_budgets", "plan_cells", "run", "selection_slots", "summarize", "write_atomic"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class Cell:
     local_window: int | None
     retention: float | None
     predictor: str | None = None  # fingerprint of the predictor, for methods that use its scores
+    budget_fraction: float | None = None  # the share of the full cache's mean sequence ``budget`` came from
 
     @property
     def key(self) -> str:
@@ -77,27 +78,57 @@ class Cell:
         }
         if self.predictor is not None:
             out["predictor"] = self.predictor
+        if self.budget_fraction is not None:
+            out["budget_fraction"] = self.budget_fraction
         return out
 
 
-def plan_cells(config: EvalConfig) -> list[Cell]:
+def plan_cells(config: EvalConfig, fraction_budgets: dict[str, list[tuple[int, float]]] | None = None) -> list[Cell]:
     """All cells, benchmark-major; the full cache runs once per benchmark. Cells of score-based
-    methods carry the predictor's fingerprint (a retrained predictor makes new cells)."""
+    methods carry the predictor's fingerprint (a retrained predictor makes new cells).
+    ``fraction_budgets``: per benchmark, ``(budget, fraction)`` resolved from
+    ``config.budget_fractions`` (:func:`fraction_budgets`); without it those cells are not planned yet."""
     from .config import fingerprint
 
     scores = f"{Path(config.predictor).resolve()}@{fingerprint(config.predictor)}" if config.predictor else None
     cells = []
     for bench in config.benchmarks:
+        budgets = [(b, None) for b in config.budgets] + list((fraction_budgets or {}).get(bench, []))
         for method in config.method_specs:
             predictor = scores if "scores" in method.requires else None
             if not method.bounded:
                 cells.append(Cell(bench, method, None, None, None, predictor))
                 continue
-            for budget in config.budgets:
+            for budget, fraction in budgets:
                 for lw in config.local_windows or [budget // 2]:
                     for retention in config.retentions:
-                        cells.append(Cell(bench, method, budget, lw, float(retention), predictor))
+                        cells.append(Cell(bench, method, budget, lw, float(retention), predictor, fraction))
     return cells
+
+
+def fraction_budgets(config: EvalConfig, full_cells: dict[str, dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """``config.budget_fractions`` as budgets per benchmark: ``round(f * S)`` with ``S`` the full cache's
+    mean sequence there (``mean_prompt_tokens + mean_generated_tokens`` of its finished cell, by
+    benchmark in ``full_cells``)."""
+    out = {}
+    for bench in config.benchmarks:
+        if bench not in full_cells:
+            raise ValueError(f"budget fractions of {bench}: its full-cache cell has not run (add --method full)")
+        c = full_cells[bench]
+        seq = c["mean_prompt_tokens"] + c["mean_generated_tokens"]
+        out[bench] = [(max(1, round(f * seq)), float(f)) for f in config.budget_fractions]
+    return out
+
+
+def selection_slots(cell: Cell, prompt_lengths: Sequence[int]) -> int | None:
+    """The fewest selection slots a prompt of this cell keeps per event, ``n_keep - W_q - W_l`` at the
+    longest prompt (0: a *vacuous* budget, question + local window fill ``n_keep``); None for the
+    full cache."""
+    if cell.budget is None:
+        return None
+    budget = dynts.Budget(cell.budget, cell.local_window, cell.retention)
+    q = max(prompt_lengths)
+    return budget.n_keep(q) - q - cell.local_window
 
 
 # ------------------------------------------------------------------ files
@@ -165,8 +196,14 @@ def _batches(ctx: _Context, k: int, batch_size: int) -> list[list[tuple[int, int
     return [pairs[j : j + batch_size] for j in range(0, len(pairs), batch_size)]
 
 
+def batch_seed(config: EvalConfig, index: int) -> int:
+    """The torch seed of batch ``index`` (every cell's batch ``index`` draws the same numbers)."""
+    return config.seed * 1_000_003 + index
+
+
 def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[int, int]], index: int) -> dict:
-    torch.manual_seed(config.seed * 1_000_003 + index)
+    seed = batch_seed(config, index)
+    torch.manual_seed(seed)
     input_ids, attention_mask = pad_rows([ctx.prompt_ids[i] for i, _ in pairs], pad_id(ctx.tokenizer))
     bounds = {} if cell.budget is None else {"budget": cell.budget, "local_window": cell.local_window, "retention": cell.retention}
     result = dynts.generate(
@@ -181,12 +218,12 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
     records = []
     grade_on = resolve_grade_on(config.grade_on, ctx.tokenizer, config.think_end)
     events = row_events(cell, input_ids.shape[1])
-    for (i, s), ids, text, length, done in zip(pairs, result.sequences.tolist(), result.texts, stats["lengths"], finished):
+    for row, ((i, s), ids, text, length, done) in enumerate(zip(pairs, result.sequences.tolist(), result.texts, stats["lengths"], finished)):
         example = ctx.bench.examples[i]
         answer = answer_after_delimiter(ids, ctx.tokenizer, config.think_end)
         grade = grade_text(ctx.bench.grader, example.answer, text, answer, grade_on)
         records.append({
-            "question": i, "sample": s, "id": example.id, "correct": grade.correct, "extracted": grade.extracted,
+            "question": i, "sample": s, "id": example.id, "seed": seed, "row": row, "correct": grade.correct, "extracted": grade.extracted,
             "source": grade.source, "tokens": length, "truncated": not done, "answered": answer is not None,
             "grade_on": grade_on, "looped": ctx.bench.loops(text, ids[:length]), "evictions": events(length), "text": text,
         })
@@ -249,7 +286,7 @@ def summarize(batches: Sequence[dict], n_questions: int, k: int) -> dict[str, An
     }
 
 
-def _check_budget(cell: Cell, ctx: _Context) -> None:
+def _check_budget(cell: Cell, ctx: _Context, vacuous: str = "flag") -> None:
     if cell.budget is None:
         return
     longest = max(len(p) for p in ctx.prompt_ids)
@@ -258,6 +295,12 @@ def _check_budget(cell: Cell, ctx: _Context) -> None:
         raise ValueError(
             f"budget={cell.budget} cannot hold the longest {cell.benchmark} prompt ({longest} tokens) + "
             f"local_window ({cell.local_window}) + 1: raise the budget to >= {need} or lower --local-window"
+        )
+    if vacuous == "refuse" and selection_slots(cell, [len(p) for p in ctx.prompt_ids]) == 0:
+        raise ValueError(
+            f"budget={cell.budget} (W_l = {cell.local_window}, retention {cell.retention}) leaves no selection slot on "
+            f"{cell.benchmark}: n_keep = question + local window, so every question-protecting method keeps the same "
+            "set (a vacuous cell); raise the budget, lower --local-window, or run it flagged with --allow-vacuous"
         )
 
 
@@ -282,12 +325,14 @@ def run_cell(ctx: _Context, cell: Cell, config: EvalConfig, bar: Callable | None
     records = sorted((r for b in batches for r in b["records"]), key=lambda r: (r["question"], r["sample"]))
     write_atomic(config.run_dir / "samples" / f"{cell.key}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     ids = [e.id for e in ctx.bench.examples[: len(ctx.prompt_ids)]]
-    write_record(config.run_dir, eval_record(cell.key, cell.as_dict(), ids, config.k, records))
+    slots = selection_slots(cell, [len(p) for p in ctx.prompt_ids])
+    flags = {} if slots is None else {"selection_slots": slots}
+    write_record(config.run_dir, eval_record(cell.key, {**cell.as_dict(), **flags}, ids, config.k, records))
     prompt = statistics.mean(len(ids) for ids in ctx.prompt_ids)
     n_keep = None if cell.budget is None else dynts.Budget(cell.budget, cell.local_window, cell.retention).n_keep(round(prompt))
     result = {
         "key": cell.key, **cell.as_dict(), "benchmark_size": len(ctx.prompt_ids),
-        "max_new_tokens": ctx.max_new_tokens, "mean_prompt_tokens": prompt, "n_keep": n_keep,
+        "max_new_tokens": ctx.max_new_tokens, "mean_prompt_tokens": prompt, "n_keep": n_keep, **flags,
         **summarize(batches, len(ctx.prompt_ids), config.k),
     }
     write_atomic(cells_dir / f"{cell.key}.json", json.dumps(result, indent=2))  # the cell is finished once this exists
@@ -317,7 +362,7 @@ def _contexts(
             config.max_new_tokens or bench.max_new_tokens,
         )
     for cell in todo:  # fail before generating anything, not after hours
-        _check_budget(cell, contexts[cell.benchmark])
+        _check_budget(cell, contexts[cell.benchmark], config.vacuous)
     return contexts
 
 
@@ -326,18 +371,36 @@ def run(
 ) -> list[dict[str, Any]]:
     """Run (or resume) every cell of ``config``; returns the cell results in plan order. Tables are
     rendered into the run dir after each finished cell (``after_cell`` is called too), plots at the end.
-    ``load_options`` go to :func:`dynts.load` (``dtype``, ``device``, ``device_map``, ...)."""
+    ``load_options`` go to :func:`dynts.load` (``dtype``, ``device``, ``device_map``, ...).
+    With ``config.budget_fractions`` the unbounded cells run first and the full cache's mean
+    sequence sizes the fraction budgets (:func:`fraction_budgets`)."""
+    from .report import write_reports
+
+    benches = {spec: load_benchmark(spec, config.fields).head(config.limit) for spec in dict.fromkeys(config.benchmarks)}
+    _check_run_dir(config, load_options)
+    results: dict[str, dict] = {}
+    cells = plan_cells(config)
+    if config.budget_fractions:  # the full cache first: its mean trace sizes the fraction budgets
+        first = [c for c in cells if c.budget is None]
+        done = _run_cells(config, benches, first, results, load_options, after_cell)
+        full = {c.benchmark: done[c.key] for c in first if c.method.name == "full"}
+        cells = plan_cells(config, fraction_budgets(config, full))
+    _run_cells(config, benches, cells, results, load_options, after_cell)
+    ordered = [results[c.key] for c in cells]
+    write_reports(config.run_dir, ordered)
+    return ordered
+
+
+def _run_cells(config: EvalConfig, benches: dict[str, Benchmark], cells: Sequence[Cell], results: dict[str, dict],
+               load_options: dict[str, Any] | None, after_cell: Callable[[dict], None] | None) -> dict[str, dict]:
+    """Run (or read back) ``cells`` into ``results`` (by key), rendering the tables after each."""
     from tqdm.auto import tqdm
 
     from .report import write_reports
 
-    cells = plan_cells(config)
-    benches = {spec: load_benchmark(spec, config.fields).head(config.limit) for spec in dict.fromkeys(config.benchmarks)}
-    _check_run_dir(config, load_options)
-    results: dict[str, dict] = {}
     for cell in cells:
         path = config.run_dir / "cells" / f"{cell.key}.json"
-        if path.is_file():
+        if cell.key not in results and path.is_file():
             results[cell.key] = json.loads(path.read_text())
     todo = [c for c in cells if c.key not in results]
     contexts = _contexts(config, benches, todo, load_options) if todo else {}
@@ -349,6 +412,4 @@ def run(
             if after_cell:
                 after_cell(results[cell.key])
             outer.update(1)
-    ordered = [results[c.key] for c in cells]
-    write_reports(config.run_dir, ordered)
-    return ordered
+    return results

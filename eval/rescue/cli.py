@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -12,7 +11,6 @@ from typing import Any
 
 import torch
 
-from data_pipeline.testbed.task import final_tables
 from dynts.core.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
@@ -198,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         settings=settings, max_rows=args.max_rows,
         trust_remote_code=args.trust_remote_code, load_options=load_kwargs(args, given_only=True),
     )
-    with final_tables() if args.final else contextlib.nullcontext():
+    from eval.harness.ledger import final_run
+
+    with final_run("dynts rescue", sys.argv[1:] if argv is None else argv, args.final, config.out) as ledger:
         summary = evaluate(config)
+        ledger["cells"] = sorted(p.stem for p in (Path(config.out) / "cells").glob("*.json"))
     print(summary_table(summary))
     print(f"wrote {Path(config.out) / 'results.md'}")
     return 0

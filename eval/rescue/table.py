@@ -9,7 +9,8 @@ and the base's share of the committed steps in every stepwise cell (the helper's
 
 Every accuracy and the recovered fraction carry a bootstrap 95 % CI (problems resampled, 10,000
 times, seed 0) and KV-Rescue is compared with best-of-N, the full cache, helper-search and full-search
-**paired** on the same problems (difference in points, McNemar's exact p), from the per-problem records
+**paired** on the same problems (difference in points, McNemar's exact p, Holm-adjusted over the table's
+comparisons, TOST within ±3 points, and a verdict: :func:`eval.harness.stats.table_verdicts`), from the per-problem records
 (``<run>/records/*.json``, :mod:`eval.harness.records`; built from ``cells/*.json`` when absent).
 ``--from-records`` recomputes the whole table from ``records/*.json`` alone; ``--write-records``
 writes them for runs that have only cells.
@@ -34,10 +35,10 @@ from dynts.io import write_atomic
 from dynts.rescue.results import EXIT_SIGNALS
 from eval.harness.loops import testbed_loops
 from eval.harness.records import cell_record, per_question, read_records, unpack_bits, write_record
-from eval.harness.stats import bootstrap_ci, mcnemar_exact, paired_difference, ratio_ci
+from eval.harness.stats import bootstrap_ci, paired_test, ratio_ci, table_verdicts
 from eval.rescue.oracle_choice import oracle_choice_table
 
-__all__ = ["CONTROLS", "RESCUE_BITS", "RESCUE_INTS", "SEARCHES", "STEPWISE", "budget_label", "control_columns", "controls_markdown", "markdown", "paired_stats", "rows_from_records", "rescue_record",
+__all__ = ["CONTROLS", "DIFFERENCES", "judged", "RESCUE_BITS", "RESCUE_INTS", "SEARCHES", "STEPWISE", "budget_label", "control_columns", "controls_markdown", "markdown", "paired_stats", "rows_from_records", "rescue_record",
            "rows", "run_records", "summary_table", "verifier_label", "write_records"]
 
 # The stepwise settings of eval.rescue.bench (defined here, which the bench imports).
@@ -123,8 +124,7 @@ def paired_stats(recs: dict[tuple[str, str | None], dict[str, Any]], method: str
     for name, other in (("kvr_minus_bon", bon), ("kvr_minus_full", full), ("kvr_minus_helper_search", helper_search),
                         ("kvr_minus_full_search", full_search)):
         if kvr is not None and other is not None and kvr["ids"] == other["ids"]:
-            out[name] = {**paired_difference(per_question(kvr), per_question(other)),
-                         "mcnemar": mcnemar_exact(kvr["bits"]["correct"], other["bits"]["correct"])}
+            out[name] = paired_test(per_question(kvr), per_question(other), 1, (kvr["bits"]["correct"], other["bits"]["correct"]))
     if full is not None and bon is not None and kvr is not None and full["ids"] == bon["ids"] == kvr["ids"]:
         out["recovered_ci"] = ratio_ci([per_question(full), per_question(bon), per_question(kvr)],
                                        lambda f, b, k: (k - b) / (f - b))
@@ -217,11 +217,25 @@ def _ci(ci: Sequence[float] | None, scale: float = 100, digits: int = 1) -> str:
     return "" if ci is None else f" [{scale * ci[0]:.{digits}f}, {scale * ci[1]:.{digits}f}]"
 
 
+DIFFERENCES = ("kvr_minus_bon", "kvr_minus_full", "kvr_minus_helper_search", "kvr_minus_full_search")
+
+
+def judged(table: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The table's rows with every KV-Rescue difference (:data:`DIFFERENCES`) Holm-adjusted over the
+    whole table and given its verdict (:func:`eval.harness.stats.table_verdicts`)."""
+    where = [(i, name) for i, r in enumerate(table) for name in DIFFERENCES if (r.get("stats") or {}).get(name)]
+    out = [{**r, "stats": dict(r.get("stats") or {})} for r in table]
+    for (i, name), t in zip(where, table_verdicts([table[i]["stats"][name] for i, name in where])):
+        out[i]["stats"][name] = t
+    return out
+
+
 def _diff(t: dict[str, Any] | None) -> str:
     if t is None:
         return "–"
     p = t["mcnemar"]["p"]
-    return f"{100 * t['diff']:+.1f} [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}], p {p:.2g}"
+    text = f"{100 * t['diff']:+.1f} [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}], p {p:.2g}"
+    return text + (f", Holm {t['p_holm']:.2g}, {t['verdict']}" if "verdict" in t else "")
 
 
 def _tokens(v: float | None) -> str:
@@ -229,13 +243,16 @@ def _tokens(v: float | None) -> str:
 
 
 def markdown(table: Sequence[dict[str, Any]]) -> str:
-    """The table; accuracies and the recovered fraction with their bootstrap 95 % CIs, and KV-Rescue
-    minus best-of-N / the full cache paired (points [CI], McNemar exact p), where records exist; then
-    the controls table (:func:`controls_markdown`)."""
+    """The table; accuracies and the recovered fraction with their bootstrap 95 % CIs, the helper alone
+    through the same search (``helper-search``) beside KV-Rescue, and KV-Rescue minus best-of-N /
+    helper-search / the full cache paired (points [CI], McNemar exact p, Holm p over the table, verdict),
+    where records exist; then the controls table (:func:`controls_markdown`). Nothing is bold: the
+    recovered fraction measures the search with a full-context verifier as much as the base."""
+    table = judged(table)
     signals = "/".join(EXIT_SIGNALS)
-    lines = [f"| budget | N | problems | verifier | base | A_full % | A_BoN % | A_KVR % | recovered | KVR − BoN | KVR − full | "
-             f"base tok BoN | base tok KVR | base tokens vs BoN | firing {signals} % | loops BoN / KVR % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| budget | N | problems | verifier | base | A_full % | A_BoN % | A_KVR % | A_helper-search % | recovered | KVR − BoN | "
+             f"KVR − helper-search | KVR − full | base tok BoN | base tok KVR | base tokens vs BoN | firing {signals} % | loops BoN / KVR % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         st = r.get("stats") or {}
         rec = r.get("recovered_fraction")
@@ -243,9 +260,10 @@ def markdown(table: Sequence[dict[str, Any]]) -> str:
         firing = " / ".join(_pct((r.get("firing_by_signal") or {}).get(k)) for k in EXIT_SIGNALS)
         lines.append(f"| {r['budget']} | {r['n']} + {r['n']} | {r['problems']} | {r['verifier']} | {r['method']} | "
                      f"{_pct(r.get('A_full'))}{_ci(st.get('A_full_ci'))} | {_pct(r['A_evict(bon)'])}{_ci(st.get('A_evict(bon)_ci'))} | "
-                     f"**{_pct(r['A_kvr'])}**{_ci(st.get('A_kvr_ci'))} | "
-                     f"{'–' if rec is None else f'**{rec:.2f}**' + _ci(st.get('recovered_ci'), 1, 2)} | "
-                     f"{_diff(st.get('kvr_minus_bon'))} | {_diff(st.get('kvr_minus_full'))} | "
+                     f"{_pct(r['A_kvr'])}{_ci(st.get('A_kvr_ci'))} | "
+                     f"{_pct(r.get('A_helper_search'))}{_ci(st.get('A_helper_search_ci'))} | "
+                     f"{'–' if rec is None else f'{rec:.2f}' + _ci(st.get('recovered_ci'), 1, 2)} | "
+                     f"{_diff(st.get('kvr_minus_bon'))} | {_diff(st.get('kvr_minus_helper_search'))} | {_diff(st.get('kvr_minus_full'))} | "
                      f"{_tokens(r['base_tokens_bon'])} | {_tokens(r['base_tokens_kvr'])} | "
                      f"{'–' if red is None else f'{-100 * red:+.0f} %'} | {firing} | "
                      f"{_pct(r['loops_bon'])} / {_pct(r['loops_kvr'])} |")
@@ -257,6 +275,7 @@ def controls_markdown(table: Sequence[dict[str, Any]]) -> str:
     candidates per step, same verifier and step limits) and full-search (KV-Rescue with a full-cache
     base), with bootstrap 95 % CIs; KV-Rescue minus each control paired (points [CI], McNemar exact p);
     and the base's share of the committed steps in each stepwise cell (the helper's is the rest)."""
+    table = judged(table)
     names = {"bon": "BoN", "kvr": "KVR", "kvr-noexit": "KVR no-exit", "full-search": "full-search", "helper-search": "helper-search"}
     lines = ["Controls: helper-search = the helper alone through the same step search (2N helper candidates per step, "
              "as many as KV-Rescue's N + N; no base); full-search = KV-Rescue with a full-cache base. "
@@ -269,7 +288,7 @@ def controls_markdown(table: Sequence[dict[str, Any]]) -> str:
         share = r.get("base_step_share") or {}
         lines.append(f"| {r['budget']} | {r['n']} + {r['n']} | {r['problems']} | {r['verifier']} | {r['method']} | "
                      f"{_pct(r.get('A_full'))}{_ci(st.get('A_full_ci'))} | {_pct(r['A_evict(bon)'])}{_ci(st.get('A_evict(bon)_ci'))} | "
-                     f"**{_pct(r['A_kvr'])}**{_ci(st.get('A_kvr_ci'))} | "
+                     f"{_pct(r['A_kvr'])}{_ci(st.get('A_kvr_ci'))} | "
                      f"{_pct(r.get('A_helper_search'))}{_ci(st.get('A_helper_search_ci'))} | "
                      f"{_pct(r.get('A_full_search'))}{_ci(st.get('A_full_search_ci'))} | "
                      f"{_diff(st.get('kvr_minus_helper_search'))} | {_diff(st.get('kvr_minus_full_search'))} | "
