@@ -30,7 +30,7 @@ from .manager import EvictingBatchingManager, init_evicting_batching
 from ..core.metrics import ServerCounters, render_prometheus
 from .openai_api import BadRequest, error_body
 from .pool import plan_pool
-from ..core import EvictionSettings, add_eviction_arguments, eviction_fields
+from ..core import EvictionSettings, add_eviction_arguments, eviction_spec
 from .streams import Choice, Completion
 
 __all__ = ["ServerSettings", "Server", "build_app", "main"]
@@ -303,7 +303,7 @@ def resolve_device(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(argv or []))
     try:
-        settings = EvictionSettings(**eviction_fields(args), think_end=args.think_end).check_served()
+        settings = eviction_spec(args, think_end=args.think_end).build().check_served()
         server_settings = ServerSettings(args.host, args.port, args.page_size, args.num_blocks, args.max_batch_tokens,
                                          args.max_tokens, args.log_level)
         options = resolve_device(args)
