@@ -98,6 +98,7 @@ def worker(args) -> dict:
 
     import dynts
     from dynts.rescue import DegenerationDetector, Sampler
+    from dynts.core import EvictionSettings
     from dynts.rescue.engine import Candidate, Policy
     from dynts.rescue.sampling import candidate_generator
 
@@ -115,8 +116,8 @@ def worker(args) -> dict:
     base, helper, predictor, vocab, decode_text = _models(args.shape, args.layers, dtype, device)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     bounds = dynts.Budget(setup["budget"], setup["local_window"], 0.4)
-    base_policy = Policy(base, "dynts", bounds, predictor=predictor, pad_token_id=0)
-    helper_policy = Policy(helper, "full", pad_token_id=0)
+    base_policy = Policy(base, EvictionSettings("dynts", bounds, predictor=predictor), pad_token_id=0)
+    helper_policy = Policy(helper, pad_token_id=0)
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
     prompt, history = rand(setup["prompt"]), rand(setup["context"] - setup["prompt"])

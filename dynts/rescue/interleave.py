@@ -216,9 +216,8 @@ def _prepare(base, helper, prm, tokenizer, config: RescueConfig, settings: Evict
         think_id = None  # the vocabulary has no such token (it encodes to padding)
 
     settings.evictor.bind(tokenizer)
-    base_policy = Policy(base, settings.evictor, settings.bounds, predictor=settings.load_predictor(base),
-                         think_end_token_id=think_id, pad_token_id=pad_id)
-    helper_policy = Policy(helper, "full", think_end_token_id=think_id, pad_token_id=pad_id) if n_helper else None
+    base_policy = Policy(base, settings, think_end_token_id=think_id, pad_token_id=pad_id)
+    helper_policy = Policy(helper, think_end_token_id=think_id, pad_token_id=pad_id) if n_helper else None
     return _Run(config, tokenizer, base_policy, helper_policy, scorer, stop_ids, eos_ids, on_candidate)
 
 
