@@ -9,7 +9,7 @@ import torch
 import dynts
 from dynts.rescue import RaggedCache
 from dynts.core import EvictionSettings
-from dynts.rescue.engine import Policy
+from dynts.rescue.engine import StepDecoder
 from conftest import tiny_model
 from rescue_tiny import decode_ragged
 
@@ -40,7 +40,7 @@ def snapshot(cache: RaggedCache) -> list[torch.Tensor]:
 def test_ragged_forks_match_plain_decoding(method):
     model = tiny_model("qwen2")
     predictor = dynts.ImportancePredictor(model.config.hidden_size)
-    policy = Policy(model, EvictionSettings(method, dynts.Budget(BUDGET, WINDOW, 0.4), predictor=predictor))
+    policy = StepDecoder(model, EvictionSettings(method, dynts.Budget(BUDGET, WINDOW, 0.4), predictor=predictor))
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(4, 128, (n,), generator=g).tolist()  # noqa: E731
     # two committed problems of different lengths (A has evicted already, B not yet)
@@ -75,12 +75,12 @@ def test_ragged_forks_match_plain_decoding(method):
 
 def test_stack_validates_rows():
     model = tiny_model("qwen2")
-    policy = Policy(model, EvictionSettings("window", dynts.Budget(BUDGET, WINDOW, 0.4)))
+    policy = StepDecoder(model, EvictionSettings("window", dynts.Budget(BUDGET, WINDOW, 0.4)))
     state = policy.prefill([5, 6, 7])
     with pytest.raises(ValueError, match="out of range"):
         RaggedCache.stack([(state.cache, [1])])
     with pytest.raises(ValueError, match="at least one row"):
         RaggedCache.stack([(state.cache, [])])
-    other = Policy(model, EvictionSettings("streamingllm", dynts.Budget(BUDGET, WINDOW, 0.4))).prefill([5, 6, 7])
+    other = StepDecoder(model, EvictionSettings("streamingllm", dynts.Budget(BUDGET, WINDOW, 0.4))).prefill([5, 6, 7])
     with pytest.raises(ValueError, match="share one evictor"):
         RaggedCache.stack([(state.cache, [0]), (other.cache, [0])])

@@ -1,6 +1,6 @@
 """Batched step decoding over :class:`~dynts.rescue.rows.RaggedCache` rows.
 
-A :class:`Policy` wraps one model (the evicted base or the full-context helper) and knows how to
+A :class:`StepDecoder` wraps one model (the evicted base or the full-context helper) and knows how to
 prefill a prompt, append committed tokens in one forward (then evict), and decode a batch of
 candidate steps until each hits the step delimiter, EOS, its token cap, or the degeneration
 detector. Candidates of every problem in flight share one batch; a finished candidate stays in the
@@ -29,7 +29,7 @@ from .rows import RaggedCache
 from .sampling import Sampler, entropy
 from .shared import ForkCache, PrefixKV, fork_forward
 
-__all__ = ["Candidate", "Policy", "State"]
+__all__ = ["Candidate", "State", "StepDecoder"]
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Candidate:
         return self.status in ("delimiter", "eos", "cap")
 
 
-class Policy:
+class StepDecoder:
     """One model driven through :func:`dynts.attach` with ragged rows.
 
     Args:
