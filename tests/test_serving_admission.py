@@ -12,7 +12,7 @@ from conftest import tiny_model
 from dynts.serving import EvictionSettings, init_evicting_batching
 from dynts.serving import pool as pool_module
 from dynts.serving.admission import EVICTING_MAX_TOKENS, AdmissionError, Limits, default_max_tokens
-from dynts.core.metrics import METRICS, render_prometheus, usage_dynts
+from dynts.metrics import METRICS, render_prometheus, usage_dynts
 from dynts.serving.pool import plan_pool
 from dynts.serving.sampling import PerRequestSampler, SamplingParams
 

@@ -8,7 +8,6 @@
 | :mod:`~dynts.core.slots` | the per-request state (:class:`RequestSlots`), the paged slot table, the one :class:`~dynts.TokenInfo` builder and the stale-score check |
 | :mod:`~dynts.core.tracker` | the worker side of a paged engine: metadata, scores, evictor calls, the copy plan |
 | :mod:`~dynts.core.policy` | the scheduler side of a paged engine: reservations, admission, events, preemption, statistics |
-| :mod:`~dynts.core.metrics` | the serving statistics' names (both engines export them) |
 
 The dense cache (:mod:`dynts.cache`), the ragged KV-Rescue cache (:mod:`dynts.rescue.rows`) and both
 paged engines (:mod:`dynts.serving`, :mod:`dynts.vllm`) are adapters over it.
