@@ -41,8 +41,22 @@ from ..kernels import compact_
 from ..thinking import DelimiterMatcher
 from .scores import PredictorScores
 from .layers import BoundedLayer, StaticBoundedLayer, incoming_tokens, mark_static
+from .layout import Layout
 
 __all__ = ["BoundedCache", "CacheStats"]
+
+
+class _OnLayout:
+    """A :class:`BoundedCache` attribute that is its :class:`~dynts.cache.layout.Layout`'s field of that name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cache, owner=None):
+        return self if cache is None else getattr(cache.layout, self.name)
+
+    def __set__(self, cache, value) -> None:
+        setattr(cache.layout, self.name, value)
 
 
 @dataclass
@@ -80,7 +94,18 @@ class BoundedCache(Cache):
             (or when :attr:`scores` is read through :meth:`flush_scores`), instead of a predictor
             call per step: the same scores from the same hidden states, without the per-step MLP.
         max_length: capacity of a static full (unbounded) cache: prompt + new tokens.
+
+    ``length``, ``seen``, ``pending``, ``capacity``, ``static_step``, ``write_index`` and ``seen_tensor`` are
+    the fields of its :class:`~dynts.cache.layout.Layout` (``self.layout``), which its layers share.
     """
+
+    length = _OnLayout()
+    seen = _OnLayout()
+    pending = _OnLayout()
+    capacity = _OnLayout()
+    static_step = _OnLayout()
+    write_index = _OnLayout()
+    seen_tensor = _OnLayout()
 
     def __init__(
         self,
@@ -96,7 +121,8 @@ class BoundedCache(Cache):
         defer_scores: bool = False,
     ):
         layer = StaticBoundedLayer if static else BoundedLayer
-        super().__init__(layers=[layer(self, i) for i in range(num_layers)])
+        self.layout = Layout()  # the counters every layer reads, shared by reference
+        super().__init__(layers=[layer(self.layout, i) for i in range(num_layers)])
         self.bounded = evictor.bounded
         if self.bounded and budget is None:
             raise ValueError(f"method={evictor.name!r} evicts and needs a budget (e.g. budget=1024, local_window=128)")
@@ -116,17 +142,10 @@ class BoundedCache(Cache):
             raise ValueError(f"max_length={max_length!r} must be a positive int (prompt + new tokens)")
         self.static = bool(static)
         self.max_length = max_length
-        self.static_step = False  # the forward in flight is a static-shape decode step
         self.defer_scores = bool(defer_scores)
         self.scorer: PredictorScores | None = None  # set by dynts.attach with a predictor
-        self.write_index: torch.Tensor | None = None  # [1] slot the decode step writes (static layout)
-        self.seen_tensor: torch.Tensor | None = None  # [] tokens seen before the step (static layout)
         self.slot_mask: torch.Tensor | None = None  # [b, capacity] bool validity (static layout)
         self.stats = CacheStats()
-        self.seen = 0  # absolute tokens seen before the current forward
-        self.length = 0  # stored slots before the current forward
-        self.pending = 0  # tokens of the forward in flight
-        self.capacity = 0
         self.n_keep: int | None = None
         self.question_length = 0
         # per-slot table, allocated at the first forward
@@ -218,7 +237,9 @@ class BoundedCache(Cache):
         """Predictor scores for the forward in flight from its final hidden states ``[b, q, d]``: now, or
         deferred to the next :meth:`flush_scores` (:class:`~dynts.cache.scores.PredictorScores`)."""
         if self.pending and self.scorer is not None:
-            self.scorer.score(self, hidden)
+            now = self.scorer.score(hidden, self.layout, self.scores, self.n_keep)
+            if now is not None:
+                self.write_scores(now)
 
     def flush_scores(self) -> None:
         """Score the decode steps whose hidden states were kept (one batched predictor call)."""
