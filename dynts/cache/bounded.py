@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache
 
 from ..core.budget import Budget
 from ..core.segments import label_rows
-from ..core.slots import build_token_info, check_scored
+from ..core.slots import SlotTable, build_token_info, check_scored
 from ..evictors.base import Evictor, Segment, TokenInfo
 from ..kernels import compact_
 from ..thinking import DelimiterMatcher
@@ -57,6 +57,20 @@ class _OnLayout:
 
     def __set__(self, cache, value) -> None:
         setattr(cache.layout, self.name, value)
+
+
+class _OnTable:
+    """A :class:`BoundedCache` slot-table column: its :class:`~dynts.core.SlotTable`'s (``None`` before the
+    first forward allocates the table)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cache, owner=None):
+        return self if cache is None else (None if cache.table is None else getattr(cache.table, self.name))
+
+    def __set__(self, cache, value) -> None:
+        raise AttributeError(f"{self.name} is a column of the cache's SlotTable (cache.table); write into it in place")
 
 
 @dataclass
@@ -96,7 +110,9 @@ class BoundedCache(Cache):
         max_length: capacity of a static full (unbounded) cache: prompt + new tokens.
 
     ``length``, ``seen``, ``pending``, ``capacity``, ``static_step``, ``write_index`` and ``seen_tensor`` are
-    the fields of its :class:`~dynts.cache.layout.Layout` (``self.layout``), which its layers share.
+    the fields of its :class:`~dynts.cache.layout.Layout` (``self.layout``), which its layers share;
+    ``positions``, ``segments``, ``token_ids``, ``scores``, ``attention`` and ``window_attention`` are the
+    columns of its :class:`~dynts.core.SlotTable` (``self.table``, one row per batch row).
     """
 
     length = _OnLayout()
@@ -106,6 +122,12 @@ class BoundedCache(Cache):
     static_step = _OnLayout()
     write_index = _OnLayout()
     seen_tensor = _OnLayout()
+    positions = _OnTable()
+    segments = _OnTable()
+    token_ids = _OnTable()
+    scores = _OnTable()
+    attention = _OnTable()
+    window_attention = _OnTable()
 
     def __init__(
         self,
@@ -148,10 +170,7 @@ class BoundedCache(Cache):
         self.stats = CacheStats()
         self.n_keep: int | None = None
         self.question_length = 0
-        # per-slot table, allocated at the first forward
-        self.positions = self.segments = self.token_ids = self.scores = None
-        self.attention: torch.Tensor | None = None
-        self.window_attention: torch.Tensor | None = None
+        self.table: SlotTable | None = None  # per-slot metadata, allocated at the first forward
         self.in_answer: torch.Tensor | None = None  # [b] the row has emitted the delimiter
         self.think_match: torch.Tensor | None = None  # [b] delimiter tokens matched so far (automaton state)
         self.holds_pads = False  # host flag: may a stored slot be padding? (avoids a per-step device read)
@@ -277,7 +296,7 @@ class BoundedCache(Cache):
         """:meth:`record_attention` of a decode step over the whole buffer (no host integer read)."""
         device = self.positions.device
         if self.attention is not None:
-            self.attention += probs.sum(dim=(1, 2)).to(device, torch.float32)
+            self.attention.add_(probs.sum(dim=(1, 2)).to(device, torch.float32))
         if self.window_attention is not None:
             if self._window_fresh:  # the first layer of the step shifts the window by one row
                 self.window_attention[:, :-1] = self.window_attention[:, 1:].clone()
@@ -291,7 +310,7 @@ class BoundedCache(Cache):
         self.flush_scores()
         n = self.length
         keys = self.layers[self.keys_layer].keys[:, :, :n].to(self.positions.device) if "keys" in self.requires else None
-        return build_token_info(self, n, self.n_keep, self.budget.local_window, self.question_length, keys=keys)
+        return build_token_info(self.table, n, self.n_keep, self.budget.local_window, self.question_length, keys=keys)
 
     def evict(self) -> torch.Tensor:
         """Run one eviction event now; returns the kept indices ``[b, n_keep]``."""
@@ -307,14 +326,7 @@ class BoundedCache(Cache):
         k = kept.shape[1]
         buffers = [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
         compact_(buffers, kept, self.length)
-        for name in ("positions", "segments", "token_ids", "scores", "attention"):
-            t = getattr(self, name)
-            if t is not None:
-                t[:, :k] = t[:, : self.length].gather(1, kept)
-        if self.window_attention is not None:
-            w = self.window_attention.shape[1]
-            idx = kept.unsqueeze(1).expand(-1, w, -1)
-            self.window_attention[:, :, :k] = self.window_attention[:, :, : self.length].gather(2, idx)
+        self.table.compact(slice(None), kept)
         if self.slot_mask is not None:
             self.slot_mask[:, :k] = self.segments[:, :k] != Segment.PAD
             self.slot_mask[:, k:] = False
@@ -342,14 +354,8 @@ class BoundedCache(Cache):
             self.write_index = torch.zeros(1, dtype=torch.long, device=device)
             self.seen_tensor = torch.zeros((), dtype=torch.long, device=device)
             self.slot_mask = torch.zeros(b, cap, dtype=torch.bool, device=device)
-        self.positions = torch.zeros(b, cap, dtype=torch.long, device=device)
-        self.segments = torch.full((b, cap), int(Segment.PAD), dtype=torch.long, device=device)
-        self.token_ids = torch.zeros(b, cap, dtype=torch.long, device=device)
-        self.scores = torch.full((b, cap), float("nan"), device=device)
-        if "attention" in self.requires:
-            self.attention = torch.zeros(b, cap, device=device)
-        if "window_attention" in self.requires:
-            self.window_attention = torch.zeros(b, self.observation_window, cap, device=device)
+        self.table = SlotTable(device, rows=b, width=cap, statistics=self.requires & {"attention", "window_attention"},
+                               window=self.observation_window)
         self.in_answer = torch.zeros(b, dtype=torch.bool, device=device)
         self.think_match = torch.zeros(b, dtype=torch.long, device=device)
         self._window_fresh = True
@@ -359,15 +365,12 @@ class BoundedCache(Cache):
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return
-        cap = max(needed, 2 * self.capacity)
-        for name in ("positions", "segments", "token_ids", "scores", "attention", "window_attention", "slot_mask"):
-            t = getattr(self, name)
-            if t is None:
-                continue
-            fill = int(Segment.PAD) if name == "segments" else (float("nan") if name == "scores" else 0)
-            grown = torch.full((*t.shape[:-1], cap), fill, dtype=t.dtype, device=t.device)
-            grown[..., : self.length] = t[..., : self.length]
-            setattr(self, name, grown)
+        self.table.ensure_width(needed)  # doubles: max(needed, 2 * capacity)
+        cap = self.table.width
+        if self.slot_mask is not None:
+            grown = self.slot_mask.new_zeros(self.slot_mask.shape[0], cap)
+            grown[:, : self.length] = self.slot_mask[:, : self.length]
+            self.slot_mask = grown
         self.capacity = cap
 
     def _generated_segments(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

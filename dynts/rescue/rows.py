@@ -33,14 +33,11 @@ from typing import Sequence
 import torch
 
 from ..cache import BoundedCache, CacheStats, incoming_tokens
-from ..core.slots import build_token_info
+from ..core.slots import SlotTable, build_token_info
 from ..evictors.base import Segment
 from ..kernels import compact_torch_
 
 __all__ = ["RaggedCache"]
-
-_TABLES = ("positions", "segments", "token_ids", "scores", "attention")
-_FILL = {"positions": 0, "segments": int(Segment.PAD), "token_ids": 0, "scores": float("nan"), "attention": 0.0}
 
 
 class RaggedCache(BoundedCache):
@@ -152,7 +149,7 @@ class RaggedCache(BoundedCache):
         for (n_keep, question), members in groups.items():
             index = torch.tensor(members, dtype=torch.long).to(keep.device, non_blocking=True)
             keys = None if info.keys is None else info.keys[index]
-            subset = build_token_info(self, self.length, n_keep, info.local_window, question, rows=index, keys=keys)
+            subset = build_token_info(self.table, self.length, n_keep, info.local_window, question, rows=index, keys=keys)
             kept = self.evictor(subset)
             row_keep = torch.zeros(len(members), info.shape[1], dtype=torch.bool, device=kept.device)
             keep[index] = row_keep.scatter_(1, kept, True)
@@ -178,16 +175,7 @@ class RaggedCache(BoundedCache):
         order = torch.sort(keep.long(), dim=1, stable=True).indices[:, n - width :]  # fillers, then kept (ascending)
         filler = torch.arange(width, device=keep.device)[None, :] < (width - counts)[:, None]
         compact_torch_([t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)], order, n)
-        for name in _TABLES:
-            t = getattr(self, name)
-            if t is not None:
-                t[:, :width] = t[:, :n].gather(1, order)
-                t[:, :width].masked_fill_(filler, _FILL[name])
-        if self.window_attention is not None:
-            w = self.window_attention.shape[1]
-            idx = order[:, None, :].expand(-1, w, -1)
-            self.window_attention[:, :, :width] = self.window_attention[:, :, :n].gather(2, idx)
-            self.window_attention[:, :, :width].masked_fill_(filler[:, None, :], 0.0)
+        self.table.compact(slice(None), order, filler)
         self.length = width
 
     # ------------------------------------------------------------------ rows
@@ -228,12 +216,8 @@ class RaggedCache(BoundedCache):
         )
         new.capacity, new.length = capacity, width
         new.n_keep, new.question_length, new._window_fresh = first.n_keep, first.question_length, True
-        for name in _TABLES:
-            if getattr(first, name) is not None:
-                src = getattr(first, name)
-                setattr(new, name, torch.full((total, capacity), _FILL[name], dtype=src.dtype, device=device))
-        if first.window_attention is not None:
-            new.window_attention = torch.zeros(total, first.window_attention.shape[1], capacity, device=device)
+        new.table = SlotTable(device, rows=total, width=capacity, statistics=first.table.statistics,
+                              window=first.table.window)
         for dst, src in zip(new.layers, first.layers):
             if src.is_initialized:
                 dst.device, dst.dtype, dst.is_initialized = src.device, src.dtype, True
@@ -249,15 +233,8 @@ class RaggedCache(BoundedCache):
             count = torch.tensor(count, dtype=torch.long).to(device, non_blocking=True)
             filler = torch.arange(w, device=device)[None, :] < (w - count)[:, None]
             out = slice(start, start + g)
-            for name in _TABLES:
-                src = getattr(c, name)
-                if src is not None:
-                    block = src[rows, :n].gather(1, order).masked_fill(filler, _FILL[name])
-                    getattr(new, name)[out, width - w : width] = block
-            if c.window_attention is not None:
-                wa = c.window_attention[rows][:, :, :n]
-                block = wa.gather(2, order[:, None, :].expand(-1, wa.shape[1], -1)).masked_fill(filler[:, None, :], 0.0)
-                new.window_attention[out, :, width - w : width] = block
+            for name, block in c.table.gathered(rows, order, filler):
+                getattr(new.table, name)[out, ..., width - w : width] = block
             for dst, src in zip(new.layers, c.layers):
                 if src.is_initialized:
                     for name in ("keys", "values"):
