@@ -27,7 +27,7 @@ The model must be driven through :func:`dynts.attach` (``dynts.generate`` does i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -46,31 +46,24 @@ from .layout import Layout
 __all__ = ["BoundedCache", "CacheStats"]
 
 
-class _OnLayout:
-    """A :class:`BoundedCache` attribute that is its :class:`~dynts.cache.layout.Layout`'s field of that name."""
+class _Part:
+    """A :class:`BoundedCache` attribute that is the field ``name`` of one of its parts: ``layout`` (its
+    :class:`~dynts.cache.layout.Layout`, written through) or ``table`` (its :class:`~dynts.core.SlotTable`,
+    ``None`` before the first forward allocates it; its columns are written in place, never replaced)."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
+    def __init__(self, part: str, name: str) -> None:
+        self.part, self.name = part, name
 
     def __get__(self, cache, owner=None):
-        return self if cache is None else getattr(cache.layout, self.name)
+        if cache is None:
+            return self
+        part = getattr(cache, self.part)
+        return None if part is None else getattr(part, self.name)
 
     def __set__(self, cache, value) -> None:
+        if self.part != "layout":
+            raise AttributeError(f"{self.name} is a column of the cache's SlotTable (cache.table); write into it in place")
         setattr(cache.layout, self.name, value)
-
-
-class _OnTable:
-    """A :class:`BoundedCache` slot-table column: its :class:`~dynts.core.SlotTable`'s (``None`` before the
-    first forward allocates the table)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, cache, owner=None):
-        return self if cache is None else (None if cache.table is None else getattr(cache.table, self.name))
-
-    def __set__(self, cache, value) -> None:
-        raise AttributeError(f"{self.name} is a column of the cache's SlotTable (cache.table); write into it in place")
 
 
 @dataclass
@@ -114,20 +107,6 @@ class BoundedCache(Cache):
     ``positions``, ``segments``, ``token_ids``, ``scores``, ``attention`` and ``window_attention`` are the
     columns of its :class:`~dynts.core.SlotTable` (``self.table``, one row per batch row).
     """
-
-    length = _OnLayout()
-    seen = _OnLayout()
-    pending = _OnLayout()
-    capacity = _OnLayout()
-    static_step = _OnLayout()
-    write_index = _OnLayout()
-    seen_tensor = _OnLayout()
-    positions = _OnTable()
-    segments = _OnTable()
-    token_ids = _OnTable()
-    scores = _OnTable()
-    attention = _OnTable()
-    window_attention = _OnTable()
 
     def __init__(
         self,
@@ -405,3 +384,9 @@ class BoundedCache(Cache):
         n = self.length
         valid = self.segments[row, :n] != Segment.PAD
         return self.positions[row, :n][valid]
+
+
+for _name in (f.name for f in fields(Layout)):
+    setattr(BoundedCache, _name, _Part("layout", _name))
+for _name in SlotTable.FILL:
+    setattr(BoundedCache, _name, _Part("table", _name))
