@@ -31,7 +31,7 @@ def plain_logits(model, method, predictor, tokens: list[int], prompt_len: int) -
 
 def snapshot(cache: RaggedCache) -> list[torch.Tensor]:
     n = cache.length
-    tensors = [cache.positions[:, :n], cache.segments[:, :n], cache.token_ids[:, :n], cache.scores[:, :n], torch.tensor(cache.row_seen)]
+    tensors = [cache.positions[:, :n], cache.segments[:, :n], cache.token_ids[:, :n], cache.scores[:, :n], torch.tensor([r.seen for r in cache.rows])]
     tensors += [t[:, :, :n] for layer in cache.layers for t in (layer.keys, layer.values)]
     return [t.clone() for t in tensors]
 
@@ -51,17 +51,17 @@ def test_ragged_forks_match_plain_decoding(method):
         for t in history:
             state = policy.append([state], [[t]])[0]
         committed.append(state)
-    assert committed[0].cache.row_evictions[0] >= 1 and committed[1].cache.row_evictions[0] == 0
+    assert committed[0].cache.rows[0].evictions >= 1 and committed[1].cache.rows[0].evictions == 0
     before = [snapshot(s.cache) for s in committed]
 
     cache, logits = policy.fork(committed, 2)  # rows: A, A, B, B
     steps = 12
     continuations = [rand(steps), rand(steps), rand(3), rand(steps)]  # row 2 finishes early and rides along padded
     got = decode_ragged(policy, cache, continuations, logits)
-    evictions = cache.row_evictions  # each row evicts on its own schedule (counts include history)
-    assert evictions[3] >= 1 and evictions[2] == 0 and evictions[0] > committed[0].cache.row_evictions[0]
+    evictions = [r.evictions for r in cache.rows]  # each row evicts on its own schedule (counts include history)
+    assert evictions[3] >= 1 and evictions[2] == 0 and evictions[0] > committed[0].cache.rows[0].evictions
     assert cache.real_counts().max() <= BUDGET
-    assert cache.real_counts().tolist() == cache.row_real  # the host counts follow the device
+    assert cache.real_counts().tolist() == [r.real for r in cache.rows]  # the host counts follow the device
 
     for r, (owner, cont) in enumerate(zip([0, 0, 1, 1], continuations)):
         tokens = prompts[owner] + histories[owner] + cont
