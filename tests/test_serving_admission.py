@@ -59,8 +59,8 @@ def test_limits_for_an_evicting_method():
 
 # ---------------------------------------------------------------------------------------------- isolation
 def test_an_engine_error_fails_only_its_request_and_the_engine_keeps_serving():
-    """The full cache, no admission in front: a request that outgrows the pool used to stop the engine for good
-    ("No requests can be scheduled and no requests can be offloaded"); now only that request fails."""
+    """The full cache, no admission in front: a request that outgrows the pool (the stock engine's "No requests
+    can be scheduled and no requests can be offloaded") fails alone; the engine keeps serving the others."""
     model = tiny_model("llama")
     cb = ContinuousBatchingConfig(num_blocks=8, page_size=PAGE, max_batch_tokens=32)  # 64 tokens
     manager = init_evicting_batching(model, EvictionSettings("full"), continuous_batching_config=cb,
