@@ -10,7 +10,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("eval.harness.demo:main", "every eviction method at one tight budget on 100 testbed problems"),
     "demo-smollm2": ("dynts.demo:main", "compare eviction methods on SmolLM2-135M (mechanics, untrained predictor)"),
-    "generate": ("dynts.demo:generate_main", "generate with a bounded cache from the command line"),
+    "generate": ("dynts.generate_cli:main", "generate with a bounded cache from the command line"),
     "testbed": ("trainers.testbed_cli:main", "train / sample / report the embedded testbed models"),
     "analyze": ("eval.analyses.cli:main", "Pareto retention, sparsity and POS-by-importance analyses (paper 3.1-3.2, B.2)"),
     "cost": ("dynts.cost_cli:main", "decode FLOPs / KV bytes / break-even eviction volume for a model config (paper 5, KV-Rescue D)"),

@@ -1,6 +1,6 @@
 """Decode cost with a bounded cache vs the full cache: per-token latency by position, peak KV, FLOPs.
 
-For every model and batch size, :func:`eval.harness.decode_bench.bench_positions` advances all lanes
+For every model and batch size, :func:`eval.perf.decode_bench.bench_positions` advances all lanes
 (the full cache and each eviction method) together through the positions (default 1k / 4k / 8k / 16k
 tokens seen) and times ``top`` / ``event`` / ``bottom`` decode steps of the sawtooth at each, next to
 a full cache at length ``B`` (``full@B``, the bound); that module's docstring says what is measured and
@@ -39,8 +39,8 @@ import dynts
 import dynts.attention
 from dynts.kernels import backend_for
 from dynts.models import checkpoints_dir
-from eval.harness.decode_bench import DecodeSettings, bench_positions, default_methods, sawtooth
-from eval.harness.decode_report import plot, print_run, print_stats_before_after, write_json
+from eval.perf.decode_bench import DecodeSettings, bench_positions, default_methods, sawtooth
+from eval.perf.decode_report import plot, print_run, print_stats_before_after, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 

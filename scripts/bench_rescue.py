@@ -1,6 +1,6 @@
 """KV-Rescue engine cost, before vs after: decode steps/s, fork memory and host reads per decode step.
 
-Runs the engine itself (``dynts.rescue.engine.Policy``: fork, decode, append; no PRM) for the code in
+Runs the engine itself (``dynts.rescue.engine.StepDecoder``: fork, decode, append; no PRM) for the code in
 two source trees -- ``--before`` (another source tree, e.g. an export of an older commit) and this
 checkout -- each in its own subprocess (``PYTHONPATH`` = that tree, this script's worker mode), on two
 model pairs:
@@ -98,7 +98,8 @@ def worker(args) -> dict:
 
     import dynts
     from dynts.rescue import DegenerationDetector, Sampler
-    from dynts.rescue.engine import Candidate, Policy
+    from dynts.core import EvictionSettings
+    from dynts.rescue.engine import Candidate, StepDecoder
     from dynts.rescue.sampling import candidate_generator
 
     try:
@@ -115,18 +116,18 @@ def worker(args) -> dict:
     base, helper, predictor, vocab, decode_text = _models(args.shape, args.layers, dtype, device)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     bounds = dynts.Budget(setup["budget"], setup["local_window"], 0.4)
-    base_policy = Policy(base, "dynts", bounds, predictor=predictor, pad_token_id=0)
-    helper_policy = Policy(helper, "full", pad_token_id=0)
+    base_decoder = StepDecoder(base, EvictionSettings("dynts", bounds, predictor=predictor), pad_token_id=0)
+    helper_decoder = StepDecoder(helper, pad_token_id=0)
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
     prompt, history = rand(setup["prompt"]), rand(setup["context"] - setup["prompt"])
     start = time.perf_counter()
-    b, h = base_policy.prefill(prompt), helper_policy.prefill(prompt)
+    b, h = base_decoder.prefill(prompt), helper_decoder.prefill(prompt)
     for i in range(0, len(history), 512):
-        h = helper_policy.append([h], [history[i : i + 512]])[0]
+        h = helper_decoder.append([h], [history[i : i + 512]])[0]
     base_history = history[-(setup["budget"] - setup["prompt"] - 1) :]  # the base holds B entries
     for i in range(0, len(base_history), 512):
-        b = base_policy.append([b], [base_history[i : i + 512]])[0]
+        b = base_decoder.append([b], [base_history[i : i + 512]])[0]
     bases, helpers = [b] + [_replica(b) for _ in range(setup["problems"] - 1)], [h] + [_replica(h) for _ in range(setup["problems"] - 1)]
     prefill_s = time.perf_counter() - start
 
@@ -135,7 +136,7 @@ def worker(args) -> dict:
     n, steps, reads, decode_s, fork_bytes, largest = setup["n"], 0, 0, 0.0, {"base": 0, "helper": 0}, 0
     for rnd in range(args.rounds):
         chosen = None
-        for policy, source in ((base_policy, "base"), (helper_policy, "helper")):
+        for policy, source in ((base_decoder, "base"), (helper_decoder, "helper")):
             states = bases if source == "base" else helpers
             cache, logits = policy.fork(states, n)
             fork_bytes[source] = max(fork_bytes[source], _kv_bytes(cache))
@@ -153,7 +154,7 @@ def worker(args) -> dict:
             if source == "base":
                 chosen = [candidates[p * n] for p in range(len(states))]
         bases = [c.state for c in chosen]
-        helpers = helper_policy.append(helpers, [c.tokens for c in chosen])
+        helpers = helper_decoder.append(helpers, [c.tokens for c in chosen])
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
         "shape": args.shape, "setup": setup, "layers": args.layers if args.shape == "real" else base.config.num_hidden_layers,

@@ -9,7 +9,7 @@ flight per step, generated tokens/s, preemptions, peak blocks in use, evictions 
 with a budget above every length (nothing evicted: the plugin's bookkeeping alone), DynTS with its predictor
 and StreamingLLM at ``--budgets``'s first budget, ``--repeats`` times in interleaved order (the machine's load
 drifts: each repeat compares the engines a few seconds apart). Timed runs count nothing; one extra run of
-each plugin configuration counts the host syncs its worker hooks would make on a GPU (:class:`eval.harness.syncs.SyncCounter`,
+each plugin configuration counts the host syncs its worker hooks would make on a GPU (:class:`eval.perf.syncs.SyncCounter`,
 a dispatch mode that slows every op it sees), per decode step without an event and per eviction round.
 """
 
@@ -26,7 +26,7 @@ import time
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
-from eval.harness.syncs import SyncCounter  # noqa: E402  (shared with scripts/bench_vllm_hooks.py)
+from eval.perf.syncs import SyncCounter  # noqa: E402  (shared with scripts/bench_vllm_hooks.py)
 
 
 SCHEDULER_HOOKS = ("before_schedule", "admissible", "after_schedule", "shift", "cache_limit", "on_preempt", "forget")

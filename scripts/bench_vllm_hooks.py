@@ -1,6 +1,6 @@
 """Microseconds per step of dynts' vLLM worker hooks (``before_step`` + ``after_prepare_inputs`` +
 ``after_forward``), per plain decode step and per eviction round, on a stand-in for vLLM's model runner
-(:mod:`eval.harness.vllm_hooks_bench`; no vLLM needed), with the host syncs they make.
+(:mod:`eval.perf.vllm_hooks_bench`; no vLLM needed), with the host syncs they make.
 
     flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_vllm_hooks.py --rows 256 --dtype float32
     python scripts/bench_vllm_hooks.py --device cuda --rows 256 --dtype bfloat16 --json hooks.json   # R1-7B shape
@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eval.harness.vllm_hooks_bench import SHAPES, HooksBenchSettings, format_table, run_hooks_bench  # noqa: E402
+from eval.perf.vllm_hooks_bench import SHAPES, HooksBenchSettings, format_table, run_hooks_bench  # noqa: E402
 
 
 def main(argv=None) -> int:

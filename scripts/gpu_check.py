@@ -23,7 +23,7 @@ Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finish
 (7) ``serve_graphs``: DynTS in continuous batching with the engine's CUDA graphs on vs off (a
     random-init model, float32, a random predictor): the same tokens and kept sets at every event,
     graph replays counted, seconds of both runs.
-(8) ``decode``: ``scripts/bench_decode.py``'s measurement (:mod:`eval.harness.decode_bench`) on the same
+(8) ``decode``: ``scripts/bench_decode.py``'s measurement (:mod:`eval.perf.decode_bench`) on the same
     model at L = 8k / 16k / 32k, B = 2k / 4k, batch 1 and 16, eager and compiled: speedup vs the full
     cache, t / t_full(B), peak KV and GPU memory (combinations in :func:`plan`'s order; what did not
     fit in time or memory is listed under ``skipped``).
@@ -75,7 +75,7 @@ from types import SimpleNamespace
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# dynts, eval.harness.decode_bench and bench_serve are imported only after check_versions() accepted the release
+# dynts, eval.perf.decode_bench and bench_serve are imported only after check_versions() accepted the release
 
 R1_DISTILL_7B = dict(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -157,7 +157,7 @@ def kv_bytes_per_token(shape: dict, dtype: torch.dtype) -> int:
 
 
 def run_combo(model, combo: dict, args, shape: dict, dtype) -> dict:
-    from eval.harness.decode_bench import DecodeSettings, bench_positions
+    from eval.perf.decode_bench import DecodeSettings, bench_positions
 
     steps = 4 if args.dry_run else 8
     settings = DecodeSettings(budget=combo["budget"], local_window=combo["budget"] // 16, steps=steps, prompt_tokens=32,
@@ -473,13 +473,13 @@ def vllm_check(device: torch.device, dry_run: bool) -> dict:
     FLASH_ATTN's logical ``[blocks, kv_heads, block_size, 2 * head]`` views in its default physical layout
     ``LBNHC``), exact against a reference gather, warmed median of ``repeats``, and the same on the contiguous
     ``LBHNC`` views for comparison; (b) the worker hooks per plain decode step and per eviction round on a
-    stand-in runner (:mod:`eval.harness.vllm_hooks_bench`), with their host syncs, after a small run that
+    stand-in runner (:mod:`eval.perf.vllm_hooks_bench`), with their host syncs, after a small run that
     checks every row's stored K/V against the evictor's decisions."""
     import importlib.util
 
     from dynts.core import copy_plan
     from dynts.vllm.layouts import COPY_CHUNK, copy_slots_paged
-    from eval.harness.vllm_hooks_bench import SHAPES, HooksBenchSettings, run_hooks_bench, vllm_kv_caches
+    from eval.perf.vllm_hooks_bench import SHAPES, HooksBenchSettings, run_hooks_bench, vllm_kv_caches
 
     layers, heads, head, block = (2, 2, 16, 16) if dry_run else (28, 4, 128, 16)
     requests, budget, n_keep = (4, 64, 40) if dry_run else (32, 4096, 2662)

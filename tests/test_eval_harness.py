@@ -143,7 +143,7 @@ def test_settings_mismatch_and_infeasible_budget(tiny_testbed, tmp_path, monkeyp
         run(config(tiny_testbed, tmp_path, methods=["full"], k=1), load_options={"dtype": "bfloat16"})
     run(config(tiny_testbed, tmp_path, methods=["full"], k=1), load_options={"device": "cpu"})  # placement does not
     calls = counting(monkeypatch)
-    with pytest.raises(ValueError, match=r"budget=16 cannot hold the longest testbed:n=3 prompt \(14 tokens\)"):
+    with pytest.raises(ValueError, match=r"the longest testbed:n=3 prompt: budget=16 is smaller than question \(14 tokens\)"):
         run(config(tiny_testbed, tmp_path / "small", budgets=[16], k=1))
     assert calls == []  # nothing was generated
 

@@ -151,7 +151,7 @@ def test_lora_adapter_changes_logits_and_merges(tmp_path, tiny_dir):
 
 
 def run_generate(capsys, model, *flags):
-    from dynts.demo import generate_main
+    from dynts.generate_cli import main as generate_main
 
     assert generate_main(["w5 w9 w17", "--model", str(model), "--method", "window", "--budget", "64",
                           "--local-window", "8", "--max-new-tokens", "12", *flags]) == 0
@@ -188,10 +188,10 @@ def test_generate_passes_method_options_and_rejects_bad_ones(tmp_path, capsys):
 def test_smollm2_generate_samples_when_its_config_says_so(smollm2, monkeypatch, capsys):
     """``dynts generate --model smollm2-135m``: greedy under SmolLM2's shipped config (no
     do_sample), sampling once that config turns it on, with no flag passed."""
-    import dynts.demo
+    import dynts.generate_cli
 
     model, tokenizer = smollm2
-    monkeypatch.setattr(dynts.demo, "load", lambda name, **kw: (model, tokenizer))
+    monkeypatch.setattr(dynts.generate_cli, "load", lambda name, **kw: (model, tokenizer))
     assert not model.generation_config.do_sample
     assert run_generate(capsys, "smollm2-135m", "--seed", "1") == run_generate(capsys, "smollm2-135m", "--seed", "2")
     monkeypatch.setattr(model, "generation_config", GenerationConfig(**{**model.generation_config.to_dict(),

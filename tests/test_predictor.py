@@ -232,7 +232,7 @@ def test_config_only_check_compares_names_when_the_weights_are_unknown():
 
 
 def test_cli_predictor_auto(capsys):
-    from dynts.demo import generate_main
+    from dynts.generate_cli import main as generate_main
 
     assert generate_main(["a 6 b 6 find r1 <think>", "--model", "testbed", "--method", "dynts", "--predictor", "auto",
                           "--budget", "32", "--local-window", "8", "--max-new-tokens", "40", "--greedy"]) == 0

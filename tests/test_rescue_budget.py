@@ -10,7 +10,7 @@ import dynts
 from dynts.core.budget import Budget
 from dynts.core import EvictionSettings
 from dynts.rescue import RescueConfig, load_prm, rescue_generate
-from dynts.rescue.engine import Policy
+from dynts.rescue.engine import StepDecoder
 from conftest import tiny_model
 from rescue_tiny import DELIMITER, step_model, tiny_prm, word_tokenizer
 
@@ -31,12 +31,12 @@ def test_from_paper_keeps_b_and_holds_b_plus_headroom():
 
 
 def test_the_base_absorbs_a_helper_step_then_evicts_to_b():
-    policy = Policy(tiny_model("qwen2"), "window", Budget.from_paper(10, headroom=4, local_window=3))
+    policy = StepDecoder(tiny_model("qwen2"), EvictionSettings("window", Budget.from_paper(10, headroom=4, local_window=3)))
     state = policy.prefill([5, 6, 7, 8])
     state = policy.append([state], [list(range(20, 32))])[0]  # a 12-token helper step: 16 > B' = 14
-    assert state.cache.row_real[state.row] == 10 and state.cache.row_evictions[state.row] == 1
+    assert state.cache.rows[state.row].real == 10 and state.cache.rows[state.row].evictions == 1
     state = policy.append([state], [[40, 41, 42]])[0]  # 13 <= 14: no event
-    assert state.cache.row_real[state.row] == 13
+    assert state.cache.rows[state.row].real == 13
 
 
 def test_rescue_generate_with_the_paper_budget():

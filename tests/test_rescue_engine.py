@@ -50,7 +50,7 @@ def test_one_host_read_per_decode_step_and_no_vocabulary_copy(monkeypatch):
     tok = word_tokenizer()
     prm = load_prm((tiny_prm(), tok), kind="token", separator=DELIMITER)
     counted = {"reads": 0, "steps": 0, "shapes": []}
-    decode = engine.Policy.decode
+    decode = engine.StepDecoder.decode
 
     def counting(self, *args, **kwargs):
         before = self.decode_steps
@@ -61,7 +61,7 @@ def test_one_host_read_per_decode_step_and_no_vocabulary_copy(monkeypatch):
         counted["shapes"] += reads.shapes
         return out
 
-    monkeypatch.setattr(engine.Policy, "decode", counting)
+    monkeypatch.setattr(engine.StepDecoder, "decode", counting)
     detector = DegenerationDetector(entropy_threshold=4.6, entropy_window=2, guard=3, compress_threshold=0.3,
                                     compress_window=40, loop=dict(repeat_ngram=3))
     rescue_generate(step_model(0), step_model(1), prm, tok, ["<bos> w5 w9 w20 w33", "<bos> w40 w41"], method="window",

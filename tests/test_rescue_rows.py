@@ -8,7 +8,8 @@ import torch
 
 import dynts
 from dynts.rescue import RaggedCache
-from dynts.rescue.engine import Policy
+from dynts.core import EvictionSettings
+from dynts.rescue.engine import StepDecoder
 from conftest import tiny_model
 from rescue_tiny import decode_ragged
 
@@ -30,7 +31,7 @@ def plain_logits(model, method, predictor, tokens: list[int], prompt_len: int) -
 
 def snapshot(cache: RaggedCache) -> list[torch.Tensor]:
     n = cache.length
-    tensors = [cache.positions[:, :n], cache.segments[:, :n], cache.token_ids[:, :n], cache.scores[:, :n], torch.tensor(cache.row_seen)]
+    tensors = [cache.positions[:, :n], cache.segments[:, :n], cache.token_ids[:, :n], cache.scores[:, :n], torch.tensor([r.seen for r in cache.rows])]
     tensors += [t[:, :, :n] for layer in cache.layers for t in (layer.keys, layer.values)]
     return [t.clone() for t in tensors]
 
@@ -39,7 +40,7 @@ def snapshot(cache: RaggedCache) -> list[torch.Tensor]:
 def test_ragged_forks_match_plain_decoding(method):
     model = tiny_model("qwen2")
     predictor = dynts.ImportancePredictor(model.config.hidden_size)
-    policy = Policy(model, method, dynts.Budget(BUDGET, WINDOW, 0.4), predictor=predictor)
+    policy = StepDecoder(model, EvictionSettings(method, dynts.Budget(BUDGET, WINDOW, 0.4), predictor=predictor))
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(4, 128, (n,), generator=g).tolist()  # noqa: E731
     # two committed problems of different lengths (A has evicted already, B not yet)
@@ -50,17 +51,17 @@ def test_ragged_forks_match_plain_decoding(method):
         for t in history:
             state = policy.append([state], [[t]])[0]
         committed.append(state)
-    assert committed[0].cache.row_evictions[0] >= 1 and committed[1].cache.row_evictions[0] == 0
+    assert committed[0].cache.rows[0].evictions >= 1 and committed[1].cache.rows[0].evictions == 0
     before = [snapshot(s.cache) for s in committed]
 
     cache, logits = policy.fork(committed, 2)  # rows: A, A, B, B
     steps = 12
     continuations = [rand(steps), rand(steps), rand(3), rand(steps)]  # row 2 finishes early and rides along padded
     got = decode_ragged(policy, cache, continuations, logits)
-    evictions = cache.row_evictions  # each row evicts on its own schedule (counts include history)
-    assert evictions[3] >= 1 and evictions[2] == 0 and evictions[0] > committed[0].cache.row_evictions[0]
+    evictions = [r.evictions for r in cache.rows]  # each row evicts on its own schedule (counts include history)
+    assert evictions[3] >= 1 and evictions[2] == 0 and evictions[0] > committed[0].cache.rows[0].evictions
     assert cache.real_counts().max() <= BUDGET
-    assert cache.real_counts().tolist() == cache.row_real  # the host counts follow the device
+    assert cache.real_counts().tolist() == [r.real for r in cache.rows]  # the host counts follow the device
 
     for r, (owner, cont) in enumerate(zip([0, 0, 1, 1], continuations)):
         tokens = prompts[owner] + histories[owner] + cont
@@ -74,12 +75,12 @@ def test_ragged_forks_match_plain_decoding(method):
 
 def test_stack_validates_rows():
     model = tiny_model("qwen2")
-    policy = Policy(model, "window", dynts.Budget(BUDGET, WINDOW, 0.4))
+    policy = StepDecoder(model, EvictionSettings("window", dynts.Budget(BUDGET, WINDOW, 0.4)))
     state = policy.prefill([5, 6, 7])
     with pytest.raises(ValueError, match="out of range"):
         RaggedCache.stack([(state.cache, [1])])
     with pytest.raises(ValueError, match="at least one row"):
         RaggedCache.stack([(state.cache, [])])
-    other = Policy(model, "streamingllm", dynts.Budget(BUDGET, WINDOW, 0.4)).prefill([5, 6, 7])
+    other = StepDecoder(model, EvictionSettings("streamingllm", dynts.Budget(BUDGET, WINDOW, 0.4))).prefill([5, 6, 7])
     with pytest.raises(ValueError, match="share one evictor"):
         RaggedCache.stack([(state.cache, [0]), (other.cache, [0])])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dynts
-from dynts.rescue.engine import Policy
+from dynts.rescue.engine import StepDecoder
 from dynts.rescue.shared import ForkCache
 from conftest import tiny_model
 from rescue_tiny import decode_ragged
@@ -43,7 +43,7 @@ def committed_states(policy, g):
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_forks_share_the_prefix_and_match_plain_decoding(family):
     model = tiny_model(family)
-    policy = Policy(model, "full")
+    policy = StepDecoder(model)
     prompts, histories, states, rand = committed_states(policy, torch.Generator().manual_seed(0))
     cache, logits = policy.fork(states, 2)  # rows: A, A, B, B
     assert isinstance(cache, ForkCache)
@@ -79,7 +79,7 @@ def test_forks_share_the_prefix_and_match_plain_decoding(family):
 
 def test_memory_per_problem_does_not_grow_with_n():
     model = tiny_model("qwen2")
-    policy = Policy(model, "full")
+    policy = StepDecoder(model)
     _, _, states, _ = committed_states(policy, torch.Generator().manual_seed(1))
     shared = {n: policy.fork(states, n)[0].shared_bytes() for n in (1, 2, 8)}
     assert shared[1] == shared[2] == shared[8] == sum(s.cache.commit(s.row)[0].bytes for s in states)

@@ -292,7 +292,7 @@ def test_soft_reset_after_eviction_fails_the_request_clearly():
         state = scheduler.active_requests[rid]
         scheduler.finish_request(rid)
         scheduler.add_waiting_request(state.create_equivalent_initial_request())
-        processor._after_preemption()
+        processor._after_preemption([rid])
         out = manager.output_router.output_queue.get(timeout=5)
     finally:
         manager.destroy()

@@ -12,7 +12,7 @@ from conftest import tiny_model
 from dynts.serving import EvictionSettings, init_evicting_batching
 from dynts.serving import pool as pool_module
 from dynts.serving.admission import EVICTING_MAX_TOKENS, AdmissionError, Limits, default_max_tokens
-from dynts.core.metrics import METRICS, render_prometheus, usage_dynts
+from dynts.metrics import METRICS, render_prometheus, usage_dynts
 from dynts.serving.pool import plan_pool
 from dynts.serving.sampling import PerRequestSampler, SamplingParams
 
@@ -59,8 +59,8 @@ def test_limits_for_an_evicting_method():
 
 # ---------------------------------------------------------------------------------------------- isolation
 def test_an_engine_error_fails_only_its_request_and_the_engine_keeps_serving():
-    """The full cache, no admission in front: a request that outgrows the pool used to stop the engine for good
-    ("No requests can be scheduled and no requests can be offloaded"); now only that request fails."""
+    """The full cache, no admission in front: a request that outgrows the pool (the stock engine's "No requests
+    can be scheduled and no requests can be offloaded") fails alone; the engine keeps serving the others."""
     model = tiny_model("llama")
     cb = ContinuousBatchingConfig(num_blocks=8, page_size=PAGE, max_batch_tokens=32)  # 64 tokens
     manager = init_evicting_batching(model, EvictionSettings("full"), continuous_batching_config=cb,

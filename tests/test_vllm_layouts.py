@@ -127,10 +127,10 @@ def test_flash_attn_default_layout_is_lbnhc():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_attn_copy_on_the_cache_vllm_allocates(layout, dtype):
     """On the views vLLM allocates for FLASH_ATTN (logical ``[blocks, kv_heads, block_size, 2 * head]``): the
-    bench's emulation (eval.harness.vllm_hooks_bench.vllm_kv_caches) has their exact strides, and K/V written
+    bench's emulation (eval.perf.vllm_hooks_bench.vllm_kv_caches) has their exact strides, and K/V written
     through FlashAttention's own split (``kv.transpose(1, 2).split(head, -1)``) and moved with the plugin's copy
     equal K/V written straight into the destination slots, every other layer untouched."""
-    from eval.harness.vllm_hooks_bench import vllm_kv_caches
+    from eval.perf.vllm_hooks_bench import vllm_kv_caches
 
     layers, blocks, heads, head = 3, 4, 2, 64
     caches = _vllm_flash_attn_caches(layout, layers, blocks, heads, head, dtype)

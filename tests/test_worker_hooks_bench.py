@@ -1,4 +1,4 @@
-"""The worker-hooks bench (eval/harness/vllm_hooks_bench.py) drives the real dynts.vllm WorkerHooks on a stand-in
+"""The worker-hooks bench (eval/perf/vllm_hooks_bench.py) drives the real dynts.vllm WorkerHooks on a stand-in
 for vLLM's model runner: no vLLM needed (dynts.vllm.worker imports none at import time), so this runs in the main
 venv. After every round each row's stored K/V, read through its block list, must hold the positions the evictor
 kept followed by the new tokens; a broken slot copy is caught."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.harness.vllm_hooks_bench import LAYOUT_ORDERS, HooksBenchSettings, format_table, run_hooks_bench, vllm_kv_caches
+from eval.perf.vllm_hooks_bench import LAYOUT_ORDERS, HooksBenchSettings, format_table, run_hooks_bench, vllm_kv_caches
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -27,7 +27,7 @@ The model must be driven through :func:`dynts.attach` (``dynts.generate`` does i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -35,14 +35,35 @@ from transformers.cache_utils import Cache
 
 from ..core.budget import Budget
 from ..core.segments import label_rows
-from ..core.slots import build_token_info, check_scored
+from ..core.slots import SlotTable, build_token_info, check_scored
 from ..evictors.base import Evictor, Segment, TokenInfo
 from ..kernels import compact_
 from ..thinking import DelimiterMatcher
 from .scores import PredictorScores
 from .layers import BoundedLayer, StaticBoundedLayer, incoming_tokens, mark_static
+from .layout import Layout
 
 __all__ = ["BoundedCache", "CacheStats"]
+
+
+class _Part:
+    """A :class:`BoundedCache` attribute that is the field ``name`` of one of its parts: ``layout`` (its
+    :class:`~dynts.cache.layout.Layout`, written through) or ``table`` (its :class:`~dynts.core.SlotTable`,
+    ``None`` before the first forward allocates it; its columns are written in place, never replaced)."""
+
+    def __init__(self, part: str, name: str) -> None:
+        self.part, self.name = part, name
+
+    def __get__(self, cache, owner=None):
+        if cache is None:
+            return self
+        part = getattr(cache, self.part)
+        return None if part is None else getattr(part, self.name)
+
+    def __set__(self, cache, value) -> None:
+        if self.part != "layout":
+            raise AttributeError(f"{self.name} is a column of the cache's SlotTable (cache.table); write into it in place")
+        setattr(cache.layout, self.name, value)
 
 
 @dataclass
@@ -80,6 +101,11 @@ class BoundedCache(Cache):
             (or when :attr:`scores` is read through :meth:`flush_scores`), instead of a predictor
             call per step: the same scores from the same hidden states, without the per-step MLP.
         max_length: capacity of a static full (unbounded) cache: prompt + new tokens.
+
+    ``length``, ``seen``, ``pending``, ``capacity``, ``static_step``, ``write_index`` and ``seen_tensor`` are
+    the fields of its :class:`~dynts.cache.layout.Layout` (``self.layout``), which its layers share;
+    ``positions``, ``segments``, ``token_ids``, ``scores``, ``attention`` and ``window_attention`` are the
+    columns of its :class:`~dynts.core.SlotTable` (``self.table``, one row per batch row).
     """
 
     def __init__(
@@ -96,7 +122,8 @@ class BoundedCache(Cache):
         defer_scores: bool = False,
     ):
         layer = StaticBoundedLayer if static else BoundedLayer
-        super().__init__(layers=[layer(self, i) for i in range(num_layers)])
+        self.layout = Layout()  # the counters every layer reads, shared by reference
+        super().__init__(layers=[layer(self.layout, i) for i in range(num_layers)])
         self.bounded = evictor.bounded
         if self.bounded and budget is None:
             raise ValueError(f"method={evictor.name!r} evicts and needs a budget (e.g. budget=1024, local_window=128)")
@@ -116,23 +143,13 @@ class BoundedCache(Cache):
             raise ValueError(f"max_length={max_length!r} must be a positive int (prompt + new tokens)")
         self.static = bool(static)
         self.max_length = max_length
-        self.static_step = False  # the forward in flight is a static-shape decode step
         self.defer_scores = bool(defer_scores)
         self.scorer: PredictorScores | None = None  # set by dynts.attach with a predictor
-        self.write_index: torch.Tensor | None = None  # [1] slot the decode step writes (static layout)
-        self.seen_tensor: torch.Tensor | None = None  # [] tokens seen before the step (static layout)
         self.slot_mask: torch.Tensor | None = None  # [b, capacity] bool validity (static layout)
         self.stats = CacheStats()
-        self.seen = 0  # absolute tokens seen before the current forward
-        self.length = 0  # stored slots before the current forward
-        self.pending = 0  # tokens of the forward in flight
-        self.capacity = 0
         self.n_keep: int | None = None
         self.question_length = 0
-        # per-slot table, allocated at the first forward
-        self.positions = self.segments = self.token_ids = self.scores = None
-        self.attention: torch.Tensor | None = None
-        self.window_attention: torch.Tensor | None = None
+        self.table: SlotTable | None = None  # per-slot metadata, allocated at the first forward
         self.in_answer: torch.Tensor | None = None  # [b] the row has emitted the delimiter
         self.think_match: torch.Tensor | None = None  # [b] delimiter tokens matched so far (automaton state)
         self.holds_pads = False  # host flag: may a stored slot be padding? (avoids a per-step device read)
@@ -218,7 +235,9 @@ class BoundedCache(Cache):
         """Predictor scores for the forward in flight from its final hidden states ``[b, q, d]``: now, or
         deferred to the next :meth:`flush_scores` (:class:`~dynts.cache.scores.PredictorScores`)."""
         if self.pending and self.scorer is not None:
-            self.scorer.score(self, hidden)
+            now = self.scorer.score(hidden, self.layout, self.scores, self.n_keep)
+            if now is not None:
+                self.write_scores(now)
 
     def flush_scores(self) -> None:
         """Score the decode steps whose hidden states were kept (one batched predictor call)."""
@@ -256,7 +275,7 @@ class BoundedCache(Cache):
         """:meth:`record_attention` of a decode step over the whole buffer (no host integer read)."""
         device = self.positions.device
         if self.attention is not None:
-            self.attention += probs.sum(dim=(1, 2)).to(device, torch.float32)
+            self.attention.add_(probs.sum(dim=(1, 2)).to(device, torch.float32))
         if self.window_attention is not None:
             if self._window_fresh:  # the first layer of the step shifts the window by one row
                 self.window_attention[:, :-1] = self.window_attention[:, 1:].clone()
@@ -270,7 +289,7 @@ class BoundedCache(Cache):
         self.flush_scores()
         n = self.length
         keys = self.layers[self.keys_layer].keys[:, :, :n].to(self.positions.device) if "keys" in self.requires else None
-        return build_token_info(self, n, self.n_keep, self.budget.local_window, self.question_length, keys=keys)
+        return build_token_info(self.table, n, self.n_keep, self.budget.local_window, self.question_length, keys=keys)
 
     def evict(self) -> torch.Tensor:
         """Run one eviction event now; returns the kept indices ``[b, n_keep]``."""
@@ -286,14 +305,7 @@ class BoundedCache(Cache):
         k = kept.shape[1]
         buffers = [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
         compact_(buffers, kept, self.length)
-        for name in ("positions", "segments", "token_ids", "scores", "attention"):
-            t = getattr(self, name)
-            if t is not None:
-                t[:, :k] = t[:, : self.length].gather(1, kept)
-        if self.window_attention is not None:
-            w = self.window_attention.shape[1]
-            idx = kept.unsqueeze(1).expand(-1, w, -1)
-            self.window_attention[:, :, :k] = self.window_attention[:, :, : self.length].gather(2, idx)
+        self.table.compact(slice(None), kept)
         if self.slot_mask is not None:
             self.slot_mask[:, :k] = self.segments[:, :k] != Segment.PAD
             self.slot_mask[:, k:] = False
@@ -321,14 +333,8 @@ class BoundedCache(Cache):
             self.write_index = torch.zeros(1, dtype=torch.long, device=device)
             self.seen_tensor = torch.zeros((), dtype=torch.long, device=device)
             self.slot_mask = torch.zeros(b, cap, dtype=torch.bool, device=device)
-        self.positions = torch.zeros(b, cap, dtype=torch.long, device=device)
-        self.segments = torch.full((b, cap), int(Segment.PAD), dtype=torch.long, device=device)
-        self.token_ids = torch.zeros(b, cap, dtype=torch.long, device=device)
-        self.scores = torch.full((b, cap), float("nan"), device=device)
-        if "attention" in self.requires:
-            self.attention = torch.zeros(b, cap, device=device)
-        if "window_attention" in self.requires:
-            self.window_attention = torch.zeros(b, self.observation_window, cap, device=device)
+        self.table = SlotTable(device, rows=b, width=cap, statistics=self.requires & {"attention", "window_attention"},
+                               window=self.observation_window)
         self.in_answer = torch.zeros(b, dtype=torch.bool, device=device)
         self.think_match = torch.zeros(b, dtype=torch.long, device=device)
         self._window_fresh = True
@@ -338,15 +344,12 @@ class BoundedCache(Cache):
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return
-        cap = max(needed, 2 * self.capacity)
-        for name in ("positions", "segments", "token_ids", "scores", "attention", "window_attention", "slot_mask"):
-            t = getattr(self, name)
-            if t is None:
-                continue
-            fill = int(Segment.PAD) if name == "segments" else (float("nan") if name == "scores" else 0)
-            grown = torch.full((*t.shape[:-1], cap), fill, dtype=t.dtype, device=t.device)
-            grown[..., : self.length] = t[..., : self.length]
-            setattr(self, name, grown)
+        self.table.ensure_width(needed)  # doubles: max(needed, 2 * capacity)
+        cap = self.table.width
+        if self.slot_mask is not None:
+            grown = self.slot_mask.new_zeros(self.slot_mask.shape[0], cap)
+            grown[:, : self.length] = self.slot_mask[:, : self.length]
+            self.slot_mask = grown
         self.capacity = cap
 
     def _generated_segments(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -381,3 +384,9 @@ class BoundedCache(Cache):
         n = self.length
         valid = self.segments[row, :n] != Segment.PAD
         return self.positions[row, :n][valid]
+
+
+for _name in (f.name for f in fields(Layout)):
+    setattr(BoundedCache, _name, _Part("layout", _name))
+for _name in SlotTable.FILL:
+    setattr(BoundedCache, _name, _Part("table", _name))

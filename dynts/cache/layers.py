@@ -10,13 +10,10 @@ every layer: one eviction compacts all layers at once).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-if TYPE_CHECKING:
-    from .bounded import BoundedCache
+from .layout import Layout
 
 __all__ = ["BoundedLayer", "StaticBoundedLayer", "incoming_tokens", "mark_static"]
 
@@ -27,15 +24,15 @@ class BoundedLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, owner: "BoundedCache", layer_idx: int):
+    def __init__(self, layout: Layout, layer_idx: int):
         super().__init__()
-        self.owner = owner
+        self.layout = layout
         self.layer_idx = layer_idx
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         b, h, _, d = key_states.shape
-        cap = self.owner.capacity
+        cap = self.layout.capacity
         self.keys = key_states.new_zeros(b, h, cap, d)
         self.values = value_states.new_zeros(b, h, cap, value_states.shape[-1])
         self.is_initialized = True
@@ -44,7 +41,7 @@ class BoundedLayer(CacheLayerMixin):
         """Reallocate the buffers to ``capacity`` slots (amortised doubling; never per step)."""
         if not self.is_initialized or self.keys.shape[2] >= capacity:
             return
-        n = self.owner.length
+        n = self.layout.length
         keys = self.keys.new_zeros(*self.keys.shape[:2], capacity, self.keys.shape[3])
         values = self.values.new_zeros(*self.values.shape[:2], capacity, self.values.shape[3])
         keys[:, :, :n] = self.keys[:, :, :n]
@@ -53,29 +50,29 @@ class BoundedLayer(CacheLayerMixin):
 
     def prepare(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Check the forward is tracked by the cache; allocate or grow the buffers to its capacity."""
-        if key_states.shape[2] != self.owner.pending:
+        if key_states.shape[2] != self.layout.pending:
             raise RuntimeError(
                 "BoundedCache was updated outside a tracked forward; drive the model through "
                 "`with dynts.attach(model, cache): ...` (dynts.generate does this for you)"
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.grow(self.owner.capacity)  # static layout: a no-op unless max_length was too small (then: a new graph)
+        self.grow(self.layout.capacity)  # static layout: a no-op unless max_length was too small (then: a new graph)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.prepare(key_states, value_states)
         q = key_states.shape[2]
-        start = self.owner.length
+        start = self.layout.length
         self.keys[:, :, start : start + q] = key_states
         self.values[:, :, start : start + q] = value_states
         return self.keys[:, :, : start + q], self.values[:, :, : start + q]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        stored = self.owner.length
-        return stored + query_length, self.owner.seen - stored
+        stored = self.layout.length
+        return stored + query_length, self.layout.seen - stored
 
     def get_seq_length(self) -> int:
-        return self.owner.seen
+        return self.layout.seen
 
     def get_max_length(self) -> int:
         return -1
@@ -89,7 +86,7 @@ class BoundedLayer(CacheLayerMixin):
 
 
 class StaticBoundedLayer(BoundedLayer):
-    """The static layout's layer: fixed buffer addresses, and a decode step that writes at the cache's
+    """The static layout's layer: fixed buffer addresses, and a decode step that writes at the layout's
     device ``write_index`` and returns the whole buffers (no host integer read inside the step)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -97,19 +94,19 @@ class StaticBoundedLayer(BoundedLayer):
         mark_static(self.keys, self.values)  # fixed addresses: CUDA graphs replay in-place writes without copies
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        owner = self.owner
-        if not owner.static_step:  # prefills and multi-token forwards run eagerly, as in the dynamic layout
+        layout = self.layout
+        if not layout.static_step:  # prefills and multi-token forwards run eagerly, as in the dynamic layout
             return super().update(key_states, value_states, *args, **kwargs)
         self.prepare(key_states, value_states)
-        self.keys.index_copy_(2, owner.write_index, key_states)
-        self.values.index_copy_(2, owner.write_index, value_states)
+        self.keys.index_copy_(2, layout.write_index, key_states)
+        self.values.index_copy_(2, layout.write_index, value_states)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        owner = self.owner
-        if owner.static_step and torch.compiler.is_compiling():
-            return owner.seen_tensor  # a device scalar: a host int would be baked into the graph
-        return owner.seen
+        layout = self.layout
+        if layout.static_step and torch.compiler.is_compiling():
+            return layout.seen_tensor  # a device scalar: a host int would be baked into the graph
+        return layout.seen
 
 
 def mark_static(*tensors: torch.Tensor | None) -> None:

@@ -8,18 +8,15 @@ volume) and scored in one batched predictor call at the next eviction event or w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .bounded import BoundedCache
+from .layout import Layout
 
 __all__ = ["PredictorScores"]
 
 
 class PredictorScores:
-    """Writes predictor scores into a cache's slot table (set by :func:`dynts.attach`).
+    """Predictor scores for a cache's slot table (set by :func:`dynts.attach`).
 
     Args:
         predictor: maps hidden states ``[b, q, d]`` to scores ``[b, q]``.
@@ -34,24 +31,25 @@ class PredictorScores:
         self.count = 0  # how many, for slots base ... base + count - 1
         self.base = 0
 
-    def score(self, cache: "BoundedCache", hidden: torch.Tensor) -> None:
-        """Scores for ``cache``'s forward in flight from its final hidden states ``[b, q, d]``."""
+    def score(self, hidden: torch.Tensor, layout: Layout, scores: torch.Tensor, n_keep: int | None) -> torch.Tensor | None:
+        """Scores ``[b, q]`` of the forward in flight (``layout``) from its final hidden states ``[b, q, d]``, to
+        write now; ``None`` when they are kept for :meth:`flush` into ``scores`` ``[b, n]`` (the slot table's)."""
         hidden = hidden.to(self.device)  # the final norm may sit on another device (sharded models)
         b, q, d = hidden.shape
-        if cache.static_step or not self.defer or q != 1:
-            self.flush(cache.scores)
+        if layout.static_step or not self.defer or q != 1:
+            self.flush(scores)
             with torch.no_grad():
-                cache.write_scores(self.predictor(hidden))
-            return
+                return self.predictor(hidden)
         if self.hidden is None or self.hidden.shape[0] != b or self.hidden.shape[2] != d:
-            slots = max(1, cache.capacity - (cache.n_keep or 0))
+            slots = max(1, layout.capacity - (n_keep or 0))
             self.hidden = hidden.new_empty(b, slots, d)
-        if self.count and (self.base + self.count != cache.length or self.count == self.hidden.shape[1]):
-            self.flush(cache.scores)
+        if self.count and (self.base + self.count != layout.length or self.count == self.hidden.shape[1]):
+            self.flush(scores)
         if not self.count:
-            self.base = cache.length
+            self.base = layout.length
         self.hidden[:, self.count] = hidden[:, 0]
         self.count += 1
+        return None
 
     def flush(self, scores: torch.Tensor) -> None:
         """Score the kept decode steps into ``scores`` ``[b, n]`` (one batched predictor call)."""

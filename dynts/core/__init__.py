@@ -3,12 +3,11 @@
 | module | job |
 |---|---|
 | :mod:`~dynts.core.budget` | ``B = W_q + W_s + W_l``, ``n_keep`` and the event rule (:meth:`Budget.due`) |
-| :mod:`~dynts.core.settings` | the one parser of the eviction keywords (:class:`EvictionSettings`) |
+| :mod:`~dynts.core.settings` | the one parser of the eviction keywords (:class:`EvictionSettings`) and their plain-data form (:class:`EvictionSpec`) |
 | :mod:`~dynts.core.segments` | the one labelling rule: question / thinking / answer / pad |
 | :mod:`~dynts.core.slots` | the per-request state (:class:`RequestSlots`), the paged slot table, the one :class:`~dynts.TokenInfo` builder and the stale-score check |
 | :mod:`~dynts.core.tracker` | the worker side of a paged engine: metadata, scores, evictor calls, the copy plan |
 | :mod:`~dynts.core.policy` | the scheduler side of a paged engine: reservations, admission, events, preemption, statistics |
-| :mod:`~dynts.core.metrics` | the serving statistics' names (both engines export them) |
 
 The dense cache (:mod:`dynts.cache`), the ragged KV-Rescue cache (:mod:`dynts.rescue.rows`) and both
 paged engines (:mod:`dynts.serving`, :mod:`dynts.vllm`) are adapters over it.
@@ -16,7 +15,8 @@ paged engines (:mod:`dynts.serving`, :mod:`dynts.vllm`) are adapters over it.
 
 from .budget import Budget
 from .policy import Event, EvictionPolicy
-from .settings import EVICTION_FIELDS, SERVED_STATISTICS, EvictionSettings, add_eviction_arguments, eviction_fields, serving_methods
+from .settings import (EVICTION_FIELDS, SERVED_STATISTICS, EvictionSettings, EvictionSpec, add_eviction_arguments,
+                       eviction_fields, eviction_spec, serving_methods)
 from .slots import RequestSlots, SlotTable, build_token_info, check_scored
 from .tracker import EvictionGroup, Forward, SlotTracker, copy_plan
 
@@ -28,6 +28,7 @@ __all__ = [
     "EvictionGroup",
     "EvictionPolicy",
     "EvictionSettings",
+    "EvictionSpec",
     "Forward",
     "RequestSlots",
     "SlotTable",
@@ -37,5 +38,6 @@ __all__ = [
     "check_scored",
     "copy_plan",
     "eviction_fields",
+    "eviction_spec",
     "serving_methods",
 ]

@@ -6,22 +6,27 @@ Every entry point speaks the same seven keywords -- ``method``, ``budget``, ``lo
 plugin's ``additional_config["dynts"]`` and both servers' ``--kv-*`` flags. Each builds one
 :class:`EvictionSettings`, which resolves method -> :class:`~dynts.evictors.Evictor` ->
 :class:`~dynts.core.budget.Budget` and checks the predictor is there when the method scores tokens.
+
+A configuration that stores eviction settings (an eval cell, a bench run, a server's flags) holds an
+:class:`EvictionSpec`: the same seven fields as plain data (frozen, hashable, JSON-able), validated when
+it is made by building its :class:`EvictionSettings` once; :meth:`EvictionSpec.build` returns them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, MutableMapping, Sequence
+from typing import Any, Mapping, MutableMapping, Sequence
 
 from ..evictors.base import EVICTORS, Evictor, make_evictor
 from ..predictor import ImportancePredictor
 from .budget import Budget
 
-__all__ = ["EVICTION_FIELDS", "SERVED_STATISTICS", "EvictionSettings", "add_eviction_arguments", "eviction_fields",
-           "serving_methods"]
+__all__ = ["EVICTION_FIELDS", "SERVED_STATISTICS", "EvictionSettings", "EvictionSpec", "add_eviction_arguments",
+           "eviction_fields", "eviction_spec", "serving_methods"]
 
 EVICTION_FIELDS = ("method", "budget", "local_window", "retention", "predictor", "think_end", "method_options")
 
@@ -83,15 +88,19 @@ class EvictionSettings:
         return cls(**{name: keywords.pop(name) for name in EVICTION_FIELDS if name in keywords})
 
     @classmethod
-    def resolve(cls, settings: "EvictionSettings | None", keywords: MutableMapping[str, Any]) -> "EvictionSettings":
-        """``settings`` as given, or built from the eviction keywords in ``keywords`` (not both)."""
+    def resolve(cls, settings: "EvictionSettings | EvictionSpec | None",
+                keywords: MutableMapping[str, Any]) -> "EvictionSettings":
+        """``settings`` as given (an :class:`EvictionSpec` is built), or built from the eviction keywords in
+        ``keywords`` (not both)."""
         if settings is None:
             return cls.pop_from(keywords)
         mixed = sorted(set(keywords) & set(EVICTION_FIELDS))
         if mixed:
             raise ValueError(f"pass either eviction=EvictionSettings(...) or the keywords {mixed}, not both")
+        if isinstance(settings, EvictionSpec):
+            return settings.build()
         if not isinstance(settings, EvictionSettings):
-            raise ValueError(f"eviction must be an EvictionSettings, got {type(settings).__name__}")
+            raise ValueError(f"eviction must be an EvictionSettings or an EvictionSpec, got {type(settings).__name__}")
         return settings
 
     # ------------------------------------------------------------------ derived
@@ -160,9 +169,82 @@ class EvictionSettings:
         return load_predictor(self.predictor, model, **options)
 
 
+def _frozen(value: Any) -> Any:
+    """``value`` with lists as tuples (hashable), recursively."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _thawed(value: Any) -> Any:
+    """``value`` with tuples as lists (as JSON reads them back), recursively."""
+    return [_thawed(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+@dataclass(frozen=True)
+class EvictionSpec:
+    """The seven eviction fields as plain data: what a configuration stores (frozen, hashable, JSON-able).
+
+    The fields mean what :class:`EvictionSettings`' arguments mean, restricted to data: ``method`` a
+    registered name, ``predictor`` a directory (or ``"auto"``), ``think_end`` text or token ids,
+    ``method_options`` a mapping (held as sorted ``(name, value)`` pairs). ``budget`` is ``B`` or a
+    :class:`~dynts.core.budget.Budget` (itself frozen; e.g. :meth:`Budget.from_paper`).
+
+    Made, it is validated once by building its :class:`EvictionSettings` (a bad field raises
+    ``ValueError`` naming it); :meth:`build` returns settings with the evictor and :class:`Budget` resolved.
+    """
+
+    method: str = "dynts"
+    budget: int | Budget | None = None
+    local_window: int | None = None
+    retention: float = 0.4
+    predictor: str | None = None
+    think_end: str | int | tuple[int, ...] | None = "</think>"
+    method_options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str):
+            raise ValueError(f"method={self.method!r} must be a registered method name (an EvictionSpec is plain data)")
+        options = self.method_options or ()
+        options = options.items() if hasattr(options, "items") else options
+        object.__setattr__(self, "method_options", tuple(sorted((str(k), _frozen(v)) for k, v in options)))
+        if isinstance(self.predictor, Path):
+            object.__setattr__(self, "predictor", str(self.predictor))
+        if isinstance(self.think_end, list):
+            object.__setattr__(self, "think_end", tuple(self.think_end))
+        self.build()  # the one validation: evictor, budget, predictor
+
+    def build(self, predictor: ImportancePredictor | None = None) -> EvictionSettings:
+        """The :class:`EvictionSettings`; ``predictor``: an already loaded one instead of ``self.predictor``."""
+        return EvictionSettings(self.method, self.budget, self.local_window, self.retention,
+                                predictor if predictor is not None else self.predictor, self.think_end,
+                                {k: _thawed(v) for k, v in self.method_options} or None)
+
+    @property
+    def bounded(self) -> bool:
+        """False for the full cache (no eviction, no budget)."""
+        return self.build().bounded
+
+    def replace(self, **changes: Any) -> "EvictionSpec":
+        """A copy with ``changes`` (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as JSON data (:meth:`from_dict` reads them back)."""
+        budget = dataclasses.asdict(self.budget) if isinstance(self.budget, Budget) else self.budget
+        return {"method": self.method, "budget": budget, "local_window": self.local_window,
+                "retention": self.retention, "predictor": self.predictor, "think_end": _thawed(self.think_end),
+                "method_options": {k: _thawed(v) for k, v in self.method_options}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EvictionSpec":
+        fields = dict(data)
+        if isinstance(fields.get("budget"), Mapping):
+            fields["budget"] = Budget(**fields["budget"])
+        return cls(**fields)
+
+
 def add_eviction_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
     """The ``--kv-method --kv-budget --kv-local-window --kv-retention --predictor`` flags of both servers;
-    :func:`settings_from_arguments` reads them back. ``required``: budget and local window must be given."""
+    :func:`eviction_spec` reads them back. ``required``: budget and local window must be given."""
     parser.add_argument("--kv-method", default="dynts", help=f"one of {serving_methods()}")
     parser.add_argument("--kv-budget", type=int, default=None, required=required, help="B: most KV entries per request")
     parser.add_argument("--kv-local-window", type=int, default=None, required=required,
@@ -172,7 +254,13 @@ def add_eviction_arguments(parser: argparse.ArgumentParser, *, required: bool = 
 
 
 def eviction_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The eviction keywords set by :func:`add_eviction_arguments`' flags (``None`` ones left out)."""
+    """The eviction keywords set by :func:`add_eviction_arguments`' flags (``None`` ones left out): what
+    the vLLM plugin's ``additional_config["dynts"]`` carries."""
     fields = {"method": args.kv_method, "budget": args.kv_budget, "local_window": args.kv_local_window,
               "retention": args.kv_retention, "predictor": args.predictor}
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def eviction_spec(args: argparse.Namespace, **fields: Any) -> EvictionSpec:
+    """The :class:`EvictionSpec` of :func:`add_eviction_arguments`' flags; ``fields``: the others (e.g. ``think_end``)."""
+    return EvictionSpec(**eviction_fields(args), **fields)

@@ -5,8 +5,8 @@
   :meth:`dynts.Budget.due`);
 * :func:`build_token_info` -- the one :class:`~dynts.evictors.TokenInfo` builder (dense cache, ragged
   KV-Rescue cache, paged slot table) and :func:`check_scored`, the stale-score check;
-* :class:`SlotTable` -- the paged engines' per-slot metadata: one row per request in flight, one column
-  per stored slot. Column ``j`` of a request's row describes the ``j``-th KV entry the request stores,
+* :class:`SlotTable` -- the per-slot metadata of every cache; in the paged engines one row per request in
+  flight, one column per stored slot. Column ``j`` of a request's row describes the ``j``-th KV entry the request stores,
   i.e. the entry the engine reads at logical index ``j`` through the request's block table. An eviction
   event gathers the kept columns to the front of the row, exactly as the K/V rows are gathered to the
   front of the request's pages, so the table and the cache always agree.
@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -140,34 +140,56 @@ def check_scored(info: TokenInfo, evictor: Evictor) -> None:
 
 @dataclass
 class SlotTable:
-    """Device tensors ``[rows, width]`` of slot metadata (positions, segments, token ids, scores).
+    """Device tensors ``[rows, width]`` of slot metadata (positions, segments, token ids, scores), and the
+    attention statistics the evictor needs: ``attention`` ``[rows, width]`` and ``window_attention``
+    ``[rows, window, width]`` (``statistics`` names them; absent by default).
 
-    Rows are recycled when requests finish; rows and width grow by doubling (never per step).
+    The one slot-table schema (:data:`SlotTable.FILL`: each column's value on an empty slot) and the one
+    compaction (:meth:`compact`) of every cache: the paged engines (one row per request in flight, rows
+    recycled when requests finish), the dense cache (one row per batch row) and the ragged KV-Rescue cache.
+    Rows and width grow by doubling (never per step).
     """
 
     device: torch.device
     rows: int = 8
     width: int = 256
+    statistics: frozenset[str] = frozenset()
+    window: int = 8
     positions: torch.Tensor = field(init=False)
     segments: torch.Tensor = field(init=False)
     token_ids: torch.Tensor = field(init=False)
     scores: torch.Tensor = field(init=False)
+    attention: torch.Tensor | None = field(init=False, default=None)
+    window_attention: torch.Tensor | None = field(init=False, default=None)
     free_rows: list[int] = field(init=False)
 
+    FILL: ClassVar[dict[str, Any]] = {"positions": 0, "segments": int(Segment.PAD), "token_ids": 0,
+                                      "scores": float("nan"), "attention": 0.0, "window_attention": 0.0}
+    _DTYPES: ClassVar[dict[str, torch.dtype]] = {"positions": torch.long, "segments": torch.long,
+                                                 "token_ids": torch.long}
+
     def __post_init__(self) -> None:
-        self.positions = torch.zeros(self.rows, self.width, dtype=torch.long, device=self.device)
-        self.segments = torch.full((self.rows, self.width), int(Segment.PAD), dtype=torch.long, device=self.device)
-        self.token_ids = torch.zeros(self.rows, self.width, dtype=torch.long, device=self.device)
-        self.scores = torch.full((self.rows, self.width), float("nan"), device=self.device)
+        for name in self.FILL:
+            if name in ("attention", "window_attention") and name not in self.statistics:
+                continue
+            setattr(self, name, self._new(name, self.rows, self.width))
         self.free_rows = list(range(self.rows - 1, -1, -1))
 
-    _FILL = {"positions": 0, "segments": int(Segment.PAD), "token_ids": 0, "scores": float("nan")}
+    def _new(self, name: str, rows: int, width: int) -> torch.Tensor:
+        shape = (rows, self.window, width) if name == "window_attention" else (rows, width)
+        return torch.full(shape, self.FILL[name], dtype=self._DTYPES.get(name, torch.float32), device=self.device)
+
+    def columns(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every column the table holds (slots on the last dimension)."""
+        for name in self.FILL:
+            t = getattr(self, name)
+            if t is not None:
+                yield name, t
 
     def _resize(self, rows: int, width: int) -> None:
-        for name, fill in self._FILL.items():
-            old = getattr(self, name)
-            new = torch.full((rows, width), fill, dtype=old.dtype, device=old.device)
-            new[: old.shape[0], : old.shape[1]] = old
+        for name, old in list(self.columns()):
+            new = self._new(name, rows, width)
+            new[: old.shape[0], ..., : old.shape[-1]] = old
             setattr(self, name, new)
         self.free_rows = list(range(rows - 1, self.rows - 1, -1)) + self.free_rows
         self.rows, self.width = rows, width
@@ -209,9 +231,22 @@ class SlotTable:
         """The :class:`TokenInfo` of ``rows`` (``[g]``), each storing ``length`` slots."""
         return build_token_info(self, length, n_keep, local_window, question_length, rows=rows)
 
-    def compact(self, rows: torch.Tensor, kept: torch.Tensor) -> None:
-        """Gather the ``kept`` columns (``[g, k]``, ascending) of ``rows`` to the front of each row."""
+    def gathered(self, rows: torch.Tensor | slice, slots: torch.Tensor,
+                 filler: torch.Tensor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, block)`` of every column: the ``slots`` ``[g, k]`` of ``rows`` (``g`` of them, or a slice),
+        with the column's :data:`FILL` where ``filler`` ``[g, k]`` is True."""
+        for name, t in self.columns():
+            src = t[rows]
+            if t.dim() == 3:
+                block = src.gather(2, slots[:, None, :].expand(-1, t.shape[1], -1))
+                mask = None if filler is None else filler[:, None, :]
+            else:
+                block, mask = src.gather(1, slots), filler
+            yield name, block if mask is None else block.masked_fill(mask, self.FILL[name])
+
+    def compact(self, rows: torch.Tensor | slice, kept: torch.Tensor, filler: torch.Tensor | None = None) -> None:
+        """Gather the ``kept`` columns (``[g, k]``) of ``rows`` (or a slice of rows) to the front of each row;
+        ``filler`` ``[g, k]``: positions that become empty slots (the ragged cache's right alignment)."""
         k = kept.shape[1]
-        for name in self._FILL:
-            t = getattr(self, name)
-            t[rows, :k] = t[rows].gather(1, kept)
+        for name, block in list(self.gathered(rows, kept, filler)):
+            getattr(self, name)[rows, ..., :k] = block

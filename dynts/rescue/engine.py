@@ -1,6 +1,6 @@
 """Batched step decoding over :class:`~dynts.rescue.rows.RaggedCache` rows.
 
-A :class:`Policy` wraps one model (the evicted base or the full-context helper) and knows how to
+A :class:`StepDecoder` wraps one model (the evicted base or the full-context helper) and knows how to
 prefill a prompt, append committed tokens in one forward (then evict), and decode a batch of
 candidate steps until each hits the step delimiter, EOS, its token cap, or the degeneration
 detector. Candidates of every problem in flight share one batch; a finished candidate stays in the
@@ -19,11 +19,9 @@ from typing import Any, Sequence
 import torch
 
 from ..attention import recording_attention  # noqa: F401  (registers the "dynts_sdpa" attention)
-from ..core.budget import Budget
-from ..evictors import Evictor, make_evictor
 from ..cache import attach
+from ..core.settings import EvictionSettings
 from ..hf_compat import cache_keyword
-from ..predictor import ImportancePredictor
 from ..prompts import pad_rows
 from .detector import CandidateScreen
 from .detok import TextTail
@@ -31,7 +29,7 @@ from .rows import RaggedCache
 from .sampling import Sampler, entropy
 from .shared import ForkCache, PrefixKV, fork_forward
 
-__all__ = ["Candidate", "Policy", "State"]
+__all__ = ["Candidate", "State", "StepDecoder"]
 
 
 @dataclass
@@ -69,26 +67,25 @@ class Candidate:
         return self.status in ("delimiter", "eos", "cap")
 
 
-class Policy:
+class StepDecoder:
     """One model driven through :func:`dynts.attach` with ragged rows.
 
     Args:
         model: a Hugging Face causal LM.
-        method: eviction method name or :class:`Evictor` (``"full"`` for the helper).
-        budget: :class:`Budget` for bounded methods, else ``None``.
-        predictor: :class:`ImportancePredictor` for score-based methods (DynTS).
+        eviction: the model's :class:`~dynts.core.EvictionSettings` (evictor, budget, predictor);
+            ``None``: the full cache (the helper).
         think_end_token_id: closes the thinking segment (answer tokens are protected by DynTS).
         pad_token_id: token fed to rows that sit out a forward.
     """
 
-    def __init__(self, model: torch.nn.Module, method: str | Evictor = "full", budget: Budget | None = None, *,
-                 predictor: ImportancePredictor | None = None, think_end_token_id: int | None = None,
-                 pad_token_id: int = 0, method_options: dict[str, Any] | None = None):
+    def __init__(self, model: torch.nn.Module, eviction: EvictionSettings | None = None, *,
+                 think_end_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0):
         self.model = model
-        self.evictor = make_evictor(method, **(method_options or {}))
-        self.bounded = self.evictor.bounded
-        self.budget = budget if self.bounded else None
-        self.predictor = predictor if "scores" in self.evictor.requires else None
+        eviction = eviction if eviction is not None else EvictionSettings("full", think_end=None)
+        self.evictor = eviction.evictor
+        self.bounded = eviction.bounded
+        self.budget = eviction.bounds
+        self.predictor = eviction.load_predictor(model)  # None unless the method reads scores
         self.think_end_token_id = think_end_token_id
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device

@@ -27,7 +27,7 @@ from ..core.settings import EVICTION_FIELDS, EvictionSettings
 from ..prompts import encode_prompts
 from ..thinking import think_end_ids
 from .config import RescueConfig
-from .engine import Candidate, Policy, State
+from .engine import Candidate, State, StepDecoder
 from .loops import StepHistory
 from .prm import StepRequest, StepScorer, load_prm
 from .results import ProblemResult, RescueResult, Step, summarize
@@ -216,10 +216,9 @@ def _prepare(base, helper, prm, tokenizer, config: RescueConfig, settings: Evict
         think_id = None  # the vocabulary has no such token (it encodes to padding)
 
     settings.evictor.bind(tokenizer)
-    base_policy = Policy(base, settings.evictor, settings.bounds, predictor=settings.load_predictor(base),
-                         think_end_token_id=think_id, pad_token_id=pad_id)
-    helper_policy = Policy(helper, "full", think_end_token_id=think_id, pad_token_id=pad_id) if n_helper else None
-    return _Run(config, tokenizer, base_policy, helper_policy, scorer, stop_ids, eos_ids, on_candidate)
+    base_decoder = StepDecoder(base, settings, think_end_token_id=think_id, pad_token_id=pad_id)
+    helper_decoder = StepDecoder(helper, think_end_token_id=think_id, pad_token_id=pad_id) if n_helper else None
+    return _Run(config, tokenizer, base_decoder, helper_decoder, scorer, stop_ids, eos_ids, on_candidate)
 
 
 @dataclass
@@ -228,8 +227,8 @@ class _Run:
 
     config: RescueConfig
     tokenizer: Any
-    base: Policy
-    helper: Policy | None
+    base: StepDecoder
+    helper: StepDecoder | None
     scorer: StepScorer | None
     stop_ids: frozenset[int]
     eos_ids: frozenset[int]
@@ -251,11 +250,11 @@ class _Run:
         config, detector, tokenizer = self.config, self.config.detector, self.tokenizer
         decode_text = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         by_problem: dict[int, list[Candidate]] = {p.index: [] for p in active}
-        for policy, source, copies in ((self.base, "base", config.n_base), (self.helper, "helper", config.n_helper)):
+        for decoder, source, copies in ((self.base, "base", config.n_base), (self.helper, "helper", config.n_helper)):
             if not copies:
                 continue
             states = [p.base if source == "base" else p.helper for p in active]
-            cache, logits = policy.fork(states, copies)
+            cache, logits = decoder.fork(states, copies)
             candidates = []
             for p in active:
                 limit = min(config.max_step_tokens, config.max_tokens - p.output_tokens)
@@ -265,7 +264,7 @@ class _Run:
                     screen = detector.screen(context) if (detector is not None and detector.enabled and source == "base") else None
                     gen = candidate_generator(config.seed, p.index, len(p.steps), source, j)
                     candidates.append(Candidate(p, source, j, gen, limit, screen))
-            policy.decode(cache, logits, candidates, config.sampler, stop_ids=self.stop_ids, eos_ids=self.eos_ids,
+            decoder.decode(cache, logits, candidates, config.sampler, stop_ids=self.stop_ids, eos_ids=self.eos_ids,
                           decode_text=decode_text)
             for c in candidates:
                 by_problem[c.owner.index].append(c)

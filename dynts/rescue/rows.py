@@ -7,8 +7,8 @@ different numbers of real tokens, and each row must evict exactly when it would 
 
 :class:`RaggedCache` keeps the parent's storage (in-place K/V buffers, one slot table) and adds:
 
-* per-row bookkeeping: ``row_seen`` (tokens the row has seen = its next position id),
-  ``row_question`` and ``row_keep`` (its prompt length and ``n_keep``);
+* per-row bookkeeping: one :class:`Row` per row (tokens seen = its next position id, prompt length,
+  ``n_keep``, real tokens stored, eviction events), host integers;
 * per-row eviction: a row evicts when *its own* real tokens would overflow the budget, and the
   evictor sees only the evicting rows (grouped by ``n_keep``), so a row's kept set never depends on
   the other rows of the batch;
@@ -28,19 +28,36 @@ positions); everything else goes through :func:`dynts.attach` as usual.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
 from ..cache import BoundedCache, CacheStats, incoming_tokens
-from ..core.slots import build_token_info
+from ..core.slots import SlotTable, build_token_info
 from ..evictors.base import Segment
 from ..kernels import compact_torch_
 
-__all__ = ["RaggedCache"]
+__all__ = ["RaggedCache", "Row"]
 
-_TABLES = ("positions", "segments", "token_ids", "scores", "attention")
-_FILL = {"positions": 0, "segments": int(Segment.PAD), "token_ids": 0, "scores": float("nan"), "attention": 0.0}
+
+@dataclass
+class Row:
+    """One row's state, kept on the host (Python ints: a decode step reads nothing back).
+
+    Attributes:
+        question: prompt tokens (its ``W_q``).
+        keep: ``n_keep`` at its events (``None``: the full cache).
+        seen: tokens it has seen = its next position id.
+        real: real (non-padding) tokens it stores.
+        evictions: its eviction events.
+    """
+
+    question: int
+    keep: int | None
+    seen: int = 0
+    real: int = 0
+    evictions: int = 0
 
 
 class RaggedCache(BoundedCache):
@@ -53,11 +70,7 @@ class RaggedCache(BoundedCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # per-row bookkeeping, kept on the host (Python ints): a decode step reads nothing back
-        self.row_seen: list[int] | None = None  # tokens seen per row = next position id
-        self.row_question: list[int] | None = None  # prompt tokens per row
-        self.row_keep: list[int] | None = None  # n_keep per row (bounded caches)
-        self.row_real: list[int] | None = None  # real (non-padding) tokens stored per row
-        self.row_evictions: list[int] | None = None  # eviction events per row
+        self.rows: list[Row] | None = None  # one per row, made by the first forward
         self.incoming: list[int] | None = None  # real tokens per row of the next forward (set by the caller)
         self._new_counts: list[int] | None = None
 
@@ -68,13 +81,13 @@ class RaggedCache(BoundedCache):
 
     def real_counts(self) -> torch.Tensor:
         """``[b]`` real (non-padding) tokens stored per row, counted on the device (for checks; the
-        cache itself uses the host copy :attr:`row_real`)."""
+        cache itself uses the host counts ``Row.real``)."""
         return (self.segments[:, : self.length] != Segment.PAD).sum(1)
 
     def position_ids(self, valid: torch.Tensor) -> torch.Tensor:
         """Position ids ``[b, q]`` of the next forward's tokens; ``valid`` ``[b, q]`` marks real ones
         (pads get the position of the next real token; they are masked anyway)."""
-        seen = self.row_seen if self.row_seen is not None else [0] * valid.shape[0]
+        seen = [r.seen for r in self.rows] if self.rows is not None else [0] * valid.shape[0]
         seen = torch.tensor(seen, dtype=torch.long).to(valid.device, non_blocking=True)
         return seen[:, None] + (valid.long().cumsum(1) - 1).clamp(min=0)
 
@@ -86,16 +99,11 @@ class RaggedCache(BoundedCache):
         self.incoming = None
         if self.positions is None:
             self._allocate(batch_size, q, device)
-            self.row_question = list(counts)
-            self.row_seen = [0] * batch_size
-            self.row_real = [0] * batch_size
-            self.row_evictions = [0] * batch_size
-            if self.bounded:
-                self.row_keep = [self.budget.n_keep(int(c)) for c in counts]
+            self.rows = [Row(c, self.budget.n_keep(int(c)) if self.bounded else None) for c in counts]
             segments = torch.where(new_valid, int(Segment.QUESTION), int(Segment.PAD))
         else:
             if self.bounded:
-                due = [self.budget.due(r, n, k) for r, n, k in zip(self.row_real, counts, self.row_keep)]
+                due = [self.budget.due(r.real, n, r.keep) for r, n in zip(self.rows, counts)]
                 if any(due):
                     self.evict_rows(due)
             # padding never closes the thinking segment, whatever its id
@@ -103,7 +111,7 @@ class RaggedCache(BoundedCache):
         self._record_incoming(self.position_ids(new_valid), segments, input_ids)
         self._new_counts = list(counts)
         stored = self.length + q
-        dense = all(r + n == stored for r, n in zip(self.row_real, counts))
+        dense = all(r.real + n == stored for r, n in zip(self.rows, counts))
         return None if dense else self._slot_mask_4d(q)
 
     def _slot_mask_4d(self, q: int) -> torch.Tensor:
@@ -117,9 +125,10 @@ class RaggedCache(BoundedCache):
 
     def end_forward(self) -> None:
         super().end_forward()
-        self.row_seen = [s + n for s, n in zip(self.row_seen, self._new_counts)]
-        self.row_real = [r + n for r, n in zip(self.row_real, self._new_counts)]
-        self.seen = max(self.seen, max(self.row_seen))
+        for row, n in zip(self.rows, self._new_counts):
+            row.seen += n
+            row.real += n
+        self.seen = max(self.seen, max(r.seen for r in self.rows))
 
     # ------------------------------------------------------------------ eviction
     def evict(self) -> torch.Tensor:
@@ -133,7 +142,7 @@ class RaggedCache(BoundedCache):
         down to its ``n_keep``; returns the rows evicted (host list)."""
         if not self.bounded:
             return [False] * self.batch_size
-        due = [self.budget.due(r, 0, k) for r, k in zip(self.row_real, self.row_keep)]
+        due = [self.budget.due(r.real, 0, r.keep) for r in self.rows]
         if any(due):
             self.evict_rows(due)
         return due
@@ -148,21 +157,22 @@ class RaggedCache(BoundedCache):
         keep = info.valid.clone()
         groups: dict[tuple[int, int], list[int]] = {}
         for r in picked:
-            groups.setdefault((self.row_keep[r], self.row_question[r]), []).append(r)
+            groups.setdefault((self.rows[r].keep, self.rows[r].question), []).append(r)
         for (n_keep, question), members in groups.items():
             index = torch.tensor(members, dtype=torch.long).to(keep.device, non_blocking=True)
             keys = None if info.keys is None else info.keys[index]
-            subset = build_token_info(self, self.length, n_keep, info.local_window, question, rows=index, keys=keys)
+            subset = build_token_info(self.table, self.length, n_keep, info.local_window, question, rows=index, keys=keys)
             kept = self.evictor(subset)
-            row_keep = torch.zeros(len(members), info.shape[1], dtype=torch.bool, device=kept.device)
-            keep[index] = row_keep.scatter_(1, kept, True)
-        after = [self.row_keep[r] if d else real for r, (d, real) in enumerate(zip(due, self.row_real))]
+            chosen = torch.zeros(len(members), info.shape[1], dtype=torch.bool, device=kept.device)
+            keep[index] = chosen.scatter_(1, kept, True)
+        after = [row.keep if d else row.real for row, d in zip(self.rows, due)]
         self._squeeze(keep, max(after, default=0))
         self.stats.evictions += 1
-        self.stats.evicted_tokens += sum(self.row_real) - sum(after)
+        self.stats.evicted_tokens += sum(r.real for r in self.rows) - sum(after)
         self.stats.event_steps.append(self.seen)
-        self.row_real = after
-        self.row_evictions = [e + int(d) for e, d in zip(self.row_evictions, due)]
+        for row, real, d in zip(self.rows, after, due):
+            row.real = real
+            row.evictions += int(d)
 
     def _squeeze(self, keep: torch.Tensor, width: int) -> None:
         """Compact every row to its ``keep`` ``[b, n]`` slots, right-aligned, fillers marked PAD.
@@ -178,16 +188,7 @@ class RaggedCache(BoundedCache):
         order = torch.sort(keep.long(), dim=1, stable=True).indices[:, n - width :]  # fillers, then kept (ascending)
         filler = torch.arange(width, device=keep.device)[None, :] < (width - counts)[:, None]
         compact_torch_([t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)], order, n)
-        for name in _TABLES:
-            t = getattr(self, name)
-            if t is not None:
-                t[:, :width] = t[:, :n].gather(1, order)
-                t[:, :width].masked_fill_(filler, _FILL[name])
-        if self.window_attention is not None:
-            w = self.window_attention.shape[1]
-            idx = order[:, None, :].expand(-1, w, -1)
-            self.window_attention[:, :, :width] = self.window_attention[:, :, :n].gather(2, idx)
-            self.window_attention[:, :, :width].masked_fill_(filler[:, None, :], 0.0)
+        self.table.compact(slice(None), order, filler)
         self.length = width
 
     # ------------------------------------------------------------------ rows
@@ -215,7 +216,7 @@ class RaggedCache(BoundedCache):
             if min(rows) < 0 or max(rows) >= c.batch_size:
                 raise ValueError(f"rows {rows} out of range for a cache of {c.batch_size} rows")
         device = first.positions.device
-        counts = [[c.row_real[r] for r in rows] for c, rows in parts]
+        counts = [[c.rows[r].real for r in rows] for c, rows in parts]
         width = max(max(cs) for cs in counts)
         hosts = parts
         parts = [(c, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)) for c, rows in parts]
@@ -228,12 +229,8 @@ class RaggedCache(BoundedCache):
         )
         new.capacity, new.length = capacity, width
         new.n_keep, new.question_length, new._window_fresh = first.n_keep, first.question_length, True
-        for name in _TABLES:
-            if getattr(first, name) is not None:
-                src = getattr(first, name)
-                setattr(new, name, torch.full((total, capacity), _FILL[name], dtype=src.dtype, device=device))
-        if first.window_attention is not None:
-            new.window_attention = torch.zeros(total, first.window_attention.shape[1], capacity, device=device)
+        new.table = SlotTable(device, rows=total, width=capacity, statistics=first.table.statistics,
+                              window=first.table.window)
         for dst, src in zip(new.layers, first.layers):
             if src.is_initialized:
                 dst.device, dst.dtype, dst.is_initialized = src.device, src.dtype, True
@@ -249,15 +246,8 @@ class RaggedCache(BoundedCache):
             count = torch.tensor(count, dtype=torch.long).to(device, non_blocking=True)
             filler = torch.arange(w, device=device)[None, :] < (w - count)[:, None]
             out = slice(start, start + g)
-            for name in _TABLES:
-                src = getattr(c, name)
-                if src is not None:
-                    block = src[rows, :n].gather(1, order).masked_fill(filler, _FILL[name])
-                    getattr(new, name)[out, width - w : width] = block
-            if c.window_attention is not None:
-                wa = c.window_attention[rows][:, :, :n]
-                block = wa.gather(2, order[:, None, :].expand(-1, wa.shape[1], -1)).masked_fill(filler[:, None, :], 0.0)
-                new.window_attention[out, :, width - w : width] = block
+            for name, block in c.table.gathered(rows, order, filler):
+                getattr(new.table, name)[out, ..., width - w : width] = block
             for dst, src in zip(new.layers, c.layers):
                 if src.is_initialized:
                     for name in ("keys", "values"):
@@ -270,14 +260,9 @@ class RaggedCache(BoundedCache):
             values = [getattr(c, name) for c, _ in parts]
             return None if values[0] is None else torch.cat([v[rows] for v, (_, rows) in zip(values, parts)])
 
-        def join(name: str) -> list[int] | None:
-            values = [getattr(c, name) for c, _ in hosts]
-            return None if values[0] is None else [v[r] for v, (_, rows) in zip(values, hosts) for r in rows]
-
-        new.row_seen, new.row_question, new.row_keep = join("row_seen"), join("row_question"), join("row_keep")
-        new.row_evictions, new.row_real = join("row_evictions"), [n for cs in counts for n in cs]
+        new.rows = [replace(c.rows[r]) for c, rows in hosts for r in rows]  # copies: a fork never changes its source
         new.in_answer, new.think_match = cat("in_answer"), cat("think_match")
-        new.seen = max(width, max(new.row_seen))
+        new.seen = max(width, max(r.seen for r in new.rows))
         new.stats = CacheStats()
         return new
 

@@ -233,7 +233,7 @@ def _fork_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     ``value`` ``[rows, h_kv, T, d]`` (``attention_mask``: the tail mask). Returns ``([rows, q, h_q, d], None)``."""
     cache = _ACTIVE.get()
     if cache is None:
-        raise RuntimeError("dynts_fork attention runs only inside ForkCache forwards (Policy.forward)")
+        raise RuntimeError("dynts_fork attention runs only inside ForkCache forwards (StepDecoder.forward)")
     layer = module.layer_idx
     b, hq, q, d = query.shape
     hk = key.shape[1]

@@ -145,11 +145,7 @@ def isolate_failure(processor, error: Exception) -> list[str]:
         states = [max(scheduler.active_requests.values(), key=held)]
     failed = []
     for state in states:
-        processor._handle_request_error(error, state)
-        scheduler.finish_request(state.request_id)
-        scheduler.waiting_requests.pop(state.request_id, None)
-        if state.request_id in scheduler.waiting_requests_order:
-            scheduler.waiting_requests_order.remove(state.request_id)
+        processor.fail_request(state, error)
         failed.append(state.request_id)
     processor.batch_in_flight = False
     logger.error("engine error, request(s) %s failed, the engine keeps serving: %s: %s",

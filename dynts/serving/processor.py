@@ -15,8 +15,8 @@ on the worker side; both share one :class:`~dynts.core.slots.RequestSlots` per r
 | ``ContinuousBatchProcessor`` | ``__class__`` swap in ``EvictingBatchingManager._create_batch_processor`` (transformers builds the processor inside its generation thread) | :class:`EvictingBatchProcessor` |
 | ``prepare_next_batch`` | override | ``_record_batch``: ``EvictionPolicy.open``, ``SlotTracker.attach`` / ``record``, positions shifted |
 | ``update_batch`` | override | ``SlotTracker.write_scores``; ``_evict_due``: ``EvictionPolicy.event`` -> ``SlotTracker.evict`` -> ``copy_plan`` -> ``_gather_rows`` / ``_pop_tail_blocks`` |
-| ``scheduler._get_waiting_candidates`` | instance attribute wrapped | ``_admissible``: ``EvictionPolicy.admit`` |
-| ``offloading_manager.offload_requests`` | instance attribute wrapped | preemptions counted; ``_after_preemption`` fails a request preempted after an event |
+| ``scheduler._get_waiting_candidates`` | instance attribute wrapped | ``_admissible``: ``EvictionPolicy.claimed`` / ``admit`` |
+| ``offloading_manager.offload_requests`` | instance attribute wrapped | ``_after_preemption``: ``EvictionPolicy.preempted`` per preempted request; one preempted after an event fails (``fail_request``) |
 | ``model_runner._sample`` | instance attribute replaced (per-request sampling only) | :class:`~dynts.serving.sampling.PerRequestSampler` |
 | the model's final norm | forward hook (the manager's) | ``stash_hidden``: a copy into a static buffer, CUDA-graph safe |
 
@@ -102,10 +102,9 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         offload = self.offloading_manager.offload_requests
 
         def guarded_offload(*args, **kwargs):
-            before = set(self.scheduler.active_requests)
+            before = list(self.scheduler.active_requests)
             done = offload(*args, **kwargs)
-            self.policy.preemptions += len(before - set(self.scheduler.active_requests))
-            self._after_preemption()
+            self._after_preemption([rid for rid in before if rid not in self.scheduler.active_requests])
             return done
 
         self.offloading_manager.offload_requests = guarded_offload
@@ -160,7 +159,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
     def reset(self) -> None:
         super().reset()
         if hasattr(self, "settings"):
-            for rid in list(self.slots):
+            for rid in list(self.policy.requests):
                 self._release(rid)
             self.tracker.pending_scores = None
 
@@ -182,19 +181,16 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         (:meth:`dynts.core.policy.EvictionPolicy.admit`); a request that can never fit fails now."""
         if not self.settings.bounded:
             return waiting
-        claimed = sum(max(0, self.reservation(state) - len(self.allocator.block_table.get(rid, ())))
-                      for rid, state in self.scheduler.active_requests.items())
+        claimed = self.policy.claimed((self._entry(state), len(self.allocator.block_table.get(rid, ())))
+                                      for rid, state in self.scheduler.active_requests.items())
         fitting = []
         for state in waiting:
             need = self.reservation(state)
             if need > self.allocator.num_blocks:  # would wait forever: fail it now, with the fix
-                self.scheduler.waiting_requests.pop(state.request_id, None)
-                if state.request_id in self.scheduler.waiting_requests_order:
-                    self.scheduler.waiting_requests_order.remove(state.request_id)
-                self._handle_request_error(ValueError(
+                self.fail_request(state, ValueError(
                     f"request {state.request_id} reserves {need} KV blocks (min(budget, prompt + max_new_tokens) / "
                     f"page) but the pool holds {self.allocator.num_blocks}; lower the budget or add blocks (num_blocks)"
-                ), state)
+                ))
                 continue
             fitting.append((state, need))
         admitted = self.policy.admit((need for _, need in fitting), self.free_blocks_in_pool(), claimed)
@@ -235,13 +231,16 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         in_use = self.blocks_in_use()
         self.policy.after_round(in_use, (time.perf_counter() - self._started, in_use, len(self.scheduler.active_requests)))
 
+    def _entry(self, state: RequestState) -> RequestSlots:
+        """The request's one entry in the policy (reservation, shift, statistics), opened on first use."""
+        return self.policy.open(state.request_id, self.settings, prompt_length(state), None,
+                                reserved_blocks=self.reservation(state))
+
     def _request_slots(self, state: RequestState) -> RequestSlots:
-        """The request's one entry: the policy's (reservation, shift, statistics), tracked by the slot table."""
+        """The request's one entry, tracked by the slot table."""
         entry = self.slots.get(state.request_id)
         if entry is None:
-            entry = self.policy.open(state.request_id, self.settings, prompt_length(state), None,
-                                     reserved_blocks=self.reservation(state))
-            self.tracker.attach(state.request_id, entry)
+            entry = self.tracker.attach(state.request_id, self._entry(state))
         return entry
 
     def _record_batch(self) -> None:
@@ -285,28 +284,38 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
 
     def _release_finished(self) -> None:
         active, waiting = self.scheduler.active_requests, self.scheduler.waiting_requests
-        for rid in [r for r in self.slots if r not in active and r not in waiting]:
+        for rid in [r for r in self.policy.requests if r not in active and r not in waiting]:
             self._release(rid)
 
-    def _after_preemption(self) -> None:
-        """A request sent back to the waiting queue keeps its cache only when offloaded to CPU; a soft reset
+    def _after_preemption(self, preempted: Sequence[str]) -> None:
+        """The engine preempted ``preempted`` (:meth:`~dynts.core.policy.EvictionPolicy.preempted` counts each).
+        A request sent back to the waiting queue keeps its cache only when offloaded to CPU; a soft reset
         re-prefills prompt + generated tokens, which replays a different (unevicted) trajectory once the
-        request has evicted: fail such a request with a clear error instead of continuing wrongly."""
+        request has evicted: such a request fails with a clear error instead of continuing wrongly."""
+        must_fail = {rid for rid in preempted if self.policy.preempted(rid)}
         waiting = self.scheduler.waiting_requests
-        for rid in [r for r in self.slots if r in waiting and not waiting[r].is_cpu_offloaded]:
-            entry = self.slots[rid]
-            if entry.evictions == 0:
+        for rid in [r for r in preempted if r in self.slots and r in waiting and not waiting[r].is_cpu_offloaded]:
+            if rid not in must_fail:
                 self._release(rid)  # nothing evicted yet: the re-prefill is exact, start a fresh entry
                 continue
-            state = waiting.pop(rid)
-            if rid in self.scheduler.waiting_requests_order:
-                self.scheduler.waiting_requests_order.remove(rid)
+            self.fail_request(waiting[rid], RuntimeError(self.policy.failure(rid, self.slots[rid])))
+
+    def fail_request(self, state: RequestState, error: Exception) -> None:
+        """Fail one request, running or waiting: its entry released (statistics kept), ``error`` delivered to its
+        client with the tokens it generated, its blocks back to the pool, and out of the scheduler's queues."""
+        rid = state.request_id
+        if hasattr(self, "settings") and rid in self.policy.requests:
             self._release(rid)
-            self._handle_request_error(RuntimeError(self.policy.failure(rid, entry)), state)
+        self._handle_request_error(error, state)  # reads a running request's tokens: before the scheduler drops it
+        self.scheduler.finish_request(rid)
+        self.scheduler.waiting_requests.pop(rid, None)
+        if rid in self.scheduler.waiting_requests_order:
+            self.scheduler.waiting_requests_order.remove(rid)
 
     def _release(self, rid: str) -> None:
         """Drop a request from the table and the policy; its statistics stay in :attr:`finished_stats`."""
-        self.tracker.release(rid)
+        if rid in self.slots:
+            self.tracker.release(rid)
         self.finished_stats[rid] = self.policy.finish(rid)
 
     # ------------------------------------------------------------------ eviction

@@ -2,7 +2,7 @@
 
 Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming or not, ``n`` choices,
 list prompts), ``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus text,
-:mod:`dynts.core.metrics`). Bodies are checked by :mod:`dynts.serving.openai_api` (4xx, never a
+:mod:`dynts.metrics`). Bodies are checked by :mod:`dynts.serving.openai_api` (4xx, never a
 500), prompts are tokenized in a worker thread and admitted by :class:`~dynts.serving.admission.Limits`
 (a request that can never fit gets 400 at once). Each request samples with its own parameters
 (:mod:`dynts.serving.sampling`) and stops at its own ``stop`` strings; a request whose client
@@ -27,10 +27,10 @@ from transformers import ContinuousBatchingConfig
 from ..cli_options import add_load_arguments, load_kwargs
 from .admission import Limits, default_max_tokens
 from .manager import EvictingBatchingManager, init_evicting_batching
-from ..core.metrics import ServerCounters, render_prometheus
+from ..metrics import ServerCounters, render_prometheus
 from .openai_api import BadRequest, error_body
 from .pool import plan_pool
-from ..core import EvictionSettings, add_eviction_arguments, eviction_fields
+from ..core import EvictionSettings, add_eviction_arguments, eviction_spec
 from .streams import Choice, Completion
 
 __all__ = ["ServerSettings", "Server", "build_app", "main"]
@@ -108,7 +108,7 @@ class Server:
         return self.manager.is_running() and self.manager.background_thread_status.fatal_error is None
 
     def stats(self) -> dict[str, float]:
-        """The engine's state and the server's counters, keyed by :data:`dynts.core.metrics.METRICS`."""
+        """The engine's state and the server's counters, keyed by :data:`dynts.metrics.METRICS`."""
         out: dict[str, float] = dict(self.counters.snapshot())
         p = self.manager.last_processor
         if p is not None:
@@ -303,7 +303,7 @@ def resolve_device(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(argv or []))
     try:
-        settings = EvictionSettings(**eviction_fields(args), think_end=args.think_end).check_served()
+        settings = eviction_spec(args, think_end=args.think_end).build().check_served()
         server_settings = ServerSettings(args.host, args.port, args.page_size, args.num_blocks, args.max_batch_tokens,
                                          args.max_tokens, args.log_level)
         options = resolve_device(args)
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"dynts serve: {err}")
     import uvicorn
 
-    from .. import load
+    from ..models import load
 
     model, tokenizer = load(args.model, **options)
     name = args.served_name or args.model

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any
 
-from ..core.metrics import ServerCounters, usage_dynts
+from ..metrics import ServerCounters, usage_dynts
 from .openai_api import CompletionRequest
 from .sampling import SamplingParams
 

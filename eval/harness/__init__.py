@@ -2,10 +2,10 @@
 
 Benchmarks (:mod:`.benchmarks`), prompts (:mod:`.prompts`), method specs (:mod:`.methods`), the
 validated run config (:mod:`.config`), the resumable runner (:mod:`.runner`), its reports
-(:mod:`.report`), the ``dynts eval`` command (:mod:`.cli`), the demo (:mod:`.demo`, ``dynts demo``),
-the testbed error breakdown (:mod:`.testbed_errors`) and the decode-cost measurement by position
-(:mod:`.decode_bench`, its output :mod:`.decode_report`; ``scripts/bench_decode.py`` and ``scripts/gpu_check.py``).
+(:mod:`.report`, :mod:`.records`), the paired tables (:mod:`.compare`, :mod:`.stats`), the loop rule
+(:mod:`.loops`), the ``dynts eval`` command (:mod:`.cli`), the demo (:mod:`.demo`, ``dynts demo``) and the
+testbed error breakdown (:mod:`.testbed_errors`). The performance benches are :mod:`eval.perf`.
 
-May import ``dynts`` and ``data_pipeline``; never ``trainers``, :mod:`eval.analyses` or
-:mod:`eval.rescue` (they build on this room, not the other way).
+May import ``dynts`` and ``data_pipeline``; never ``trainers``, :mod:`eval.analyses`, :mod:`eval.rescue` or
+:mod:`eval.perf` (they build on this room or beside it, not under it).
 """

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from data_pipeline.grading import GRADE_ON
+from dynts.core import EvictionSpec
 from dynts.predictor import find_predictor
 
 from .benchmarks import JsonlFields
@@ -41,6 +42,8 @@ class EvalConfig:
             before generating; ``dynts eval --final`` refuses unless ``--allow-vacuous``).
         local_windows: ``W_l`` values; ``None`` = half of each budget.
         retentions: selection-window retention ratios.
+            Each method's settings are :meth:`evictions` (one :class:`~dynts.core.EvictionSpec` per cell,
+            validated by the core when the config is made).
         k: samples per question (pass@1 is their mean).
         limit: first ``limit`` questions of each benchmark (``None`` = all).
         max_new_tokens: generation cap (``None`` = each benchmark's default; paper 16,384).
@@ -89,10 +92,6 @@ class EvalConfig:
         if not self.benchmarks:
             raise ValueError("benchmarks is empty; e.g. benchmarks=['gsm8k'] (--benchmark gsm8k)")
         self.method_specs: list[MethodSpec] = parse_methods(self.methods)
-        for name, values in (("budgets", self.budgets), ("local_windows", self.local_windows or ())):
-            bad = [v for v in values if not _is_int(v) or v < (1 if name == "budgets" else 0)]
-            if bad:
-                raise ValueError(f"{name} must be {'positive' if name == 'budgets' else 'non-negative'} integers; got {bad}")
         bad = [f for f in self.budget_fractions if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1]
         if bad:
             raise ValueError(f"budget_fractions must be shares in (0, 1) of the full cache's mean sequence, e.g. 0.25; got {bad}")
@@ -103,9 +102,12 @@ class EvalConfig:
                              "(--budget-fraction 0.25)")
         if self.vacuous not in ("flag", "refuse"):
             raise ValueError(f"vacuous={self.vacuous!r} must be 'flag' or 'refuse'")
-        bad = [r for r in self.retentions if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1]
-        if bad or not self.retentions:
-            raise ValueError(f"retentions must be numbers in (0, 1], e.g. 0.4; got {list(self.retentions) or 'nothing'}")
+        if not self.retentions:
+            raise ValueError("retentions is empty; e.g. retentions=[0.4] (--retention 0.4)")
+        if self.predictor == "auto":  # the trained predictor of this model (dynts.predictor.find_predictor)
+            self.predictor = str(find_predictor(self.model))
+        for method in self.method_specs:  # every cell's eviction settings, validated by the core now
+            self.evictions(method)
         if not _is_int(self.k) or self.k < 1:
             raise ValueError(f"k={self.k!r} must be an integer >= 1 (samples per question)")
         if self.greedy and self.k > 1:
@@ -118,16 +120,31 @@ class EvalConfig:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
         if not self.greedy and (self.temperature <= 0 or not 0 < self.top_p <= 1 or not _is_int(self.top_k) or self.top_k < 0):
             raise ValueError("sampling needs temperature > 0, top_p in (0, 1] and an integer top_k >= 0 (0 = off)")
-        needs_scores = [m.label for m in self.method_specs if "scores" in m.requires]
-        if needs_scores and self.predictor is None:
-            raise ValueError(f"methods {needs_scores} need a trained predictor: predictor=DIR (--predictor DIR)")
-        if self.predictor == "auto":  # the trained predictor of this model (dynts.predictor.find_predictor)
-            self.predictor = str(find_predictor(self.model))
         if self.predictor is not None and not (Path(self.predictor) / "predictor_config.json").is_file():
             raise ValueError(f"predictor={self.predictor!r} is not a directory written by ImportancePredictor.save_pretrained")
         if self.grade_on not in ("auto", *GRADE_ON):
             raise ValueError(f"grade_on={self.grade_on!r} must be 'auto', 'answer' or 'full' (--grade-on)")
         self.run_dir = Path(self.run_dir)
+
+    def evictions(self, method: MethodSpec, budgets: Sequence[int] | None = None) -> list[EvictionSpec]:
+        """The eviction settings ``method`` runs under: once for the full cache, else one per budget x local
+        window (default half the budget) x retention. ``budgets``: these instead of ``self.budgets`` (the
+        fraction budgets, once the full cache sized them)."""
+        budgets = self.budgets if budgets is None else budgets
+        if not method.bounded:
+            grid = [{}]
+        else:
+            grid = [{"budget": b, "local_window": lw, "retention": float(r)} for b in budgets
+                    for lw in self.local_windows or [b // 2] for r in self.retentions]
+        specs = []
+        for bounds in grid:
+            try:
+                specs.append(EvictionSpec(method.name, **bounds, predictor=self.predictor if "scores" in method.requires else None,
+                                          think_end=self.think_end, method_options=method.options))
+            except ValueError as err:
+                flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in bounds.items() if v is not None)
+                raise ValueError(f"method {method.label}{flags}: {err}") from None
+        return specs
 
     def sampling(self) -> dict[str, Any]:
         if self.greedy:

@@ -38,6 +38,8 @@ from dynts.prompts import pad_rows, pad_id
 from data_pipeline.grading import answer_after_delimiter, grade_text, resolve_grade_on
 
 from .benchmarks import Benchmark, load_benchmark
+from dynts.core import EvictionSpec
+
 from .config import EvalConfig
 from .methods import MethodSpec
 from .prompts import encode_prompts, user_message
@@ -48,15 +50,33 @@ __all__ = ["Cell", "EvalConfig", "batch_seed", "fraction_budgets", "plan_cells",
 
 @dataclass(frozen=True)
 class Cell:
-    """One benchmark under one method setting (``budget`` etc. are ``None`` for the full cache)."""
+    """One benchmark under one method setting.
+
+    Attributes:
+        benchmark: the benchmark spec.
+        method: the method as the run names it (its ``label`` in tables, e.g. a preset).
+        eviction: what ``dynts.generate`` runs (:class:`~dynts.core.EvictionSpec`).
+        predictor: fingerprint of the predictor, for methods that use its scores.
+    """
 
     benchmark: str
     method: MethodSpec
-    budget: int | None
-    local_window: int | None
-    retention: float | None
+    eviction: EvictionSpec
     predictor: str | None = None  # fingerprint of the predictor, for methods that use its scores
     budget_fraction: float | None = None  # the share of the full cache's mean sequence ``budget`` came from
+
+    @property
+    def budget(self) -> int | None:
+        """``B`` (``None`` for the full cache, as are ``local_window`` and ``retention``)."""
+        return self.eviction.budget if self.eviction.bounded else None
+
+    @property
+    def local_window(self) -> int | None:
+        return self.eviction.local_window if self.eviction.bounded else None
+
+    @property
+    def retention(self) -> float | None:
+        return self.eviction.retention if self.eviction.bounded else None
 
     @property
     def key(self) -> str:
@@ -93,16 +113,13 @@ def plan_cells(config: EvalConfig, fraction_budgets: dict[str, list[tuple[int, f
     scores = f"{Path(config.predictor).resolve()}@{fingerprint(config.predictor)}" if config.predictor else None
     cells = []
     for bench in config.benchmarks:
-        budgets = [(b, None) for b in config.budgets] + list((fraction_budgets or {}).get(bench, []))
+        extra = (fraction_budgets or {}).get(bench, [])
         for method in config.method_specs:
             predictor = scores if "scores" in method.requires else None
-            if not method.bounded:
-                cells.append(Cell(bench, method, None, None, None, predictor))
-                continue
-            for budget, fraction in budgets:
-                for lw in config.local_windows or [budget // 2]:
-                    for retention in config.retentions:
-                        cells.append(Cell(bench, method, budget, lw, float(retention), predictor, fraction))
+            cells += [Cell(bench, method, eviction, predictor) for eviction in config.evictions(method)]
+            if method.bounded:
+                cells += [Cell(bench, method, eviction, predictor, fraction) for budget, fraction in extra
+                          for eviction in config.evictions(method, budgets=[budget])]
     return cells
 
 
@@ -205,11 +222,9 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
     seed = batch_seed(config, index)
     torch.manual_seed(seed)
     input_ids, attention_mask = pad_rows([ctx.prompt_ids[i] for i, _ in pairs], pad_id(ctx.tokenizer))
-    bounds = {} if cell.budget is None else {"budget": cell.budget, "local_window": cell.local_window, "retention": cell.retention}
     result = dynts.generate(
         ctx.model, ctx.tokenizer, input_ids=input_ids, attention_mask=attention_mask,
-        method=cell.method.name, method_options=dict(cell.method.options), predictor=ctx.predictor,
-        max_new_tokens=ctx.max_new_tokens, think_end=config.think_end, **bounds, **config.sampling(),
+        eviction=cell.eviction.build(predictor=ctx.predictor), max_new_tokens=ctx.max_new_tokens, **config.sampling(),
     )
     stats = result.stats
     eos = ctx.model.generation_config.eos_token_id
@@ -239,9 +254,9 @@ def row_events(cell: Cell, width: int) -> Callable[[int], int]:
     """Eviction events a row of ``width`` padded prompt slots went through while generating ``length``
     tokens (:meth:`dynts.Budget.events`; 0 for the full cache). The cell's measured ``evictions`` count
     events per batch; this is the share each sample lived through."""
-    if cell.budget is None:
+    budget = cell.eviction.build().bounds
+    if budget is None:
         return lambda length: 0
-    budget = dynts.Budget(cell.budget, cell.local_window, cell.retention)
     return lambda length: budget.events(width, length)
 
 
@@ -286,17 +301,8 @@ def summarize(batches: Sequence[dict], n_questions: int, k: int) -> dict[str, An
     }
 
 
-def _check_budget(cell: Cell, ctx: _Context, vacuous: str = "flag") -> None:
-    if cell.budget is None:
-        return
-    longest = max(len(p) for p in ctx.prompt_ids)
-    need = longest + cell.local_window + 1
-    if cell.budget < need:
-        raise ValueError(
-            f"budget={cell.budget} cannot hold the longest {cell.benchmark} prompt ({longest} tokens) + "
-            f"local_window ({cell.local_window}) + 1: raise the budget to >= {need} or lower --local-window"
-        )
-    if vacuous == "refuse" and selection_slots(cell, [len(p) for p in ctx.prompt_ids]) == 0:
+def _check_vacuous(cell: Cell, ctx: _Context) -> None:
+    if selection_slots(cell, [len(p) for p in ctx.prompt_ids]) == 0:
         raise ValueError(
             f"budget={cell.budget} (W_l = {cell.local_window}, retention {cell.retention}) leaves no selection slot on "
             f"{cell.benchmark}: n_keep = question + local window, so every question-protecting method keeps the same "
@@ -329,7 +335,7 @@ def run_cell(ctx: _Context, cell: Cell, config: EvalConfig, bar: Callable | None
     flags = {} if slots is None else {"selection_slots": slots}
     write_record(config.run_dir, eval_record(cell.key, {**cell.as_dict(), **flags}, ids, config.k, records))
     prompt = statistics.mean(len(ids) for ids in ctx.prompt_ids)
-    n_keep = None if cell.budget is None else dynts.Budget(cell.budget, cell.local_window, cell.retention).n_keep(round(prompt))
+    n_keep = cell.eviction.build().n_keep(round(prompt))
     result = {
         "key": cell.key, **cell.as_dict(), "benchmark_size": len(ctx.prompt_ids),
         "max_new_tokens": ctx.max_new_tokens, "mean_prompt_tokens": prompt, "n_keep": n_keep, **flags,
@@ -362,7 +368,13 @@ def _contexts(
             config.max_new_tokens or bench.max_new_tokens,
         )
     for cell in todo:  # fail before generating anything, not after hours
-        _check_budget(cell, contexts[cell.benchmark], config.vacuous)
+        longest = max(len(p) for p in contexts[cell.benchmark].prompt_ids)
+        try:
+            cell.eviction.build().check_prompt(longest)
+        except ValueError as err:
+            raise ValueError(f"{cell.key}: the longest {cell.benchmark} prompt: {err}") from None
+        if config.vacuous == "refuse":
+            _check_vacuous(cell, contexts[cell.benchmark])
     return contexts
 
 

@@ -112,7 +112,8 @@ class RescueEvalConfig:
             raise ValueError(f"n={self.n!r} must be an int >= 1 (candidates per model per step)")
         if self.degen_steps is None:
             self.degen_steps = max(1, self.max_steps // 4)
-        self.bounds()  # validates budget / headroom / local_window
+        for method in self.methods:  # every method's eviction settings, validated by the core now
+            self.eviction(method)
 
     def bounds(self):
         """The base's :class:`~dynts.core.budget.Budget`: ``budget`` is the physical bound ``B``, or with
@@ -124,11 +125,11 @@ class RescueEvalConfig:
         return Budget(self.budget, self.local_window, self.retention)
 
     def eviction(self, method: str):
-        """The base's :class:`~dynts.core.EvictionSettings` under ``method`` (``"full"``: no eviction)."""
-        from dynts.core import EvictionSettings
+        """The base's :class:`~dynts.core.EvictionSpec` under ``method`` (``"full"``: no eviction)."""
+        from dynts.core import EvictionSpec
 
-        return EvictionSettings(method, self.bounds(), self.local_window, self.retention, self.predictor,
-                                self.think_end, self.method_options.get(method))
+        return EvictionSpec(method, self.bounds(), self.local_window, self.retention, self.predictor, self.think_end,
+                            self.method_options.get(method))
 
     def search(self, setting: str) -> tuple[int, int, bool]:
         """``(n_base, n_helper, detector on)`` of a stepwise setting: ``bon`` N + 0 without the detector,

@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "calibrate":
         config = RescueEvalConfig(
-            benchmark=args.benchmark, out=args.out or "", base=args.base, prm=args.prm, predictor=args.predictor,
+            benchmark=args.benchmark, out=args.out or "", base=args.base, prm=args.prm, methods=(args.method,),
+            predictor=args.predictor,
             budget=args.budget, paper_budget=args.paper_budget, headroom=args.headroom,
             local_window=args.local_window, retention=args.retention, n=args.n,
             delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,

@@ -29,14 +29,14 @@ lists cut), then ``plain_steps`` **plain decode steps** (one token per row, each
 recomputed), then the rows are refilled to ``B`` by untimed multi-token forwards and the cycle repeats. Each of
 ``before_step``, ``after_prepare_inputs`` and ``after_forward`` is timed on its own: ``host`` (until it returns)
 and ``done`` (until the device finished: a synchronize; on CPU the same). Reported: medians over the timed
-cycles after ``warmup`` cycles, and the syncs of one more cycle (:mod:`eval.harness.syncs`: torch's sync debug
+cycles after ``warmup`` cycles, and the syncs of one more cycle (:mod:`eval.perf.syncs`: torch's sync debug
 mode on CUDA, the dispatch-mode counter elsewhere).
 
 With ``verify`` the forward writes every token's K/V (its position, row and head, through FlashAttention's own
 ``kv_cache.transpose(1, 2).split(head, -1)`` view at the slot mapping the hooks left), and after every round
 each row's stored slots, read through its block list, must hold what the scheduler side expects: the positions
 the evictor kept (its decision, recorded as it is made) followed by the new tokens -- the real code path, end
-to end (``tests/test_vllm_hooks_bench.py``).
+to end (``tests/test_worker_hooks_bench.py``).
 """
 
 from __future__ import annotations
@@ -477,7 +477,7 @@ def _median_us(samples: list[dict]) -> dict:
 
 def run_hooks_bench(settings: HooksBenchSettings) -> dict:
     """Time the hooks per plain decode step and per eviction round (see the module docstring); a JSON-able dict."""
-    from eval.harness.syncs import sync_counter
+    from eval.perf.syncs import sync_counter
 
     started = time.perf_counter()
     with torch.no_grad():

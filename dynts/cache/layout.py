@@ -1,0 +1,33 @@
+"""The counters every layer of a :class:`~dynts.cache.BoundedCache` reads: one :class:`Layout` per cache,
+shared by reference, so a layer reads where to write and what to return without reading its cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Layout"]
+
+
+@dataclass
+class Layout:
+    """Where the live slots of every layer's buffers are (one eviction compacts all layers at once).
+
+    Attributes:
+        length: slots stored before the forward in flight.
+        seen: absolute tokens seen before it (``get_seq_length()``, the next position id).
+        pending: tokens of the forward in flight.
+        capacity: slots each buffer holds.
+        static_step: the forward in flight is a static-shape decode step (static layout).
+        write_index: ``[1]`` device slot the static decode step writes.
+        seen_tensor: ``[]`` device copy of ``seen`` for the static decode step.
+    """
+
+    length: int = 0
+    seen: int = 0
+    pending: int = 0
+    capacity: int = 0
+    static_step: bool = False
+    write_index: torch.Tensor | None = None
+    seen_tensor: torch.Tensor | None = None
