@@ -18,7 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from dynts.vllm.compat import INTERNALS, missing_internals
+from dynts.vllm.compat import COMMON, INTERNALS, RUNNER, WORKER_V1, WORKER_V2, missing_internals
 
 
 def unpack(wheel: Path, into: Path) -> Path:
@@ -43,8 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         wheel = args.wheel or download(args.release, Path(tmp))
-        missing = missing_internals(unpack(wheel, Path(tmp) / "src"))
-    print(f"vllm {args.release}: {len(INTERNALS)} internals checked, {len(missing)} missing"
+        root = unpack(wheel, Path(tmp) / "src")
+        runner = "v1" if (root / RUNNER).is_file() else "v2"  # what missing_internals checks on this tree
+        missing = missing_internals(root, runner)
+    checked = len(COMMON) + len(WORKER_V1 if runner == "v1" else WORKER_V2)
+    print(f"vllm {args.release}: {checked} internals checked ({runner} runner), {len(missing)} missing"
           + "".join(f"\n  missing: {m}" for m in missing))
     if args.expect_missing is not None and len(missing) != args.expect_missing:
         print(f"expected {args.expect_missing} missing: update docs/vllm.md and the Makefile", file=sys.stderr)

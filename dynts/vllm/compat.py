@@ -18,8 +18,8 @@ from pathlib import Path
 
 from packaging.version import Version
 
-__all__ = ["INTERNALS", "SUPPORTED_RELEASES", "check_vllm_version", "installed_vllm", "missing_internals",
-           "runner_of", "unsupported_reason"]
+__all__ = ["COMMON", "INTERNALS", "SUPPORTED_RELEASES", "WORKER_V1", "WORKER_V2", "check_vllm_version", "installed_vllm",
+           "missing_internals", "runner_of", "unsupported_reason"]
 
 # (inclusive lower bound, exclusive upper bound, the model runner the plugin drives there); keep in sync with the
 # ``vllm`` extra in pyproject.toml. 0.33 runs both runners and is not tested: outside.

@@ -235,17 +235,11 @@ class WorkerHooks:
             computed = int(batch.num_computed_tokens_cpu[i])
             shift = self.shifts.get(rid, 0)
             shift_rows[i] = shift
-            if rid in self.untracked:
-                continue
-            entry = self.tracker.slots.get(rid)
+            entry, opened = self.entry_of(rid, int(batch.num_prompt_tokens[i]))
             if entry is None:
-                settings, prompt = self.settings_of(rid), int(batch.num_prompt_tokens[i])
-                if self.predictor is None and self._never_evicts(rid, settings, prompt):
-                    self.untracked.add(rid)
-                    continue
-                entry = self.tracker.open(rid, prompt, settings=settings)
-                if computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
-                    cached.append(Forward(entry, 0, 0, batch.token_ids_cpu[i, :computed].tolist()))
+                continue
+            if opened and computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
+                cached.append(Forward(entry, 0, 0, batch.token_ids_cpu[i, :computed].tolist()))
             forwards.append(Forward(entry, computed, computed - shift, batch.token_ids_cpu[i, computed : computed + q].tolist()))
         if cached:
             self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
@@ -262,6 +256,20 @@ class WorkerHooks:
         stored_positions = runner.positions[:total] - per_token.to(runner.positions.device, runner.positions.dtype,
                                                                    non_blocking=True)
         batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], stored_positions)
+
+    def entry_of(self, rid: str, prompt_length: int) -> tuple[Any, bool]:
+        """``(entry, opened now)`` of a scheduled request; ``(None, False)`` for one that is not recorded (no
+        predictor and no event possible: :meth:`_never_evicts`)."""
+        if rid in self.untracked:
+            return None, False
+        entry = self.tracker.slots.get(rid)
+        if entry is not None:
+            return entry, False
+        settings = self.settings_of(rid)
+        if self.predictor is None and self._never_evicts(rid, settings, prompt_length):
+            self.untracked.add(rid)
+            return None, False
+        return self.tracker.open(rid, prompt_length, settings=settings), True
 
     def _never_evicts(self, rid: str, settings: Any, prompt_length: int) -> bool:
         """True when the request can never have an event (:meth:`EvictionSettings.may_evict`, the scheduler's rule

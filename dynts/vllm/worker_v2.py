@@ -104,7 +104,7 @@ class RunnerV2Hooks(WorkerHooks):
 
         A token whose id has not arrived yet (async scheduling: it is being sampled by the round in flight) is
         scored now and labelled when its id comes with the next plan (:meth:`_label_late`)."""
-        num_reqs = batch.num_reqs
+        num_reqs, states = batch.num_reqs, self.runner.req_states
         scheduled = batch.num_scheduled_tokens[:num_reqs]
         forwards, cached, shift_rows = [], [], np.zeros(num_reqs, dtype=np.int64)
         score_rows: list[int] = []
@@ -113,18 +113,11 @@ class RunnerV2Hooks(WorkerHooks):
             q, computed = int(scheduled[i]), int(batch.num_computed_tokens_np[i])
             shift = self.shifts.get(rid, 0)
             shift_rows[i] = shift
-            if rid in self.untracked:
-                continue
-            entry = self.tracker.slots.get(rid)
+            entry, opened = self.entry_of(rid, int(states.prompt_len.np[states.req_id_to_index[rid]]))
             if entry is None:
-                states = self.runner.req_states
-                settings, prompt = self.settings_of(rid), int(states.prompt_len.np[states.req_id_to_index[rid]])
-                if self.predictor is None and self._never_evicts(rid, settings, prompt):
-                    self.untracked.add(rid)
-                    continue
-                entry = self.tracker.open(rid, prompt, settings=settings)
-                if computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
-                    cached.append(Forward(entry, 0, 0, self._take(rid, 0, computed, require=True)))
+                continue
+            if opened and computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
+                cached.append(Forward(entry, 0, 0, self._take(rid, 0, computed, require=True)))
             stored = computed - shift
             ids = [] if self.unlabelled.get(rid) else self._take(rid, computed, q)
             if ids:
