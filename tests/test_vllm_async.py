@@ -59,9 +59,16 @@ def testbed():
 
 def test_async_every_method_equals_generate_alone(tmp_path, testbed):
     """Eight requests arriving while others decode, four methods, async scheduling on: each token-identical
-    to dynts.generate on it alone; bounded, blocks freed, no preemption."""
-    result = run(tmp_path, 8)
+    to dynts.generate on it alone; bounded, blocks freed, no preemption. The per-step writes are the ones a
+    FULL CUDA graph would see (vLLM captures none on CPU): ``seq_lens`` lowered in the runner's persistent
+    buffer and slot mappings in vLLM's persistent buffer on every shifted step, and no K/V copy inside the
+    model's forward."""
+    result = run(tmp_path, 8, check_buffers=True)
     assert result["engine_classes"]["scheduler"] == "AsyncScheduler" and result["engine_classes"]["batch_queue"]
+    buffers = result["buffers"]
+    assert buffers["shifted_steps"] > 0 and buffers["copies"] > 0
+    assert buffers["seq_lens_in_place"] == buffers["slot_mappings_in_place"] == buffers["shifted_steps"]
+    assert buffers["copies_in_forward"] == 0
     assert_bounded_and_freed(result, BUDGET)
     assert all(s["evictions"] > 0 for s in result["request_stats"].values())
     assert mismatches(result, testbed, 8) == []

@@ -5,6 +5,9 @@
 (``arrive_at_step``: 0 = before the first step), so later ones join while others decode.
 ``"admit_all": true`` switches the plugin's admission control off (vLLM then preempts under a tight pool);
 ``"force_unsupported": true`` makes the plugin treat the installed vLLM as outside its supported range;
+``"check_buffers": true`` reports, per V2 step with a shifted request, whether ``seq_lens`` was lowered in the
+runner's persistent buffer and the slot mappings landed in vLLM's persistent buffer (what a FULL CUDA graph
+reads at replay), and whether any K/V copy ran inside the model's forward (``"buffers"``).
 ``"stale_shift": true`` makes the V2 worker use each request's shift one round late (the async bug the protocol
 must not have: the test that catches it). Async scheduling is vLLM's default unless ``"engine"`` sets
 ``async_scheduling`` (on vLLM 0.34's CPU test bed, tests/support/vllm_cpu_testbed keeps vLLM's default, on).
@@ -59,6 +62,7 @@ def main(spec_path: str) -> None:  # noqa: C901
         print("DYNTS_RESULT " + json.dumps({"engine_error": f"{type(err).__name__}: {err}"}))
         return
     core = llm.llm_engine.engine_core.engine_core
+    buffers = watch_buffers(model_runner(core)) if spec.get("check_buffers") else None
     scheduler = core.scheduler
     hooks = getattr(scheduler, "_dynts", None)
     if spec.get("admit_all"):  # switch admission control off: let vLLM preempt
@@ -117,8 +121,50 @@ def main(spec_path: str) -> None:  # noqa: C901
         "request_stats": per_request,
         "wrapped": wrapped_methods(llm, scheduler, core),
         "engine_classes": engine_classes(scheduler, core),
+        "buffers": buffers,
     }
     print("DYNTS_RESULT " + json.dumps(result))
+
+
+def watch_buffers(runner) -> dict:
+    """Count, on the V2 runner of a dynts engine, the steps whose shifted ``seq_lens`` and slot mappings are the
+    persistent buffers a captured graph reads, and K/V copies made while the model's forward runs."""
+    counts = {"shifted_steps": 0, "seq_lens_in_place": 0, "slot_mappings_in_place": 0, "copies_in_forward": 0,
+              "copies": 0}
+    state = {"in_forward": False}
+    seq_lens_storage = runner.input_buffers.seq_lens.untyped_storage().data_ptr()
+    slots_storage = runner.block_tables.slot_mappings.untyped_storage().data_ptr()
+    prepare_attn = runner.prepare_attn  # the plugin's bound wrapper
+
+    def watched_prepare_attn(input_batch):
+        block_tables, slot_mappings = prepare_attn(input_batch)
+        if runner._dynts.lowered is not None:
+            counts["shifted_steps"] += 1
+            counts["seq_lens_in_place"] += input_batch.seq_lens.untyped_storage().data_ptr() == seq_lens_storage
+            counts["slot_mappings_in_place"] += slot_mappings.untyped_storage().data_ptr() == slots_storage
+        return block_tables, slot_mappings
+
+    model = runner.model
+    forward = model.forward
+
+    def watched_forward(*args, **kwargs):
+        state["in_forward"] = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            state["in_forward"] = False
+
+    def watch_copy(copy):
+        def watched(kv, src, dst, block_size):
+            counts["copies"] += 1
+            counts["copies_in_forward"] += state["in_forward"]
+            return copy(kv, src, dst, block_size)
+        return watched
+
+    runner.prepare_attn = watched_prepare_attn
+    model.forward = watched_forward
+    runner._dynts.layers = [(kv, watch_copy(copy)) for kv, copy in runner._dynts.layers]
+    return counts
 
 
 def model_runner(core):
