@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..core import EVICTION_FIELDS, EvictionSettings
+from ..core import EVICTION_FIELDS, EvictionSettings, EvictionSpec
 
 __all__ = ["ENGINE_FIELDS", "MAX_VARIANTS", "REQUEST_FIELDS", "PluginConfig", "asks_for_dynts", "engine_asks_for_dynts",
            "request_overrides"]
@@ -61,14 +61,15 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
 
 @dataclass
 class PluginConfig:
-    """The engine's eviction settings and a bounded cache of per-request variants (one evictor per variant,
-    the :data:`MAX_VARIANTS` most recently used).
+    """The engine's eviction settings (an :class:`~dynts.core.EvictionSpec`, validated by the core) and a bounded
+    cache of per-request variants (one evictor per variant, the :data:`MAX_VARIANTS` most recently used).
 
     Args:
         engine: the ``additional_config["dynts"]`` mapping.
     """
 
     engine: Mapping[str, Any]
+    spec: EvictionSpec = field(init=False)
     settings: EvictionSettings = field(init=False)
     _variants: OrderedDict[tuple, EvictionSettings] = field(init=False, default_factory=OrderedDict, repr=False)
 
@@ -78,19 +79,16 @@ class PluginConfig:
         unknown = sorted(set(self.engine) - set(ENGINE_FIELDS))
         if unknown:
             raise ValueError(f"unknown additional_config['dynts'] fields {unknown}; choose from {list(ENGINE_FIELDS)}")
-        self.settings = self._build(dict(self.engine))
+        try:
+            self.spec = EvictionSpec(**{"method": "dynts", **self.engine})
+        except TypeError as err:
+            raise ValueError(f"bad dynts settings: {err}") from None
+        self.settings = self.spec.build().check_served()
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> "PluginConfig | None":
         """The plugin's config from a ``VllmConfig``; ``None`` (plugin inert) without a ``dynts`` entry."""
         return cls(vllm_config.additional_config["dynts"]) if engine_asks_for_dynts(vllm_config) else None
-
-    def _build(self, fields: dict[str, Any]) -> EvictionSettings:
-        fields.setdefault("method", "dynts")
-        try:
-            return EvictionSettings(**fields).check_served()
-        except TypeError as err:
-            raise ValueError(f"bad dynts settings: {err}") from None
 
     @property
     def predictor(self) -> Any:
@@ -111,11 +109,10 @@ class PluginConfig:
         if found is not None:
             self._variants.move_to_end(key)
         else:
-            fields = {name: self.engine.get(name) for name in ENGINE_FIELDS if name in self.engine}
+            changes = dict(overrides)
             if "method" in overrides and "method_options" not in overrides:
-                fields.pop("method_options", None)  # the engine's options belong to the engine's method
-            fields.update(overrides)
-            found = self._build(fields)
+                changes["method_options"] = ()  # the engine's options belong to the engine's method
+            found = self.spec.replace(**changes).build().check_served()
             if found.needs_scores and not self.settings.needs_scores:
                 raise ValueError(f"method={found.evictor.name!r} needs the predictor, which this server does not load; "
                                  "start it with additional_config {'dynts': {'method': 'dynts', 'predictor': DIR, ...}}")
