@@ -27,11 +27,12 @@ from __future__ import annotations
 from typing import Any
 
 from .checks import check_engine
+from .compat import runner_of
 from .config import PluginConfig, asks_for_dynts
 from .metrics import Counters, attach, move_to_usage, pass_on, request_stats
-from .scheduler import SchedulerHooks
-from .compat import runner_of
+from .refusals import refuse_request
 from .runners import install_runner
+from .scheduler import SchedulerHooks
 from .wrapping import bind, wrap
 
 __all__ = ["check_engine", "install"]
@@ -155,8 +156,6 @@ def _install_frontend() -> None:
             if config is not None:
                 check_request(config, params.extra_args, len(request.prompt_token_ids or ()))
             elif asks_for_dynts(params.extra_args):
-                from .refusals import refuse_request
-
                 raise refuse_request(NOT_CONFIGURED)
             return request
         return process_inputs
@@ -227,13 +226,11 @@ def _install_responses() -> None:
 def check_request(config: PluginConfig, extra_args: Any, prompt_length: int) -> None:
     """Raise vLLM's validation error (HTTP 400) for bad per-request dynts fields or a prompt the budget
     cannot hold next to the local window."""
-    from vllm.exceptions import VLLMValidationError
-
     try:
         settings = config.for_request(extra_args)
         settings.check_prompt(prompt_length)
     except ValueError as err:
-        raise VLLMValidationError(f"dynts: {err}", parameter="vllm_xargs") from None
+        raise refuse_request(str(err)) from None
 
 
 def install() -> None:

@@ -33,7 +33,8 @@ def refuse_engine(reason: str) -> ValueError:
 
 
 def refuse_request(reason: str) -> Exception:
-    """The validation error (HTTP 400) a request with dynts fields gets from an engine that cannot evict."""
+    """vLLM's validation error (HTTP 400) for a request's dynts fields: an engine that cannot evict, or fields
+    it cannot serve (:func:`dynts.vllm.patches.check_request`)."""
     try:
         from vllm.exceptions import VLLMValidationError
     except ImportError:  # a release without it: vLLM answers a ValueError with 400 too
