@@ -1,5 +1,5 @@
 #!/bin/bash
-# The chain family's first measurements (issue #30; docs/testbed.md, "The chain family"), one command
+# The chain family's first measurements (docs/testbed.md, "The chain family"), one command
 # per number, each under the machine's CPU lock (other jobs may run between).
 #   scripts/run_chain_testbed.sh [STEP...]   steps: lrm helper prm predictor full budget96 (default: all, in this order)
 # Training resumes from the run's last checkpoint, so a step cut by a time limit continues on a rerun.

@@ -4,7 +4,7 @@
 # Run after configs/testbed/{lrm,lrm-robust,lrm-mix,helper}.yaml are trained:  scripts/run_testbed_regime.sh [STEP...]
 # Steps: predictor chain report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev
 #        rescue-confirm rescue-confirm-chain pareto-confirm demo-confirm
-# (default: all, in this order). Issue 39's steps are not in the default list; run them by name, in order:
+# (default: all, in this order). The ranking steps are not in the default list; run them by name, in order:
 #        chain-fair chain-fair-dev sealed
 # (chain-fair trains the fair chain LRM and rebuilds its helper, PRM and predictor; chain-fair-dev is the
 # before/after table on dev and where the budget fractions are checked; sealed reads the final-only
@@ -28,7 +28,7 @@ COPY_VERIFIER='testbed-prm-order*likelihood:testbed-helper'
 CHAIN_VERIFIER='testbed-chain-prm*likelihood:testbed-chain-helper'
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
-# issue 39: the fair chain LRM (configs/testbed/chain-lrm-fair.yaml) and its rebuilt helper, PRM and predictor
+# the fair chain LRM (configs/testbed/chain-lrm-fair.yaml) and its rebuilt helper, PRM and predictor
 CHAIN_FAIR=runs/testbed-chain-lrm-fair/export
 CHAIN_FAIR_PREDICTOR=runs/testbed-chain-lrm-fair/predictor
 # the paper's protocol: k = 5 samples per problem, budgets as shares of the full cache's mean sequence
@@ -180,7 +180,7 @@ for step in $steps; do
       done ;;
     chain)  # the chain family's models and first numbers (training, PRM, predictor, full cache, B = 96 on dev)
       scripts/run_chain_testbed.sh ;;
-    chain-fair)  # issue 39, Build 1: the fair chain LRM from scratch (4 x 256, the mechanism shapes, lost values and
+    chain-fair)  # the fair chain LRM from scratch (4 x 256, the mechanism shapes, lost values and
       # reads), then its helper, PRM (+ AUROC on gate traces) and predictor rebuilt on it, the full cache on 200 dev
       # problems x k = 5 (target >= 85 %), and the predictor held out on ptest with the on-policy retention table
       $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-lrm-fair.yaml --resume      # -> $CHAIN_FAIR
@@ -198,7 +198,7 @@ for step in $steps; do
       done
       $LOCK $PY -m eval.analyses.predictor_heldout --family copy --n 200 --budget 96 --local-window 32 \
         --methods full,dynts,random,h2o+q,snapkv+q,rkv+q --out reports/predictor-heldout/copy.json ;;
-    chain-fair-dev)  # issue 39: the before/after table on dev, every method, the DynTS-favouring chain LRM (testbed-chain)
+    chain-fair-dev)  # the before/after table on dev, every method, the DynTS-favouring chain LRM (testbed-chain)
       # vs the fair one, each with its own predictor, k = 5, the fractions above (a vacuous share shows here first)
       DEV="$PY -m dynts.cli eval --benchmark testbed:n=200,family=chain,set=dev $K5"
       M="$RANK_METHODS,window,streamingllm,sepllm,chain-oracle-step,chain-oracle-value"  # every method
@@ -211,7 +211,7 @@ for step in $steps; do
         cp runs/chain-dev-$side/records/*.json reports/chain-dev-$side/records/
         cp runs/chain-dev-$side/results.{md,json} reports/chain-dev-$side/
       done ;;
-    sealed)  # issue 39, Builds 2-3: the final tables on the final-only `sealed` problems, read only here (dynts eval
+    sealed)  # the final tables on the final-only `sealed` problems, read only here (dynts eval
       # --final; each run appends to reports/final-ledger.jsonl): chain n = 500 on the fair chain LRM, copy n = 200 on
       # the fair copy LRM (lrm-fair.yaml), k = 5, the fractions above, every ranked method, the oracles and the
       # Table 2 ablations; verdicts Holm-adjusted per table with TOST +-3 points (eval.harness.compare --wide)

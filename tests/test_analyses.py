@@ -1,4 +1,4 @@
-"""Analyses (issue 8): the fixed-set evictor, Pareto retention, sparsity, POS by importance, plots, CLI."""
+"""Analyses: the fixed-set evictor, Pareto retention, sparsity, POS by importance, plots, CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sharded models (issue #14, part 4): the cache never assumes that the layers, the slot table and the
+"""Sharded models: the cache never assumes that the layers, the slot table and the
 predictor share one device.
 
 CPU has one real device, so these tests use ``meta`` as the second one: tensors on ``meta`` carry

@@ -1,4 +1,4 @@
-"""Memory-safe statistics (issue #14, part 3): the chunked R-KV redundancy and the chunked attention
+"""Memory-safe statistics: the chunked R-KV redundancy and the chunked attention
 recording give the same statistics and the same kept sets as the implementation they replaced,
 which is copied here verbatim as the reference."""
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 attach_module = importlib.import_module("dynts.cache.attach")  # dynts.attach: where the recording is switched on
 
 
-# ---------------------------------------------------------------- references (the code before #14)
+# ---------------------------------------------------------------- references (the unchunked computations)
 def reference_key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
     b, h, n, _ = keys.shape
     pair = valid.unsqueeze(2) & valid.unsqueeze(1)  # [b, n, n] both real
@@ -79,7 +79,7 @@ def reference_record_attention(self, probs, first_row=0):
 
 @pytest.fixture
 def reference_recording(monkeypatch):
-    """Switch ``dynts.attach`` to the pre-#14 recording: every row at once, unchunked."""
+    """Switch ``dynts.attach`` to the unchunked recording: every row at once, unchunked."""
 
     def unchunked(model, recorder, last_rows=None, chunk_rows=None):
         return recording_attention(model, lambda module, probs: recorder(module, probs, 0))

@@ -1,4 +1,4 @@
-"""The pipeline on GPUs (issue #14, part 5): finished stages never load a model, each DDP rank loads
+"""The pipeline on GPUs: finished stages never load a model, each DDP rank loads
 the backbone once onto its own device, and the vLLM backend gets its settings from the config
 (checked with a fake ``vllm`` module that records the arguments)."""
 

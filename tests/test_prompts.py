@@ -1,4 +1,4 @@
-"""dynts.prompts: the one prompt encoding and the one row padding every package uses (issue #15)."""
+"""dynts.prompts: the one prompt encoding and the one row padding every package uses."""
 
 from __future__ import annotations
 

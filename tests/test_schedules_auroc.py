@@ -1,4 +1,4 @@
-"""The one cosine schedule (trainers.schedules) and the PRM's AUROC on torchmetrics (issue #15):
+"""The one cosine schedule (trainers.schedules) and the PRM's AUROC on torchmetrics:
 the same numbers as the hand-written versions they replace."""
 
 from __future__ import annotations

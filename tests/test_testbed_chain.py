@@ -274,7 +274,7 @@ def test_chain_prm_labels_and_step_verifier():
 
 def test_lose_reads_and_the_fair_chain_recipe_loads():
     """``keep_reads=False`` forces none of the read results (a drawn shape keeps them only by its own
-    draw); ``data.evict_lose_reads`` is validated; configs/testbed/chain-lrm-fair.yaml (issue 39) loads,
+    draw); ``data.evict_lose_reads`` is validated; configs/testbed/chain-lrm-fair.yaml loads,
     trains from scratch with the mechanism shapes and both lose options, and draws batches."""
     from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""Testbed fine-tuning options (issue 16): systematic arithmetic slips for the helper, eviction-shaped
+"""Testbed fine-tuning options: systematic arithmetic slips for the helper, eviction-shaped
 attention masks for a robust LRM, and starting from trained weights."""
 
 from __future__ import annotations

@@ -314,8 +314,8 @@ def make_drill(
 #                                 recipe or setting is chosen on it;
 #   ``confirm``                   the final tables only (``CONFIRM``): refused outside
 #                                 :func:`final_tables`, which only the table commands enter;
-#   ``sealed``                    final-only too (``SEALED``), fresh: no command read it before the
-#                                 ranking run of issue 39 (k samples per problem); guarded as
+#   ``sealed``                    final-only too (``SEALED``), fresh: read only by the ranking run
+#                                 (k samples per problem); guarded as
 #                                 ``confirm`` is, and every read is logged (:func:`final_tables`);
 #   ``train...``                  refused: training draws its own ``"train:..."`` seeds.
 # ``gate``, ``confirm`` and ``sealed`` seed problem ``i`` by ``"{set}:{min_think}-{max_think}:{i}"``, so other
