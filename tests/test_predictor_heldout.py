@@ -45,5 +45,7 @@ def test_metrics_on_ptest_with_cis(tmp_path):
     assert result["set"] == "ptest" and result["metrics"]["traces"] >= 1
     tau = result["metrics"]["kendall"]
     assert -1 <= tau["ci"][0] <= tau["mean"] <= tau["ci"][1] <= 1
-    assert set(result["retention"]["methods"]) == {"full", "dynts"} and out.with_suffix(".md").is_file()
+    assert set(result["retention"]["methods"]) == {"full", "dynts"}
+    table = out.with_suffix(".md").read_text()
+    assert table == ph.markdown(result) and f"Kendall tau-b {tau['mean']:.3f}" in table and "| dynts |" in table
     assert ph.main(["--set", "confirm", "--n", "2"]) == 2  # a final-only set is refused

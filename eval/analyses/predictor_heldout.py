@@ -203,16 +203,26 @@ def retention(model: Any, tokenizer: Any, problems: Sequence[task.Problem], meth
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The retention table: per method, pass@1 and each kind's retained share % [95 % CI]."""
-    r = result["retention"]
-    lines = [f"B = {r['budget']}, W_l = {r['local_window']}, {r['problems']} problems ({result['set']}, {result['family']})", "",
-             "| method | pass@1 % | " + " | ".join(f"{k} % [CI] (reads)" for k in READ_KINDS) + " |", "|---|---|" + "---|" * len(READ_KINDS)]
-    for label, m in r["methods"].items():
-        cells = []
-        for k in READ_KINDS:
-            v = m["retained"][k]
-            cells.append("–" if v["mean"] is None else f"{100 * v['mean']:.1f} [{100 * v['ci'][0]:.1f}, {100 * v['ci'][1]:.1f}] ({v['pooled'][1]})")
-        lines.append(f"| {label} | {100 * m['pass@1']:.1f} | " + " | ".join(cells) + " |")
+    """The predictor's held-out metrics [95 % CI], then the retention table: per method, pass@1 and each
+    kind's retained share % [95 % CI]."""
+    lines: list[str] = []
+    if "metrics" in result:
+        m = result["metrics"]
+        overlap = m[f"top{m['percent']:g}_overlap"]
+        lines += [f"Predictor `{result['predictor']}` on {m['traces']} full-cache traces ({result['set']}, {result['family']}): "
+                  f"Kendall tau-b {m['kendall']['mean']:.3f} [{m['kendall']['ci'][0]:.3f}, {m['kendall']['ci'][1]:.3f}], "
+                  f"top-{m['percent']:g} % overlap {overlap['mean']:.3f} [{overlap['ci'][0]:.3f}, {overlap['ci'][1]:.3f}]", ""]
+    if "retention" in result:
+        r = result["retention"]
+        lines += [f"B = {r['budget']}, W_l = {r['local_window']}, {r['problems']} problems ({result['set']}, {result['family']})", "",
+                  "| method | pass@1 % | " + " | ".join(f"{k} % [CI] (reads)" for k in READ_KINDS) + " |",
+                  "|---|---|" + "---|" * len(READ_KINDS)]
+        for label, m in r["methods"].items():
+            cells = []
+            for k in READ_KINDS:
+                v = m["retained"][k]
+                cells.append("–" if v["mean"] is None else f"{100 * v['mean']:.1f} [{100 * v['ci'][0]:.1f}, {100 * v['ci'][1]:.1f}] ({v['pooled'][1]})")
+            lines.append(f"| {label} | {100 * m['pass@1']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -254,13 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_retention:
         result["retention"] = retention(model, tokenizer, problems, [args.methods], args.budget, args.local_window,
                                         predictor=predictor_dir, seed=args.seed, max_new_tokens=args.max_new_tokens)
-    print(json.dumps(result.get("metrics", {}), indent=2))
-    if "retention" in result:
-        print(markdown(result))
+    print(markdown(result))
     if args.out:
         write_atomic(Path(args.out), json.dumps(result, indent=2) + "\n")
-        if "retention" in result:
-            write_atomic(Path(args.out).with_suffix(".md"), markdown(result))
+        write_atomic(Path(args.out).with_suffix(".md"), markdown(result))
     return 0
 
 
