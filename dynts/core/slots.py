@@ -5,6 +5,8 @@
   :meth:`dynts.Budget.due`);
 * :func:`build_token_info` -- the one :class:`~dynts.evictors.TokenInfo` builder (dense cache, ragged
   KV-Rescue cache, paged slot table) and :func:`check_scored`, the stale-score check;
+* :func:`select_kept` -- the one evictor-call loop: rows due for an event, grouped by what their evictor
+  call shares (evictor, local window, prompt length, stored count, ``n_keep``), one call per group;
 * :class:`SlotTable` -- the per-slot metadata of every cache; in the paged engines one row per request in
   flight, one column per stored slot. Column ``j`` of a request's row describes the ``j``-th KV entry the request stores,
   i.e. the entry the engine reads at logical index ``j`` through the request's block table. An eviction
@@ -15,7 +17,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 
@@ -25,7 +27,7 @@ from .segments import AnswerState
 if TYPE_CHECKING:
     from .settings import EvictionSettings
 
-__all__ = ["RequestSlots", "SlotTable", "build_token_info", "check_scored"]
+__all__ = ["EvictorCall", "RequestSlots", "Selection", "SlotTable", "build_token_info", "check_scored", "select_kept"]
 
 
 @dataclass
@@ -136,6 +138,73 @@ def check_scored(info: TokenInfo, evictor: Evictor) -> None:
             f"method={evictor.name!r} needs predictor scores but some thinking tokens have none; "
             "pass predictor=... to dynts.generate / dynts.attach"
         )
+
+
+@dataclass(frozen=True, eq=False)
+class EvictorCall:
+    """What the rows of one evictor call share; rows due with equal calls (:meth:`key`) are selected together.
+
+    Attributes:
+        evictor: the method (compared by identity).
+        local_window: ``W_l``.
+        question_length: ``W_q``, the prompt length the rows share.
+        stored: slots each row stores (the evictor sees columns ``0 .. stored - 1``).
+        n_keep: slots each row keeps.
+        owner: an extra identity the grouping respects (e.g. a request's settings object), or ``None``.
+    """
+
+    evictor: Evictor
+    local_window: int
+    question_length: int
+    stored: int
+    n_keep: int
+    owner: Any = None
+
+    def key(self) -> tuple:
+        return (id(self.owner), id(self.evictor), self.local_window, self.question_length, self.stored, self.n_keep)
+
+
+@dataclass
+class Selection:
+    """One evictor call's result.
+
+    Attributes:
+        call: the :class:`EvictorCall` its rows shared.
+        members: the caller's objects of its rows, in the order of ``kept``'s rows.
+        rows: ``[g]`` their table rows (on the table's device).
+        kept: ``[g, n_keep]`` ascending slots kept.
+    """
+
+    call: EvictorCall
+    members: list[Any]
+    rows: torch.Tensor
+    kept: torch.Tensor
+
+
+def select_kept(
+    table: Any,
+    due: Iterable[tuple[Any, int, EvictorCall]],
+    keys: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    check: bool = True,
+) -> list[Selection]:
+    """The one evictor-call loop of every cache: ``due`` holds ``(member, row, call)`` for every row due for an
+    event; rows with equal calls go to the evictor together (groups in first-seen order, rows in order).
+    ``keys(rows, stored)``: the reference layer's keys ``[g, h_kv, stored, d]`` of those rows (R-KV);
+    ``check``: run :func:`check_scored` first. The caller compacts its table and K/V with each ``kept``."""
+    groups: dict[tuple, tuple[EvictorCall, list[Any], list[int]]] = {}
+    for member, row, call in due:
+        _, members, rows = groups.setdefault(call.key(), (call, [], []))
+        members.append(member)
+        rows.append(row)
+    out = []
+    for call, members, rows in groups.values():
+        index = torch.tensor(rows, dtype=torch.long).to(table.positions.device, non_blocking=True)
+        info = build_token_info(table, call.stored, call.n_keep, call.local_window, call.question_length, rows=index,
+                                keys=None if keys is None else keys(index, call.stored))
+        if check:
+            check_scored(info, call.evictor)
+        out.append(Selection(call, members, index, call.evictor(info)))
+    return out
 
 
 @dataclass

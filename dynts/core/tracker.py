@@ -19,7 +19,6 @@ layout, returns tail blocks to its pool and shifts RoPE positions by ``RequestSl
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -28,7 +27,7 @@ import torch
 from ..thinking import DelimiterMatcher
 from .settings import EvictionSettings
 from .segments import label_request
-from .slots import RequestSlots, SlotTable, check_scored
+from .slots import EvictorCall, RequestSlots, SlotTable, select_kept
 
 __all__ = ["EvictionGroup", "Forward", "SlotTracker", "copy_plan"]
 
@@ -175,18 +174,14 @@ class SlotTracker:
     def evict(self, requests: Sequence[tuple[RequestSlots, int]]) -> list[EvictionGroup]:
         """Select the kept slots of every ``(entry, stored)`` due this round and compact their table rows.
 
-        One evictor call per group of requests with the same settings, prompt length and stored count. The
-        entries' ``shift`` and counters are the scheduler side's (:meth:`RequestSlots.evicted`)."""
-        groups: dict[tuple[int, int, int], list[RequestSlots]] = defaultdict(list)
-        for entry, stored in requests:
-            groups[(id(entry.settings), entry.question_length, stored)].append(entry)
+        One evictor call per group of requests with the same settings, prompt length and stored count
+        (:func:`~dynts.core.slots.select_kept`). The entries' ``shift`` and counters are the scheduler
+        side's (:meth:`RequestSlots.evicted`)."""
+        due = [(entry, entry.row, EvictorCall(entry.settings.evictor, entry.settings.bounds.local_window,
+                                              entry.question_length, stored, entry.n_keep, owner=entry.settings))
+               for entry, stored in requests]
         out = []
-        for (_, question_length, stored), members in groups.items():
-            settings, n_keep = members[0].settings, members[0].n_keep
-            rows = torch.tensor([e.row for e in members], dtype=torch.long, device=self.table.device)
-            info = self.table.token_info(rows, stored, n_keep, settings.bounds.local_window, question_length)
-            check_scored(info, settings.evictor)
-            kept = settings.evictor(info)  # [g, n_keep]
-            self.table.compact(rows, kept)
-            out.append(EvictionGroup(members, stored, n_keep, kept))
+        for sel in select_kept(self.table, due):
+            self.table.compact(sel.rows, sel.kept)
+            out.append(EvictionGroup(sel.members, sel.call.stored, sel.call.n_keep, sel.kept))
         return out

@@ -11,6 +11,7 @@ import torch
 
 from dynts.core import (EvictionPolicy, EvictionSettings, Forward, RequestSlots, SlotTable, SlotTracker,
                         build_token_info, check_scored, copy_plan)
+from dynts.core.slots import EvictorCall, select_kept
 from dynts.evictors.base import Segment
 
 CPU = torch.device("cpu")
@@ -165,6 +166,27 @@ def test_tracker_groups_requests_by_stored_count_and_batches_a_group():
         assert g.kept.shape == (len(g.entries), g.n_keep)
         for e, kept in zip(g.entries, g.kept.tolist()):
             assert tracker.table.positions[e.row, : g.n_keep].tolist() == kept  # positions were 0 .. n-1
+
+
+def test_select_kept_calls_the_evictor_once_per_group_of_equal_calls():
+    table = SlotTable(CPU, rows=4, width=8)
+    for row in range(4):
+        table.write(as_long([row] * 8), as_long(range(8)), as_long(range(8)), as_long([Q, Q] + [T] * 6), as_long(range(8)))
+    evictor = window().evictor
+    calls = []
+
+    def counting(info):
+        calls.append(info.shape)
+        return evictor(info)
+
+    spy = type("Spy", (), {"requires": (), "name": "window", "__call__": staticmethod(counting)})()
+    due = [("a", 3, EvictorCall(spy, 2, 2, 8, 5)), ("b", 1, EvictorCall(spy, 2, 2, 6, 4)),
+           ("c", 0, EvictorCall(spy, 2, 2, 8, 5))]
+    selections = select_kept(table, due)
+    assert calls == [(2, 8), (1, 6)]
+    assert [(s.members, s.rows.tolist(), s.kept.shape) for s in selections] == [
+        (["a", "c"], [3, 0], (2, 5)), (["b"], [1], (1, 4))]
+    assert selections[0].kept.tolist() == [[3, 4, 5, 6, 7]] * 2  # window: the most recent n_keep
 
 
 def test_write_scores_scores_exactly_the_recorded_tokens():
