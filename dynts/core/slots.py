@@ -1,8 +1,8 @@
 """Per-request eviction state and the evictor's view of stored slots, shared by every cache and engine.
 
-* :class:`RequestSlots` -- the one per-request state of the paged engines (budget, ``n_keep``, shift,
-  reservation, labelling state, statistics) with the event test (:meth:`RequestSlots.due`, i.e.
-  :meth:`dynts.Budget.due`);
+* :class:`RequestBudget` -- a paged engine's per-request record on the scheduler side (budget, ``n_keep``,
+  shift, reservation, statistics) with the event test (:meth:`RequestBudget.due`, i.e. :meth:`dynts.Budget.due`),
+  and :class:`RequestRow`, the worker side's (table row, labelling state);
 * :func:`build_token_info` -- the one :class:`~dynts.evictors.TokenInfo` builder (dense cache, ragged
   KV-Rescue cache, paged slot table) and :func:`check_scored`, the stale-score check;
 * :func:`select_kept` -- the one evictor-call loop: rows due for an event, grouped by what their evictor
@@ -27,28 +27,23 @@ from .segments import AnswerState
 if TYPE_CHECKING:
     from .settings import EvictionSettings
 
-__all__ = ["EvictorCall", "RequestSlots", "Selection", "SlotTable", "build_token_info", "check_scored", "select_kept"]
+__all__ = ["EvictorCall", "RequestBudget", "RequestRow", "Selection", "SlotTable", "build_token_info", "check_scored", "select_kept"]
 
 
 @dataclass
-class RequestSlots:
-    """The one per-request eviction state of every paged engine, host-side (no device reads in the hot path).
-
-    The scheduler side (:class:`~dynts.core.policy.EvictionPolicy`) fills the budget and block fields, the
-    worker side (:class:`~dynts.core.tracker.SlotTracker`) the table row and the labelling state; an engine
-    that schedules and computes in one process (transformers' continuous batching) shares one object.
+class RequestBudget:
+    """The scheduler's per-request record (:class:`~dynts.core.policy.EvictionPolicy`), host-side: budget,
+    reservation, shift, event test (:meth:`due`, i.e. :meth:`dynts.Budget.due`) and statistics.
 
     Attributes:
         settings: the request's :class:`~dynts.core.settings.EvictionSettings` (method, budget, ...).
         question_length: ``W_q``, the prompt length.
-        n_keep: slots kept at an eviction event (``None`` without a budget).
+        n_keep: slots kept at an eviction event (``None`` without a budget); each event carries it to the worker.
         reserved_blocks: blocks the request may hold at most (admission reserves them).
         protected: leading slots its method keeps at every event (they never move; prefix caching may share them).
         may_evict: False when its length limit keeps it within the budget (:meth:`EvictionSettings.may_evict`):
             no event can come, the per-round event check skips it.
-        row: the request's row in the :class:`SlotTable` (``-1``: none, the scheduler's copy).
         shift: tokens evicted so far; absolute position = stored index + ``shift`` for new tokens.
-        answer: the labelling state (:class:`~dynts.core.segments.AnswerState`).
         peak_slots / evictions / evicted_tokens / freed_blocks / peak_blocks: statistics.
     """
 
@@ -58,19 +53,12 @@ class RequestSlots:
     reserved_blocks: int = 0
     protected: int = 0
     may_evict: bool = True
-    row: int = -1
     shift: int = 0
-    answer: AnswerState = field(default_factory=AnswerState)
     peak_slots: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
     freed_blocks: int = 0
     peak_blocks: int = 0
-
-    @property
-    def in_answer(self) -> bool:
-        """The request has emitted the whole thinking delimiter."""
-        return self.answer.in_answer
 
     def due(self, stored: int, incoming: int = 1) -> bool:
         """True when ``incoming`` tokens on top of ``stored`` would overflow the budget (:meth:`Budget.due`)."""
@@ -91,6 +79,29 @@ class RequestSlots:
             "peak_blocks": self.peak_blocks,
             "reserved_blocks": self.reserved_blocks,
         }
+
+
+@dataclass
+class RequestRow:
+    """The worker's per-request record (:class:`~dynts.core.tracker.SlotTracker`): its :class:`SlotTable` row
+    and labelling state. An event brings the ``stored`` and ``n_keep`` the scheduler decided.
+
+    Attributes:
+        settings: the request's :class:`~dynts.core.settings.EvictionSettings` (its evictor).
+        question_length: ``W_q``, the prompt length.
+        row: the request's row in the table (``-1`` once released).
+        answer: the labelling state (:class:`~dynts.core.segments.AnswerState`).
+    """
+
+    settings: "EvictionSettings"
+    question_length: int
+    row: int = -1
+    answer: AnswerState = field(default_factory=AnswerState)
+
+    @property
+    def in_answer(self) -> bool:
+        """The request has emitted the whole thinking delimiter."""
+        return self.answer.in_answer
 
 
 def build_token_info(
