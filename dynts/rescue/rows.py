@@ -134,7 +134,7 @@ class RaggedCache(BoundedCache):
     def evict(self) -> None:
         """Run one eviction event now: every row holding more real tokens than its ``n_keep`` keeps ``n_keep``
         (the others keep all of theirs)."""
-        if self.bounded:
+        if self.bounded and self.rows:
             due = [r.real > r.keep for r in self.rows]
             if any(due):
                 self.evict_rows(due)
