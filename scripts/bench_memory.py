@@ -232,6 +232,7 @@ def serving_processor(sizes: dict, device: torch.device):
     for state in states.values():
         state.status = RequestStatus.DECODING
         state.position_offset = budget
+        processor.policy.open(state.request_id, processor.settings, sizes["question"], None)
         entry = processor.tracker.open(state.request_id, sizes["question"])
         tokens = state.initial_tokens + torch.randint(3, 1024, (budget - sizes["question"],), generator=g).tolist()
         forwards.append(Forward(entry, 0, 0, tokens))
@@ -247,17 +248,18 @@ def evict_all_rows(processor) -> int:
     ``index_copy_`` of every kept row of every layer, K and V, and every evicting request at once,
     identity moves included (the same tracker, evictor and block bookkeeping as the real round).
     Returns the rows gathered per layer."""
-    due = [(s, processor.slots[rid]) for rid, s in processor.scheduler.active_requests.items()
-           if processor.slots[rid].due(s.position_offset)]
-    states = {id(entry): state for state, entry in due}
+    due = [(s, processor.policy.get(rid)) for rid, s in processor.scheduler.active_requests.items()
+           if processor.policy.get(rid).due(s.position_offset)]
+    rows = {id(processor.slots[s.request_id]): (s, entry) for s, entry in due}
     src, dst = [], []
-    for group in processor.tracker.evict([(entry, state.position_offset) for state, entry in due]):
-        members = [states[id(e)] for e in group.entries]
+    for group in processor.tracker.evict([(processor.slots[s.request_id], s.position_offset, entry.n_keep)
+                                          for s, entry in due]):
+        members = [rows[id(e)][0] for e in group.entries]
         physical = torch.tensor([processor.allocator.get_read_indices(s.request_id, 0, group.stored) for s in members],
                                 dtype=torch.long, device=processor._flat.device)
         src.append(physical.gather(1, group.kept.to(physical.device)).flatten())
         dst.append(physical[:, : group.n_keep].flatten())
-        for state, entry in zip(members, group.entries):
+        for state, entry in (rows[id(e)] for e in group.entries):
             entry.evicted(group.stored)
             entry.freed_blocks += processor._pop_tail_blocks(state.request_id, processor.policy.blocks(group.n_keep))
             state.position_offset = group.n_keep
@@ -306,7 +308,7 @@ def run_serving_job(args, path: str) -> dict:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         peak = meter.peak()
-    entries = list(processor.slots.values())
+    entries = list(processor.policy.requests.values())
     n_keep = entries[0].n_keep
     rows = gathered if path == "before" else sum(moved)
     per_row = 2 * sizes["layers"] * sizes["kv_heads"] * sizes["head_dim"] * 2  # K and V of every layer, bf16

@@ -68,11 +68,11 @@ def reference_record_attention(self, probs, first_row=0):
     if self.window_attention is not None:
         rows = probs.sum(dim=1).float()  # [b, q, n]
         w, q = self.window_attention.shape[1], rows.shape[1]
-        if self._window_fresh:
+        if self.window_fresh:
             keep = max(0, w - q)
             self.window_attention[:, :keep] = self.window_attention[:, w - keep :].clone()
             self.window_attention[:, keep:] = 0.0
-            self._window_fresh = False
+            self.window_fresh = False
         take = min(w, q)
         self.window_attention[:, w - take :, :n] += rows[:, q - take :]
 

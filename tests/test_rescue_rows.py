@@ -84,3 +84,20 @@ def test_stack_validates_rows():
     other = StepDecoder(model, EvictionSettings("streamingllm", dynts.Budget(BUDGET, WINDOW, 0.4))).prefill([5, 6, 7])
     with pytest.raises(ValueError, match="share one evictor"):
         RaggedCache.stack([(state.cache, [0]), (other.cache, [0])])
+
+
+def test_evict_keeps_n_keep_in_every_row_over_it_as_the_dense_cache_does():
+    """``evict()`` substitutes for the dense cache's: every row over its ``n_keep`` keeps exactly ``n_keep``
+    real slots (the most recent under ``window``), a shorter row keeps all of its own."""
+    model = tiny_model("qwen2")
+    decoder = StepDecoder(model, EvictionSettings("window", dynts.Budget(BUDGET, WINDOW, 0.4)))
+    first, second = decoder.prefill([5, 6, 7]), decoder.prefill([5, 6, 7])
+    cache = RaggedCache.stack([(first.cache, [0]), (second.cache, [0])])
+    ids = torch.tensor([list(range(8, 16)), [0] * 8])
+    decoder.forward(cache, ids, torch.tensor([[True] * 8, [False] * 8]))  # 3 + 8 real tokens fit B = 14
+    keep = cache.rows[0].keep
+    assert cache.rows[0].real == 11 > keep and cache.rows[1].real == 3 <= keep
+    cache.evict()
+    assert [r.real for r in cache.rows] == [keep, 3] and cache.real_counts().tolist() == [keep, 3]
+    assert [r.evictions for r in cache.rows] == [1, 0] and cache.stats.evictions == 1
+    assert cache.positions[0, : cache.length].tolist() == list(range(11 - keep, 11))

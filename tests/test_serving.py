@@ -284,7 +284,7 @@ def test_soft_reset_after_eviction_fails_the_request_clearly():
     try:
         rid = manager.add_request(prompts_of([5])[0], max_new_tokens=40)
         with torch.no_grad():
-            while not processor.slots.get(rid) or processor.slots[rid].evictions == 0:
+            while not processor.policy.get(rid) or processor.policy.get(rid).evictions == 0:
                 assert processor.prepare_next_batch()
                 processor._generation_step(model)
                 processor.update_batch()
@@ -325,7 +325,7 @@ def test_split_delimiter_segments_and_kept_slots_equal_generate_alone(monkeypatc
 
     def snapshot(self, rid):
         entry, table = self.slots[rid], self.table
-        finals[rid] = (entry.shift, entry.in_answer, table.positions[entry.row].clone(),
+        finals[rid] = (self.policy.get(rid).shift, entry.in_answer, table.positions[entry.row].clone(),
                        table.segments[entry.row].clone(), table.token_ids[entry.row].clone())
         release(self, rid)
 

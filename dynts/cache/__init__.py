@@ -2,7 +2,8 @@
 (:func:`attach`, :func:`build_cache`)."""
 
 from .attach import attach, build_cache
-from .bounded import BoundedCache, CacheStats
+from .bounded import BoundedCache
+from .parts import CacheStats
 from .layers import BoundedLayer, StaticBoundedLayer, incoming_tokens
 from .scores import PredictorScores
 

@@ -27,59 +27,22 @@ The model must be driven through :func:`dynts.attach` (``dynts.generate`` does i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Sequence
 
 import torch
 from transformers.cache_utils import Cache
 
 from ..core.budget import Budget
-from ..core.segments import label_rows
-from ..core.slots import SlotTable, build_token_info, check_scored
+from ..core.slots import EvictorCall, Selection, SlotTable, build_token_info, select_kept
 from ..evictors.base import Evictor, Segment, TokenInfo
 from ..kernels import compact_
-from ..thinking import DelimiterMatcher
-from .scores import PredictorScores
 from .layers import BoundedLayer, StaticBoundedLayer, incoming_tokens, mark_static
 from .layout import Layout
+from .parts import CacheConfig, CacheStats, Part, RowLabels
+from .scores import PredictorScores
 
 __all__ = ["BoundedCache", "CacheStats"]
-
-
-class _Part:
-    """A :class:`BoundedCache` attribute that is the field ``name`` of one of its parts: ``layout`` (its
-    :class:`~dynts.cache.layout.Layout`, written through) or ``table`` (its :class:`~dynts.core.SlotTable`,
-    ``None`` before the first forward allocates it; its columns are written in place, never replaced)."""
-
-    def __init__(self, part: str, name: str) -> None:
-        self.part, self.name = part, name
-
-    def __get__(self, cache, owner=None):
-        if cache is None:
-            return self
-        part = getattr(cache, self.part)
-        return None if part is None else getattr(part, self.name)
-
-    def __set__(self, cache, value) -> None:
-        if self.part != "layout":
-            raise AttributeError(f"{self.name} is a column of the cache's SlotTable (cache.table); write into it in place")
-        setattr(cache.layout, self.name, value)
-
-
-@dataclass
-class CacheStats:
-    """Counters a cache keeps while it runs (per batch, not per row)."""
-
-    evictions: int = 0
-    evicted_tokens: int = 0
-    peak_cache_tokens: int = 0
-    kv_bytes_per_token: int = 0
-    event_steps: list[int] = field(default_factory=list)
-
-    @property
-    def peak_kv_bytes(self) -> int:
-        """Bytes of K/V held at the peak (all layers, all rows)."""
-        return self.peak_cache_tokens * self.kv_bytes_per_token
 
 
 class BoundedCache(Cache):
@@ -102,10 +65,12 @@ class BoundedCache(Cache):
             call per step: the same scores from the same hidden states, without the per-step MLP.
         max_length: capacity of a static full (unbounded) cache: prompt + new tokens.
 
-    ``length``, ``seen``, ``pending``, ``capacity``, ``static_step``, ``write_index`` and ``seen_tensor`` are
-    the fields of its :class:`~dynts.cache.layout.Layout` (``self.layout``), which its layers share;
-    ``positions``, ``segments``, ``token_ids``, ``scores``, ``attention`` and ``window_attention`` are the
-    columns of its :class:`~dynts.core.SlotTable` (``self.table``, one row per batch row).
+    The cache is made of parts (each field of a part reads as an attribute of the cache): ``layout`` (its
+    :class:`~dynts.cache.layout.Layout`, shared with its layers: ``length``, ``seen``, ``pending``,
+    ``capacity``, ...), ``config`` (its :class:`~dynts.cache.parts.CacheConfig`: ``evictor``, ``budget``,
+    ``bounded``, ``requires``, ...), ``table`` (its :class:`~dynts.core.SlotTable`, one row per batch row:
+    ``positions``, ``segments``, ``token_ids``, ``scores``, ``attention``, ``window_attention``), ``labels``
+    (:class:`~dynts.cache.parts.RowLabels`: ``in_answer``, ``think_match``), ``scorer`` and ``stats``.
     """
 
     def __init__(
@@ -121,38 +86,19 @@ class BoundedCache(Cache):
         max_length: int | None = None,
         defer_scores: bool = False,
     ):
+        if observation_window is None:
+            observation_window = getattr(evictor, "observation_window", 8)
+        self.config = CacheConfig(evictor, budget, think_end_token_id, observation_window, keys_layer % num_layers,
+                                  bool(static), max_length, bool(defer_scores))
         layer = StaticBoundedLayer if static else BoundedLayer
         self.layout = Layout()  # the counters every layer reads, shared by reference
         super().__init__(layers=[layer(self.layout, i) for i in range(num_layers)])
-        self.bounded = evictor.bounded
-        if self.bounded and budget is None:
-            raise ValueError(f"method={evictor.name!r} evicts and needs a budget (e.g. budget=1024, local_window=128)")
-        self.evictor = evictor
-        self.budget = budget
-        self.think_end_token_id = think_end_token_id
-        delimiter = (think_end_token_id,) if isinstance(think_end_token_id, int) else think_end_token_id
-        self.delimiter = DelimiterMatcher(delimiter) if delimiter is not None else None
-        self.requires = frozenset(evictor.requires) if self.bounded else frozenset()
-        if observation_window is None:
-            observation_window = getattr(evictor, "observation_window", 8)
-        if not isinstance(observation_window, int) or observation_window < 1:
-            raise ValueError(f"observation_window={observation_window!r} must be a positive int")
-        self.observation_window = observation_window
-        self.keys_layer = keys_layer % num_layers
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
-            raise ValueError(f"max_length={max_length!r} must be a positive int (prompt + new tokens)")
-        self.static = bool(static)
-        self.max_length = max_length
-        self.defer_scores = bool(defer_scores)
+        self.labels = RowLabels.for_delimiter(think_end_token_id)
+        self.table: SlotTable | None = None  # per-slot metadata, allocated at the first forward
         self.scorer: PredictorScores | None = None  # set by dynts.attach with a predictor
-        self.slot_mask: torch.Tensor | None = None  # [b, capacity] bool validity (static layout)
         self.stats = CacheStats()
         self.n_keep: int | None = None
         self.question_length = 0
-        self.table: SlotTable | None = None  # per-slot metadata, allocated at the first forward
-        self.in_answer: torch.Tensor | None = None  # [b] the row has emitted the delimiter
-        self.think_match: torch.Tensor | None = None  # [b] delimiter tokens matched so far (automaton state)
-        self.holds_pads = False  # host flag: may a stored slot be padding? (avoids a per-step device read)
 
     # ------------------------------------------------------------------ forward protocol
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -201,7 +147,7 @@ class BoundedCache(Cache):
         if self.window_attention is not None:
             self.window_attention[:, :, sl] = 0.0  # columns left stale by a compaction
         self.pending = q
-        self._window_fresh = True
+        self.window_fresh = True
         self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, self.length + q)
 
     def _slot_mask(self) -> torch.Tensor:
@@ -261,11 +207,11 @@ class BoundedCache(Cache):
             self.attention[:, :n] += probs.sum(dim=(1, 2)).to(device, torch.float32)
         if self.window_attention is not None:
             w, q = self.window_attention.shape[1], self.pending
-            if self._window_fresh:
+            if self.window_fresh:
                 keep = max(0, w - q)
                 self.window_attention[:, :keep] = self.window_attention[:, w - keep :].clone()
                 self.window_attention[:, keep:] = 0.0
-                self._window_fresh = False
+                self.window_fresh = False
             lo, hi = max(first_row, q - w), first_row + probs.shape[2]  # forward rows inside the window
             if lo < hi:
                 rows = probs[:, :, lo - first_row : hi - first_row].sum(dim=1).to(device, torch.float32)
@@ -277,10 +223,10 @@ class BoundedCache(Cache):
         if self.attention is not None:
             self.attention.add_(probs.sum(dim=(1, 2)).to(device, torch.float32))
         if self.window_attention is not None:
-            if self._window_fresh:  # the first layer of the step shifts the window by one row
+            if self.window_fresh:  # the first layer of the step shifts the window by one row
                 self.window_attention[:, :-1] = self.window_attention[:, 1:].clone()
                 self.window_attention[:, -1:] = 0.0
-                self._window_fresh = False
+                self.window_fresh = False
             self.window_attention[:, -1:] += probs.sum(dim=1).to(device, torch.float32)
 
     # ------------------------------------------------------------------ eviction
@@ -291,13 +237,23 @@ class BoundedCache(Cache):
         keys = self.layers[self.keys_layer].keys[:, :, :n].to(self.positions.device) if "keys" in self.requires else None
         return build_token_info(self.table, n, self.n_keep, self.budget.local_window, self.question_length, keys=keys)
 
-    def evict(self) -> torch.Tensor:
-        """Run one eviction event now; returns the kept indices ``[b, n_keep]``."""
-        info = self.token_info()
-        check_scored(info, self.evictor)
-        kept = self.evictor(info)
-        self.apply_kept(kept)
-        return kept
+    def reference_keys(self, rows: torch.Tensor, stored: int) -> torch.Tensor:
+        """The reference layer's keys ``[g, h_kv, stored, d]`` of ``rows`` ``[g]``, on the table's device (R-KV)."""
+        keys = self.layers[self.keys_layer].keys
+        return keys[rows.to(keys.device), :, :stored].to(self.positions.device)
+
+    def run_evictor(self, due: Sequence[tuple[int, int, int]], check: bool = True) -> list[Selection]:
+        """The kept slots of the rows due: ``(row, question_length, n_keep)`` each, storing ``length`` slots
+        (:func:`dynts.core.slots.select_kept`, one evictor call per group; pending scores flushed first)."""
+        self.flush_scores()
+        evictor, window, n = self.evictor, self.budget.local_window, self.length
+        calls = [(row, row, EvictorCall(evictor, window, question, n, keep)) for row, question, keep in due]
+        return select_kept(self.table, calls, self.reference_keys if "keys" in self.requires else None, check)
+
+    def evict(self) -> None:
+        """Run one eviction event now: every row keeps its ``n_keep`` slots."""
+        (selection,) = self.run_evictor([(row, self.question_length, self.n_keep) for row in range(self.table.rows)])
+        self.apply_kept(selection.kept)
 
     def apply_kept(self, kept: torch.Tensor) -> None:
         """Compact every layer's buffers and the slot table to ``kept`` ``[b, k]`` (ascending)."""
@@ -311,9 +267,7 @@ class BoundedCache(Cache):
             self.slot_mask[:, k:] = False
         if self.holds_pads:  # pads are evicted first; re-check once per event, not per step
             self.holds_pads = bool((self.segments[:, :k] == Segment.PAD).any())
-        self.stats.evictions += 1
-        self.stats.evicted_tokens += self.length - k
-        self.stats.event_steps.append(self.seen)
+        self.stats.event(self.length - k, self.seen)
         self.length = k
 
     # ------------------------------------------------------------------ helpers
@@ -335,9 +289,8 @@ class BoundedCache(Cache):
             self.slot_mask = torch.zeros(b, cap, dtype=torch.bool, device=device)
         self.table = SlotTable(device, rows=b, width=cap, statistics=self.requires & {"attention", "window_attention"},
                                window=self.observation_window)
-        self.in_answer = torch.zeros(b, dtype=torch.bool, device=device)
-        self.think_match = torch.zeros(b, dtype=torch.long, device=device)
-        self._window_fresh = True
+        self.labels.allocate(b, device)
+        self.window_fresh = True
         if self.static:
             mark_static(self.write_index, self.seen_tensor, self.slot_mask, self.scores, self.attention, self.window_attention)
 
@@ -355,9 +308,7 @@ class BoundedCache(Cache):
     def _generated_segments(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Segments of generated tokens by the one rule (:func:`dynts.core.segments.label_rows`)."""
         n = self.length
-        segments, self.think_match = label_rows(self.delimiter, input_ids, valid, self.in_answer, self.think_match,
-                                                self.segments[:, :n], self.token_ids[:, :n])
-        return segments
+        return self.labels.label(input_ids, valid, self.segments[:, :n], self.token_ids[:, :n])
 
     # ------------------------------------------------------------------ info
     @property
@@ -386,7 +337,8 @@ class BoundedCache(Cache):
         return self.positions[row, :n][valid]
 
 
-for _name in (f.name for f in fields(Layout)):
-    setattr(BoundedCache, _name, _Part("layout", _name))
-for _name in SlotTable.FILL:
-    setattr(BoundedCache, _name, _Part("table", _name))
+for _part, _names in (("layout", [f.name for f in fields(Layout)]), ("table", list(SlotTable.FILL)),
+                      ("config", [f.name for f in fields(CacheConfig)] + ["bounded", "requires"]),
+                      ("labels", ["delimiter", "in_answer", "think_match"])):
+    for _name in _names:
+        setattr(BoundedCache, _name, Part(_part, _name))

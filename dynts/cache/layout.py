@@ -1,5 +1,5 @@
-"""The counters every layer of a :class:`~dynts.cache.BoundedCache` reads: one :class:`Layout` per cache,
-shared by reference, so a layer reads where to write and what to return without reading its cache."""
+"""Where a :class:`~dynts.cache.BoundedCache`'s live slots are: one :class:`Layout` per cache, shared by
+reference with its layers, so a layer reads where to write and what to return without reading its cache."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ class Layout:
         static_step: the forward in flight is a static-shape decode step (static layout).
         write_index: ``[1]`` device slot the static decode step writes.
         seen_tensor: ``[]`` device copy of ``seen`` for the static decode step.
+        slot_mask: ``[b, capacity]`` per-slot validity (static layout).
+        holds_pads: may a stored slot be padding (a host flag: no per-step device read)?
+        window_fresh: the forward in flight has not yet shifted the ``window_attention`` rows.
     """
 
     length: int = 0
@@ -31,3 +34,6 @@ class Layout:
     static_step: bool = False
     write_index: torch.Tensor | None = None
     seen_tensor: torch.Tensor | None = None
+    slot_mask: torch.Tensor | None = None
+    holds_pads: bool = False
+    window_fresh: bool = True

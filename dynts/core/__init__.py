@@ -5,7 +5,7 @@
 | :mod:`~dynts.core.budget` | ``B = W_q + W_s + W_l``, ``n_keep`` and the event rule (:meth:`Budget.due`) |
 | :mod:`~dynts.core.settings` | the one parser of the eviction keywords (:class:`EvictionSettings`) and their plain-data form (:class:`EvictionSpec`) |
 | :mod:`~dynts.core.segments` | the one labelling rule: question / thinking / answer / pad |
-| :mod:`~dynts.core.slots` | the per-request state (:class:`RequestSlots`), the paged slot table, the one :class:`~dynts.TokenInfo` builder and the stale-score check |
+| :mod:`~dynts.core.slots` | the per-request records (:class:`RequestBudget` on the scheduler side, :class:`RequestRow` on the worker side), the slot table, the one :class:`~dynts.TokenInfo` builder, the stale-score check and the one evictor-call loop (:func:`select_kept`) |
 | :mod:`~dynts.core.tracker` | the worker side of a paged engine: metadata, scores, evictor calls, the copy plan |
 | :mod:`~dynts.core.policy` | the scheduler side of a paged engine: reservations, admission, events, preemption, statistics |
 
@@ -17,7 +17,7 @@ from .budget import Budget
 from .policy import Event, EvictionPolicy
 from .settings import (EVICTION_FIELDS, SERVED_STATISTICS, EvictionSettings, EvictionSpec, add_eviction_arguments,
                        eviction_fields, eviction_spec, serving_methods)
-from .slots import RequestSlots, SlotTable, build_token_info, check_scored
+from .slots import EvictorCall, RequestBudget, RequestRow, Selection, SlotTable, build_token_info, check_scored, select_kept
 from .tracker import EvictionGroup, Forward, SlotTracker, copy_plan
 
 __all__ = [
@@ -29,14 +29,18 @@ __all__ = [
     "EvictionPolicy",
     "EvictionSettings",
     "EvictionSpec",
+    "EvictorCall",
     "Forward",
-    "RequestSlots",
+    "RequestBudget",
+    "RequestRow",
+    "Selection",
     "SlotTable",
     "SlotTracker",
     "add_eviction_arguments",
     "build_token_info",
     "check_scored",
     "copy_plan",
+    "select_kept",
     "eviction_fields",
     "eviction_spec",
     "serving_methods",

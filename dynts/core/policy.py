@@ -16,7 +16,7 @@ batching in :mod:`dynts.serving.processor`, vLLM in :mod:`dynts.vllm.scheduler`)
    re-prefill (the engine would replay a different, unevicted trajectory): it must fail;
 5. :meth:`EvictionPolicy.finish` drops the request and returns its statistics.
 
-State is bounded: one :class:`~dynts.core.slots.RequestSlots` per request in flight, and a fixed-length
+State is bounded: one :class:`~dynts.core.slots.RequestBudget` per request in flight, and a fixed-length
 trace of the pool after each round (:data:`TRACE_ROUNDS`).
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from .settings import EvictionSettings
-from .slots import RequestSlots
+from .slots import RequestBudget
 
 __all__ = ["Event", "EvictionPolicy"]
 
@@ -64,7 +64,7 @@ class EvictionPolicy:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive int")
         self.block_size = block_size
-        self.requests: dict[str, RequestSlots] = {}
+        self.requests: dict[str, RequestBudget] = {}
         self.preemptions = 0
         self.peak_blocks_in_use = 0
         self.block_trace: deque[tuple] = deque(maxlen=trace_rounds)
@@ -79,14 +79,14 @@ class EvictionPolicy:
         return self.blocks(settings.reserved_slots(prompt_length, max_new_tokens))
 
     def open(self, rid: str, settings: EvictionSettings, prompt_length: int, max_new_tokens: int | None,
-             reserved_blocks: int | None = None) -> RequestSlots:
+             reserved_blocks: int | None = None) -> RequestBudget:
         """The request's entry, created on first use. ``reserved_blocks``: the engine's own count when its
         reservation is not :meth:`reservation` of this prompt (transformers after a soft reset)."""
         entry = self.requests.get(rid)
         if entry is None:
             if reserved_blocks is None:
                 reserved_blocks = self.reservation(settings, prompt_length, max_new_tokens)
-            entry = RequestSlots(
+            entry = RequestBudget(
                 settings, prompt_length, settings.n_keep(prompt_length), reserved_blocks=reserved_blocks,
                 protected=settings.evictor.protected_prefix(prompt_length) if settings.bounded else prompt_length,
                 may_evict=settings.may_evict(prompt_length, max_new_tokens),
@@ -94,10 +94,10 @@ class EvictionPolicy:
             self.requests[rid] = entry
         return entry
 
-    def get(self, rid: str) -> RequestSlots | None:
+    def get(self, rid: str) -> RequestBudget | None:
         return self.requests.get(rid)
 
-    def scheduled(self, entry: RequestSlots, stored: int, blocks: int) -> None:
+    def scheduled(self, entry: RequestBudget, stored: int, blocks: int) -> None:
         """After a round is scheduled: the request stores ``stored`` slots in ``blocks`` blocks (peaks)."""
         entry.peak_slots = max(entry.peak_slots, stored)
         entry.peak_blocks = max(entry.peak_blocks, blocks)
@@ -108,7 +108,7 @@ class EvictionPolicy:
         return entry.stats() if entry is not None else {}
 
     # ------------------------------------------------------------------ admission
-    def claimed(self, running: Iterable[tuple[RequestSlots | None, int]]) -> int:
+    def claimed(self, running: Iterable[tuple[RequestBudget | None, int]]) -> int:
         """Blocks the running bounded requests (``(entry, blocks held)``) may still claim."""
         return sum(max(0, e.reserved_blocks - held) for e, held in running if e is not None and e.settings.bounded)
 
@@ -128,7 +128,7 @@ class EvictionPolicy:
         return admitted
 
     # ------------------------------------------------------------------ per round
-    def event(self, rid: str, entry: RequestSlots | None, stored: int) -> Event | None:
+    def event(self, rid: str, entry: RequestBudget | None, stored: int) -> Event | None:
         """The request's event this round, if its next decoded token would overflow its budget; counts it
         (``shift``, ``evictions``, ``evicted_tokens``). ``stored``: the slots it stores now."""
         if entry is None or not entry.due(stored):
@@ -136,7 +136,7 @@ class EvictionPolicy:
         entry.evicted(stored)
         return Event(rid, stored, entry.n_keep, self.blocks(entry.n_keep))
 
-    def freed(self, entry: RequestSlots, blocks: int) -> None:
+    def freed(self, entry: RequestBudget, blocks: int) -> None:
         """The adapter returned ``blocks`` tail blocks of the request to the pool."""
         entry.freed_blocks += blocks
 
@@ -158,7 +158,7 @@ class EvictionPolicy:
                 "block_trace": list(self.block_trace)}
 
     @staticmethod
-    def failure(rid: str, entry: RequestSlots) -> str:
+    def failure(rid: str, entry: RequestBudget) -> str:
         """The error a request preempted after its events fails with (the fix included)."""
         return (f"request {rid} was preempted after {entry.evictions} eviction events; its evicted cache cannot be "
                 "rebuilt by a re-prefill. Give the KV pool more blocks (num_blocks) or lower the budget.")

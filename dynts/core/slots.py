@@ -1,10 +1,12 @@
 """Per-request eviction state and the evictor's view of stored slots, shared by every cache and engine.
 
-* :class:`RequestSlots` -- the one per-request state of the paged engines (budget, ``n_keep``, shift,
-  reservation, labelling state, statistics) with the event test (:meth:`RequestSlots.due`, i.e.
-  :meth:`dynts.Budget.due`);
+* :class:`RequestBudget` -- a paged engine's per-request record on the scheduler side (budget, ``n_keep``,
+  shift, reservation, statistics) with the event test (:meth:`RequestBudget.due`, i.e. :meth:`dynts.Budget.due`),
+  and :class:`RequestRow`, the worker side's (table row, labelling state);
 * :func:`build_token_info` -- the one :class:`~dynts.evictors.TokenInfo` builder (dense cache, ragged
   KV-Rescue cache, paged slot table) and :func:`check_scored`, the stale-score check;
+* :func:`select_kept` -- the one evictor-call loop: rows due for an event, grouped by what their evictor
+  call shares (evictor, local window, prompt length, stored count, ``n_keep``), one call per group;
 * :class:`SlotTable` -- the per-slot metadata of every cache; in the paged engines one row per request in
   flight, one column per stored slot. Column ``j`` of a request's row describes the ``j``-th KV entry the request stores,
   i.e. the entry the engine reads at logical index ``j`` through the request's block table. An eviction
@@ -15,7 +17,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 
@@ -25,28 +27,23 @@ from .segments import AnswerState
 if TYPE_CHECKING:
     from .settings import EvictionSettings
 
-__all__ = ["RequestSlots", "SlotTable", "build_token_info", "check_scored"]
+__all__ = ["EvictorCall", "RequestBudget", "RequestRow", "Selection", "SlotTable", "build_token_info", "check_scored", "select_kept"]
 
 
 @dataclass
-class RequestSlots:
-    """The one per-request eviction state of every paged engine, host-side (no device reads in the hot path).
-
-    The scheduler side (:class:`~dynts.core.policy.EvictionPolicy`) fills the budget and block fields, the
-    worker side (:class:`~dynts.core.tracker.SlotTracker`) the table row and the labelling state; an engine
-    that schedules and computes in one process (transformers' continuous batching) shares one object.
+class RequestBudget:
+    """The scheduler's per-request record (:class:`~dynts.core.policy.EvictionPolicy`), host-side: budget,
+    reservation, shift, event test (:meth:`due`, i.e. :meth:`dynts.Budget.due`) and statistics.
 
     Attributes:
         settings: the request's :class:`~dynts.core.settings.EvictionSettings` (method, budget, ...).
         question_length: ``W_q``, the prompt length.
-        n_keep: slots kept at an eviction event (``None`` without a budget).
+        n_keep: slots kept at an eviction event (``None`` without a budget); each event carries it to the worker.
         reserved_blocks: blocks the request may hold at most (admission reserves them).
         protected: leading slots its method keeps at every event (they never move; prefix caching may share them).
         may_evict: False when its length limit keeps it within the budget (:meth:`EvictionSettings.may_evict`):
             no event can come, the per-round event check skips it.
-        row: the request's row in the :class:`SlotTable` (``-1``: none, the scheduler's copy).
         shift: tokens evicted so far; absolute position = stored index + ``shift`` for new tokens.
-        answer: the labelling state (:class:`~dynts.core.segments.AnswerState`).
         peak_slots / evictions / evicted_tokens / freed_blocks / peak_blocks: statistics.
     """
 
@@ -56,19 +53,12 @@ class RequestSlots:
     reserved_blocks: int = 0
     protected: int = 0
     may_evict: bool = True
-    row: int = -1
     shift: int = 0
-    answer: AnswerState = field(default_factory=AnswerState)
     peak_slots: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
     freed_blocks: int = 0
     peak_blocks: int = 0
-
-    @property
-    def in_answer(self) -> bool:
-        """The request has emitted the whole thinking delimiter."""
-        return self.answer.in_answer
 
     def due(self, stored: int, incoming: int = 1) -> bool:
         """True when ``incoming`` tokens on top of ``stored`` would overflow the budget (:meth:`Budget.due`)."""
@@ -89,6 +79,29 @@ class RequestSlots:
             "peak_blocks": self.peak_blocks,
             "reserved_blocks": self.reserved_blocks,
         }
+
+
+@dataclass
+class RequestRow:
+    """The worker's per-request record (:class:`~dynts.core.tracker.SlotTracker`): its :class:`SlotTable` row
+    and labelling state. An event brings the ``stored`` and ``n_keep`` the scheduler decided.
+
+    Attributes:
+        settings: the request's :class:`~dynts.core.settings.EvictionSettings` (its evictor).
+        question_length: ``W_q``, the prompt length.
+        row: the request's row in the table (``-1`` once released).
+        answer: the labelling state (:class:`~dynts.core.segments.AnswerState`).
+    """
+
+    settings: "EvictionSettings"
+    question_length: int
+    row: int = -1
+    answer: AnswerState = field(default_factory=AnswerState)
+
+    @property
+    def in_answer(self) -> bool:
+        """The request has emitted the whole thinking delimiter."""
+        return self.answer.in_answer
 
 
 def build_token_info(
@@ -136,6 +149,73 @@ def check_scored(info: TokenInfo, evictor: Evictor) -> None:
             f"method={evictor.name!r} needs predictor scores but some thinking tokens have none; "
             "pass predictor=... to dynts.generate / dynts.attach"
         )
+
+
+@dataclass(frozen=True, eq=False)
+class EvictorCall:
+    """What the rows of one evictor call share; rows due with equal calls (:meth:`key`) are selected together.
+
+    Attributes:
+        evictor: the method (compared by identity).
+        local_window: ``W_l``.
+        question_length: ``W_q``, the prompt length the rows share.
+        stored: slots each row stores (the evictor sees columns ``0 .. stored - 1``).
+        n_keep: slots each row keeps.
+        owner: an extra identity the grouping respects (e.g. a request's settings object), or ``None``.
+    """
+
+    evictor: Evictor
+    local_window: int
+    question_length: int
+    stored: int
+    n_keep: int
+    owner: Any = None
+
+    def key(self) -> tuple:
+        return (id(self.owner), id(self.evictor), self.local_window, self.question_length, self.stored, self.n_keep)
+
+
+@dataclass
+class Selection:
+    """One evictor call's result.
+
+    Attributes:
+        call: the :class:`EvictorCall` its rows shared.
+        members: the caller's objects of its rows, in the order of ``kept``'s rows.
+        rows: ``[g]`` their table rows (on the table's device).
+        kept: ``[g, n_keep]`` ascending slots kept.
+    """
+
+    call: EvictorCall
+    members: list[Any]
+    rows: torch.Tensor
+    kept: torch.Tensor
+
+
+def select_kept(
+    table: Any,
+    due: Iterable[tuple[Any, int, EvictorCall]],
+    keys: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    check: bool = True,
+) -> list[Selection]:
+    """The one evictor-call loop of every cache: ``due`` holds ``(member, row, call)`` for every row due for an
+    event; rows with equal calls go to the evictor together (groups in first-seen order, rows in order).
+    ``keys(rows, stored)``: the reference layer's keys ``[g, h_kv, stored, d]`` of those rows (R-KV);
+    ``check``: run :func:`check_scored` first. The caller compacts its table and K/V with each ``kept``."""
+    groups: dict[tuple, tuple[EvictorCall, list[Any], list[int]]] = {}
+    for member, row, call in due:
+        _, members, rows = groups.setdefault(call.key(), (call, [], []))
+        members.append(member)
+        rows.append(row)
+    out = []
+    for call, members, rows in groups.values():
+        index = torch.tensor(rows, dtype=torch.long).to(table.positions.device, non_blocking=True)
+        info = build_token_info(table, call.stored, call.n_keep, call.local_window, call.question_length, rows=index,
+                                keys=None if keys is None else keys(index, call.stored))
+        if check:
+            check_scored(info, call.evictor)
+        out.append(Selection(call, members, index, call.evictor(info)))
+    return out
 
 
 @dataclass

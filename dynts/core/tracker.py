@@ -3,7 +3,7 @@
 Both paged engines (transformers' continuous batching, :mod:`dynts.serving`, and vLLM,
 :mod:`dynts.vllm`) run the same worker-side logic through one :class:`SlotTracker`:
 
-1. ``open`` (or ``attach``) a request when it is first scheduled: its row of the
+1. ``open`` a request when it is first scheduled: its :class:`~dynts.core.slots.RequestRow` and row of the
    :class:`~dynts.core.slots.SlotTable`;
 2. ``record`` the tokens of every forward: absolute positions, token ids and segments
    (:mod:`dynts.core.segments`), and ``write_scores`` from the final-norm hidden states (DynTS);
@@ -14,12 +14,11 @@ Both paged engines (transformers' continuous batching, :mod:`dynts.serving`, and
    that actually move (identity moves dropped).
 
 An engine adapter only maps logical slots to its physical rows (its block table), moves K/V in its own
-layout, returns tail blocks to its pool and shifts RoPE positions by ``RequestSlots.shift``.
+layout, returns tail blocks to its pool and shifts RoPE positions by ``RequestBudget.shift``.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -28,7 +27,7 @@ import torch
 from ..thinking import DelimiterMatcher
 from .settings import EvictionSettings
 from .segments import label_request
-from .slots import RequestSlots, SlotTable, check_scored
+from .slots import EvictorCall, RequestRow, SlotTable, select_kept
 
 __all__ = ["EvictionGroup", "Forward", "SlotTracker", "copy_plan"]
 
@@ -38,13 +37,13 @@ class Forward:
     """The tokens one request computes in one forward.
 
     Attributes:
-        entry: the request's :class:`RequestSlots`.
+        entry: the request's :class:`RequestRow`.
         start: absolute index (RoPE position) of the first new token.
         stored: slots the request stores before this forward (the first new token's slot).
         token_ids: the new tokens' ids (``q`` of them).
     """
 
-    entry: RequestSlots
+    entry: RequestRow
     start: int
     stored: int
     token_ids: Sequence[int]
@@ -61,7 +60,7 @@ class EvictionGroup:
         kept: ``[g, n_keep]`` ascending logical slots kept (they move to slots ``0 .. n_keep - 1``).
     """
 
-    entries: list[RequestSlots]
+    entries: list[RequestRow]
     stored: int
     n_keep: int
     kept: torch.Tensor
@@ -96,31 +95,24 @@ class SlotTracker:
         self.settings = settings
         self.delimiter = DelimiterMatcher(think_end) if think_end is not None else None
         self.table = table if table is not None else SlotTable(torch.device(device), width=max(256, settings.bounds.budget if settings.bounds else 0))
-        self.slots: dict[str, RequestSlots] = {}
+        self.slots: dict[str, RequestRow] = {}
         self.pending_scores: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     # ------------------------------------------------------------------ requests
-    def open(self, rid: str, question_length: int, settings: EvictionSettings | None = None) -> RequestSlots:
-        """The request's entry, created on first use with its own ``settings`` (default: the engine's)."""
+    def open(self, rid: str, question_length: int, settings: EvictionSettings | None = None) -> RequestRow:
+        """The request's record, created on first use with its own ``settings`` (default: the engine's) and a
+        table row."""
         entry = self.slots.get(rid)
         if entry is None:
-            settings = settings or self.settings
-            entry = self.attach(rid, RequestSlots(settings, question_length, settings.n_keep(question_length)))
+            entry = RequestRow(settings or self.settings, question_length, self.table.acquire_row())
+            self.slots[rid] = entry
         return entry
 
-    def attach(self, rid: str, entry: RequestSlots) -> RequestSlots:
-        """Track ``entry`` (made by the scheduler side, :meth:`dynts.core.policy.EvictionPolicy.open`): give it a
-        table row."""
-        entry.row = self.table.acquire_row()
-        self.slots[rid] = entry
-        return entry
-
-    def release(self, rid: str) -> dict[str, int]:
-        """Forget a request and free its table row; returns its final statistics."""
+    def release(self, rid: str) -> None:
+        """Forget a request and free its table row."""
         entry = self.slots.pop(rid)
         self.table.release_row(entry.row)
         entry.row = -1
-        return entry.stats()
 
     # ------------------------------------------------------------------ forwards
     def record(self, forwards: Sequence[Forward], score: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +133,6 @@ class SlotTracker:
             slots += range(f.stored, f.stored + q)
             positions += range(f.start, f.start + q)
             tokens += f.token_ids
-            entry.peak_slots = max(entry.peak_slots, f.stored + q)
         device = self.table.device
         if slots:
             self.table.ensure_width(max(slots) + 1)
@@ -151,7 +142,7 @@ class SlotTracker:
         self.pending_scores = (row_t, slot_t, len(rows)) if score and rows else None
         return row_t, slot_t
 
-    def segments(self, entry: RequestSlots, new: Sequence[int], start: int, stored: int) -> list[int]:
+    def segments(self, entry: RequestRow, new: Sequence[int], start: int, stored: int) -> list[int]:
         """Segments of a forward's ``new`` tokens (absolute index ``start`` on; ``stored`` slots before them),
         by the one rule (:func:`dynts.core.segments.label_request`); delimiter pieces stored by earlier
         forwards are relabelled in the table."""
@@ -172,21 +163,18 @@ class SlotTracker:
         self.table.scores[rows, slots] = predictor(hidden[:total]).float().to(self.table.device)
 
     # ------------------------------------------------------------------ events
-    def evict(self, requests: Sequence[tuple[RequestSlots, int]]) -> list[EvictionGroup]:
-        """Select the kept slots of every ``(entry, stored)`` due this round and compact their table rows.
+    def evict(self, requests: Sequence[tuple[RequestRow, int, int]]) -> list[EvictionGroup]:
+        """Select the kept slots of every ``(entry, stored, n_keep)`` due this round (the scheduler's events) and
+        compact their table rows.
 
-        One evictor call per group of requests with the same settings, prompt length and stored count. The
-        entries' ``shift`` and counters are the scheduler side's (:meth:`RequestSlots.evicted`)."""
-        groups: dict[tuple[int, int, int], list[RequestSlots]] = defaultdict(list)
-        for entry, stored in requests:
-            groups[(id(entry.settings), entry.question_length, stored)].append(entry)
+        One evictor call per group of requests with the same settings, prompt length and stored count
+        (:func:`~dynts.core.slots.select_kept`). The shift and counters are the scheduler side's
+        (:meth:`RequestBudget.evicted`)."""
+        due = [(entry, entry.row, EvictorCall(entry.settings.evictor, entry.settings.bounds.local_window,
+                                              entry.question_length, stored, n_keep, owner=entry.settings))
+               for entry, stored, n_keep in requests]
         out = []
-        for (_, question_length, stored), members in groups.items():
-            settings, n_keep = members[0].settings, members[0].n_keep
-            rows = torch.tensor([e.row for e in members], dtype=torch.long, device=self.table.device)
-            info = self.table.token_info(rows, stored, n_keep, settings.bounds.local_window, question_length)
-            check_scored(info, settings.evictor)
-            kept = settings.evictor(info)  # [g, n_keep]
-            self.table.compact(rows, kept)
-            out.append(EvictionGroup(members, stored, n_keep, kept))
+        for sel in select_kept(self.table, due):
+            self.table.compact(sel.rows, sel.kept)
+            out.append(EvictionGroup(sel.members, sel.call.stored, sel.call.n_keep, sel.kept))
         return out

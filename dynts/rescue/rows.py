@@ -33,8 +33,8 @@ from typing import Sequence
 
 import torch
 
-from ..cache import BoundedCache, CacheStats, incoming_tokens
-from ..core.slots import SlotTable, build_token_info
+from ..cache import BoundedCache, incoming_tokens
+from ..core.slots import SlotTable
 from ..evictors.base import Segment
 from ..kernels import compact_torch_
 
@@ -131,11 +131,13 @@ class RaggedCache(BoundedCache):
         self.seen = max(self.seen, max(r.seen for r in self.rows))
 
     # ------------------------------------------------------------------ eviction
-    def evict(self) -> torch.Tensor:
-        """Not for ragged rows: each row keeps its own count, so no ``[b, n_keep]`` kept tensor exists.
-        Use :meth:`evict_overflow` (rows over the budget) or :meth:`evict_rows`."""
-        raise TypeError("RaggedCache rows evict on their own schedule: call evict_overflow() (every row over the "
-                        "budget) or evict_rows(due) instead of evict()")
+    def evict(self) -> None:
+        """Run one eviction event now: every row holding more real tokens than its ``n_keep`` keeps ``n_keep``
+        (the others keep all of theirs)."""
+        if self.bounded and self.rows:
+            due = [r.real > r.keep for r in self.rows]
+            if any(due):
+                self.evict_rows(due)
 
     def evict_overflow(self) -> list[bool]:
         """Evict every row holding more real tokens than the budget (e.g. after a multi-token forward)
@@ -152,24 +154,15 @@ class RaggedCache(BoundedCache):
         slots. Evicted rows end with exactly their ``n_keep`` real slots (pads go first, and a row is
         evicted only while it holds more real tokens than that). A score-based evictor always has
         scores here: :func:`dynts.attach` refuses it without a predictor."""
-        info = self.token_info()
-        picked = [i for i, d in enumerate(due) if d]
-        keep = info.valid.clone()
-        groups: dict[tuple[int, int], list[int]] = {}
-        for r in picked:
-            groups.setdefault((self.rows[r].keep, self.rows[r].question), []).append(r)
-        for (n_keep, question), members in groups.items():
-            index = torch.tensor(members, dtype=torch.long).to(keep.device, non_blocking=True)
-            keys = None if info.keys is None else info.keys[index]
-            subset = build_token_info(self.table, self.length, n_keep, info.local_window, question, rows=index, keys=keys)
-            kept = self.evictor(subset)
-            chosen = torch.zeros(len(members), info.shape[1], dtype=torch.bool, device=kept.device)
-            keep[index] = chosen.scatter_(1, kept, True)
+        picked = [(i, row.question, row.keep) for i, (row, d) in enumerate(zip(self.rows, due)) if d]
+        selections = self.run_evictor(picked, check=False)
+        keep = self.segments[:, : self.length] != Segment.PAD
+        for sel in selections:
+            chosen = torch.zeros(len(sel.members), keep.shape[1], dtype=torch.bool, device=sel.kept.device)
+            keep[sel.rows] = chosen.scatter_(1, sel.kept, True)
         after = [row.keep if d else row.real for row, d in zip(self.rows, due)]
         self._squeeze(keep, max(after, default=0))
-        self.stats.evictions += 1
-        self.stats.evicted_tokens += sum(r.real for r in self.rows) - sum(after)
-        self.stats.event_steps.append(self.seen)
+        self.stats.event(sum(r.real for r in self.rows) - sum(after), self.seen)
         for row, real, d in zip(self.rows, after, due):
             row.real = real
             row.evictions += int(d)
@@ -228,7 +221,7 @@ class RaggedCache(BoundedCache):
             observation_window=first.observation_window, keys_layer=first.keys_layer,
         )
         new.capacity, new.length = capacity, width
-        new.n_keep, new.question_length, new._window_fresh = first.n_keep, first.question_length, True
+        new.n_keep, new.question_length = first.n_keep, first.question_length
         new.table = SlotTable(device, rows=total, width=capacity, statistics=first.table.statistics,
                               window=first.table.window)
         for dst, src in zip(new.layers, first.layers):
@@ -256,13 +249,9 @@ class RaggedCache(BoundedCache):
                         getattr(dst, name)[out, :, width - w : width] = t.gather(2, idx)
             start += g
 
-        def cat(name: str) -> torch.Tensor | None:
-            values = [getattr(c, name) for c, _ in parts]
-            return None if values[0] is None else torch.cat([v[rows] for v, (_, rows) in zip(values, parts)])
-
         new.rows = [replace(c.rows[r]) for c, rows in hosts for r in rows]  # copies: a fork never changes its source
-        new.in_answer, new.think_match = cat("in_answer"), cat("think_match")
+        new.labels.in_answer = torch.cat([c.in_answer[rows] for c, rows in parts])
+        new.labels.think_match = torch.cat([c.think_match[rows] for c, rows in parts])
         new.seen = max(width, max(r.seen for r in new.rows))
-        new.stats = CacheStats()
         return new
 

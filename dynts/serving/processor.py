@@ -8,12 +8,13 @@ absolute while the keys of the kept tokens sit contiguously at the front of the 
 
 Where the adapter meets transformers (every other call leads into the core:
 :class:`~dynts.core.policy.EvictionPolicy` on the scheduler side, :class:`~dynts.core.tracker.SlotTracker`
-on the worker side; both share one :class:`~dynts.core.slots.RequestSlots` per request):
+on the worker side, each with its own record per request: :class:`~dynts.core.slots.RequestBudget` and
+:class:`~dynts.core.slots.RequestRow`):
 
 | transformers object | how dynts hooks it | what runs |
 |---|---|---|
 | ``ContinuousBatchProcessor`` | ``__class__`` swap in ``EvictingBatchingManager._create_batch_processor`` (transformers builds the processor inside its generation thread) | :class:`EvictingBatchProcessor` |
-| ``prepare_next_batch`` | override | ``_record_batch``: ``EvictionPolicy.open``, ``SlotTracker.attach`` / ``record``, positions shifted |
+| ``prepare_next_batch`` | override | ``_record_batch``: ``EvictionPolicy.open``, ``SlotTracker.open`` / ``record``, positions shifted |
 | ``update_batch`` | override | ``SlotTracker.write_scores``; ``_evict_due``: ``EvictionPolicy.event`` -> ``SlotTracker.evict`` -> ``copy_plan`` -> ``_gather_rows`` / ``_pop_tail_blocks`` |
 | ``scheduler._get_waiting_candidates`` | instance attribute wrapped | ``_admissible``: ``EvictionPolicy.claimed`` / ``admit`` |
 | ``offloading_manager.offload_requests`` | instance attribute wrapped | ``_after_preemption``: ``EvictionPolicy.preempted`` per preempted request; one preempted after an event fails (``fail_request``) |
@@ -48,7 +49,7 @@ import torch
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
-from ..core import EvictionPolicy, EvictionSettings, Forward, RequestSlots, SlotTracker, copy_plan
+from ..core import EvictionPolicy, EvictionSettings, Forward, RequestBudget, RequestRow, SlotTracker, copy_plan
 
 __all__ = ["EvictingBatchProcessor"]
 
@@ -147,8 +148,8 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         return flat, torch.tensor(offsets, dtype=torch.long, device=flat.device)
 
     @property
-    def slots(self) -> dict[str, RequestSlots]:
-        """Per-request slot bookkeeping of the requests in flight (the tracker's)."""
+    def slots(self) -> dict[str, RequestRow]:
+        """The worker records of the requests in flight (the tracker's)."""
         return self.tracker.slots
 
     @property
@@ -231,30 +232,28 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         in_use = self.blocks_in_use()
         self.policy.after_round(in_use, (time.perf_counter() - self._started, in_use, len(self.scheduler.active_requests)))
 
-    def _entry(self, state: RequestState) -> RequestSlots:
-        """The request's one entry in the policy (reservation, shift, statistics), opened on first use."""
+    def _entry(self, state: RequestState) -> RequestBudget:
+        """The request's record in the policy (reservation, shift, statistics), opened on first use."""
         return self.policy.open(state.request_id, self.settings, prompt_length(state), None,
                                 reserved_blocks=self.reservation(state))
 
-    def _request_slots(self, state: RequestState) -> RequestSlots:
-        """The request's one entry, tracked by the slot table."""
-        entry = self.slots.get(state.request_id)
-        if entry is None:
-            entry = self.tracker.attach(state.request_id, self._entry(state))
-        return entry
+    def _request_slots(self, state: RequestState) -> tuple[RequestBudget, RequestRow]:
+        """The request's two records: the policy's and the tracker's (its table row), opened on first use."""
+        entry = self._entry(state)
+        return entry, self.tracker.open(state.request_id, entry.question_length, entry.settings)
 
     def _record_batch(self) -> None:
         """Write the metadata of the batch's new tokens and shift their positions to absolute ones."""
         if not self.settings.bounded:  # the full cache: statistics only, the engine runs as shipped
             for future in self.inputs_and_outputs.requests_in_batch:
                 state = future.state
-                self.policy.scheduled(self._request_slots(state), state.position_offset,
+                self.policy.scheduled(self._request_slots(state)[0], state.position_offset,
                                       len(self.allocator.block_table.get(state.request_id, ())))
             return
         forwards, shifts = [], []
         for future in self.inputs_and_outputs.requests_in_batch:
             state, q = future.state, future.query_length
-            entry = self._request_slots(state)
+            entry, row = self._request_slots(state)
             stored = state.position_offset - q  # slots stored before this forward
             start = stored + entry.shift  # absolute index of the first new token
             prompt = state.initial_tokens
@@ -264,7 +263,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
                 new = prompt[start : start + q]
             if len(new) != q:
                 raise RuntimeError(f"request {state.request_id}: cannot find the {q} tokens of this forward")
-            forwards.append(Forward(entry, start, stored, new))
+            forwards.append(Forward(row, start, stored, new))
             shifts += [entry.shift] * q
             self.policy.scheduled(entry, stored + q, len(self.allocator.block_table.get(state.request_id, ())))
         self.tracker.record(forwards, score=self.settings.needs_scores)
@@ -279,8 +278,9 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
 
     def request_stats(self, rid: str) -> dict[str, int]:
         """Statistics of a request in flight or finished (empty if unknown)."""
-        entry = self.slots.get(rid)
-        return entry.stats() if entry is not None else dict(self.finished_stats.get(rid, {}))
+        if rid in self.slots:
+            return self.policy.get(rid).stats()
+        return dict(self.finished_stats.get(rid, {}))
 
     def _release_finished(self) -> None:
         active, waiting = self.scheduler.active_requests, self.scheduler.waiting_requests
@@ -298,7 +298,7 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
             if rid not in must_fail:
                 self._release(rid)  # nothing evicted yet: the re-prefill is exact, start a fresh entry
                 continue
-            self.fail_request(waiting[rid], RuntimeError(self.policy.failure(rid, self.slots[rid])))
+            self.fail_request(waiting[rid], RuntimeError(self.policy.failure(rid, self.policy.get(rid))))
 
     def fail_request(self, state: RequestState, error: Exception) -> None:
         """Fail one request, running or waiting: its entry released (statistics kept), ``error`` delivered to its
@@ -324,16 +324,16 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         K/V rows moved, tail blocks back to the pool, ``position_offset`` = the kept count."""
         due = []
         for rid, state in self.scheduler.active_requests.items():
-            entry = self.slots.get(rid)
-            if state.status == RequestStatus.DECODING:
-                event = self.policy.event(rid, entry, state.position_offset)
+            row = self.slots.get(rid)
+            if row is not None and state.status == RequestStatus.DECODING:
+                event = self.policy.event(rid, self.policy.get(rid), state.position_offset)
                 if event is not None:
-                    due.append((state, entry, event))
+                    due.append((state, row, event))
         if not due:
             return
-        states = {id(entry): (state, event) for state, entry, event in due}
+        states = {id(row): (state, event) for state, row, event in due}
         src, dst = [], []
-        for group in self.tracker.evict([(entry, event.stored) for _, entry, event in due]):
+        for group in self.tracker.evict([(row, event.stored, event.n_keep) for _, row, event in due]):
             members = [states[id(e)] for e in group.entries]
             physical = torch.tensor(
                 [self.allocator.get_read_indices(s.request_id, 0, group.stored) for s, _ in members],
@@ -342,8 +342,9 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
             moved = copy_plan(group.kept, physical)
             src.append(moved[0])
             dst.append(moved[1])
-            for (state, event), entry in zip(members, group.entries):
-                self.policy.freed(entry, self._pop_tail_blocks(state.request_id, event.keep_blocks))
+            for state, event in members:
+                rid = state.request_id
+                self.policy.freed(self.policy.get(rid), self._pop_tail_blocks(rid, event.keep_blocks))
                 state.position_offset = group.n_keep
         self._gather_rows(torch.cat(src), torch.cat(dst))
 

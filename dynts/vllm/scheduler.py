@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import EvictionPolicy, RequestSlots
+from ..core import EvictionPolicy, RequestBudget
 from ..core.policy import TRACE_ROUNDS
 from .config import PluginConfig
 
@@ -74,7 +74,7 @@ class SchedulerHooks:
         self.failed: set[str] = set()
 
     # ------------------------------------------------------------------ per request
-    def entry(self, request: Any) -> RequestSlots:
+    def entry(self, request: Any) -> RequestBudget:
         """The request's entry, opened with its own settings (the engine's, or its ``extra_args`` overrides)."""
         entry = self.policy.get(request.request_id)
         if entry is None:
@@ -82,7 +82,7 @@ class SchedulerHooks:
             entry = self.policy.open(request.request_id, settings, request.num_prompt_tokens, request.max_tokens)
         return entry
 
-    def budget_of(self, request: Any) -> RequestSlots | None:
+    def budget_of(self, request: Any) -> RequestBudget | None:
         """The request's entry when it evicts (``None``: it runs with the full cache)."""
         entry = self.entry(request)
         return entry if entry.settings.bounded else None

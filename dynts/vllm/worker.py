@@ -184,13 +184,12 @@ class WorkerHooks:
     def _evict(self, events: list[tuple[str, int, int]]) -> None:
         bs = self.block_size
         entries = {}
-        for rid, stored, n_keep in events:
+        for rid, _, _ in events:
             entry = self.tracker.slots.get(rid)
-            if entry is None or entry.n_keep != n_keep:
-                raise RuntimeError(f"dynts: request {rid} evicts with n_keep={n_keep} but the worker holds "
-                                   f"{None if entry is None else entry.n_keep}; scheduler and worker disagree")
+            if entry is None:
+                raise RuntimeError(f"dynts: request {rid} evicts but the worker does not track it")
             entries[id(entry)] = rid
-        groups = self.tracker.evict([(self.tracker.slots[rid], stored) for rid, stored, _ in events])
+        groups = self.tracker.evict([(self.tracker.slots[rid], stored, n_keep) for rid, stored, n_keep in events])
         src, dst = [], []
         device = self.layers[0][0].device
         for group in groups:

@@ -1,4 +1,4 @@
-"""The core's per-request and per-slot objects on their own: :class:`SlotTable`, :class:`RequestSlots`,
+"""The core's per-request and per-slot objects on their own: :class:`SlotTable`, :class:`RequestBudget`,
 :func:`build_token_info`, :func:`check_scored`, :class:`SlotTracker` (record, evict, compact, release) and
 :func:`copy_plan`."""
 
@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
-from dynts.core import (EvictionPolicy, EvictionSettings, Forward, RequestSlots, SlotTable, SlotTracker,
+from dynts.core import (EvictionPolicy, EvictionSettings, Forward, RequestBudget, SlotTable, SlotTracker,
                         build_token_info, check_scored, copy_plan)
+from dynts.core.slots import EvictorCall, select_kept
 from dynts.evictors.base import Segment
 
 CPU = torch.device("cpu")
@@ -96,36 +97,36 @@ def test_check_scored_refuses_an_unscored_thinking_slot_for_a_scoring_method_onl
     check_scored(build_token_info(table, 3, 2, 0, 1), dynts_method)
 
 
-# ------------------------------------------------------------------------------------------- RequestSlots
+# ------------------------------------------------------------------------------------------ RequestBudget
 def test_request_slots_due_evicted_and_stats():
     settings = window(32, 8)
-    entry = RequestSlots(settings, 6, settings.n_keep(6))
+    entry = RequestBudget(settings, 6, settings.n_keep(6))
     assert entry.n_keep == settings.bounds.n_keep(6) < 32
     assert not entry.due(31) and entry.due(32) and entry.due(31, incoming=2)
     entry.evicted(32)
     assert entry.shift == 32 - entry.n_keep and entry.evictions == 1 and entry.evicted_tokens == entry.shift
-    assert entry.stats()["evictions"] == 1 and not entry.in_answer
-    assert not RequestSlots(settings, 6, None).due(10_000)  # no budget: never due
-    assert not RequestSlots(settings, 6, settings.n_keep(6), may_evict=False).due(10_000)
+    assert entry.stats()["evictions"] == 1
+    assert not RequestBudget(settings, 6, None).due(10_000)  # no budget: never due
+    assert not RequestBudget(settings, 6, settings.n_keep(6), may_evict=False).due(10_000)
 
 
 # ------------------------------------------------------------------------------------------- SlotTracker
 def decode(tracker: SlotTracker, policy: EvictionPolicy, rid: str, tokens, reference) -> None:
     """Decode ``tokens`` one per forward for ``rid``, through the policy's events and the tracker's
     evictions; ``reference`` is the host list of ``(position, token id)`` the row must hold."""
-    entry = tracker.slots[rid]
+    entry, budget = tracker.slots[rid], policy.get(rid)
     for tok in tokens:
         stored = len(reference)
-        event = policy.event(rid, entry, stored)
+        event = policy.event(rid, budget, stored)
         if event is not None:
-            (group,) = tracker.evict([(entry, stored)])
+            (group,) = tracker.evict([(entry, stored, event.n_keep)])
             assert group.entries == [entry] and group.stored == stored == event.stored
             kept = group.kept[0].tolist()
-            assert kept == sorted(kept) and len(kept) == entry.n_keep
+            assert kept == sorted(kept) and len(kept) == budget.n_keep
             reference[:] = [reference[j] for j in kept]
         start = reference[-1][0] + 1
         tracker.record([Forward(entry, start, len(reference), [tok])])
-        assert start == len(reference) + entry.shift  # absolute position = stored index + shift
+        assert start == len(reference) + budget.shift  # absolute position = stored index + shift
         reference.append((start, tok))
         n = len(reference)
         assert tracker.table.positions[entry.row, :n].tolist() == [p for p, _ in reference]
@@ -138,18 +139,19 @@ def test_tracker_round_trip_record_evict_compact_release():
     policy = EvictionPolicy(4)
     tracker = SlotTracker(settings, CPU, think_end=(9,))
     prompt = list(range(1, 7))
-    entry = tracker.attach("r", policy.open("r", settings, len(prompt), 100))  # one shared entry
+    budget = policy.open("r", settings, len(prompt), 100)
+    entry = tracker.open("r", len(prompt), settings)
     tracker.record([Forward(entry, 0, 0, prompt)])
     reference = list(enumerate(prompt))
     generated = [3, 4, 5, 9] + [6] * 60
     decode(tracker, policy, "r", generated, reference)
-    assert entry.evictions == settings.bounds.events(len(prompt), len(generated))
+    assert budget.evictions == settings.bounds.events(len(prompt), len(generated))
     segments = tracker.table.segments[entry.row, : len(reference)].tolist()
     assert segments[:6] == [Q] * 6  # keep_question: the prompt survives every event
     assert segments[-8:] == [A] * 8  # the local window, after the delimiter
     row = entry.row
-    stats = tracker.release("r")
-    assert stats["evictions"] == entry.evictions and entry.row == -1 and "r" not in tracker.slots
+    tracker.release("r")
+    assert entry.row == -1 and "r" not in tracker.slots
     assert tracker.table.acquire_row() == row
 
 
@@ -159,12 +161,34 @@ def test_tracker_groups_requests_by_stored_count_and_batches_a_group():
     entries = {rid: tracker.open(rid, 4) for rid in "abc"}
     for rid, n in zip("abc", (16, 16, 15)):
         tracker.record([Forward(entries[rid], 0, 0, list(range(n)))])
-    groups = tracker.evict([(entries["a"], 16), (entries["b"], 16), (entries["c"], 15)])
+    n_keep = settings.n_keep(4)
+    groups = tracker.evict([(entries["a"], 16, n_keep), (entries["b"], 16, n_keep), (entries["c"], 15, n_keep)])
     assert [(len(g.entries), g.stored) for g in groups] == [(2, 16), (1, 15)]
     for g in groups:
         assert g.kept.shape == (len(g.entries), g.n_keep)
         for e, kept in zip(g.entries, g.kept.tolist()):
             assert tracker.table.positions[e.row, : g.n_keep].tolist() == kept  # positions were 0 .. n-1
+
+
+def test_select_kept_calls_the_evictor_once_per_group_of_equal_calls():
+    table = SlotTable(CPU, rows=4, width=8)
+    for row in range(4):
+        table.write(as_long([row] * 8), as_long(range(8)), as_long(range(8)), as_long([Q, Q] + [T] * 6), as_long(range(8)))
+    evictor = window().evictor
+    calls = []
+
+    def counting(info):
+        calls.append(info.shape)
+        return evictor(info)
+
+    spy = type("Spy", (), {"requires": (), "name": "window", "__call__": staticmethod(counting)})()
+    due = [("a", 3, EvictorCall(spy, 2, 2, 8, 5)), ("b", 1, EvictorCall(spy, 2, 2, 6, 4)),
+           ("c", 0, EvictorCall(spy, 2, 2, 8, 5))]
+    selections = select_kept(table, due)
+    assert calls == [(2, 8), (1, 6)]
+    assert [(s.members, s.rows.tolist(), s.kept.shape) for s in selections] == [
+        (["a", "c"], [3, 0], (2, 5)), (["b"], [1], (1, 4))]
+    assert selections[0].kept.tolist() == [[3, 4, 5, 6, 7]] * 2  # window: the most recent n_keep
 
 
 def test_write_scores_scores_exactly_the_recorded_tokens():
