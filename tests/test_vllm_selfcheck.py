@@ -50,6 +50,14 @@ def test_settings_and_flags():
     assert main(["m", "--method", "dynts"]) == 2  # no predictor: the argument error, before any engine
 
 
+def test_without_vllm_the_check_says_how_to_install(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    assert main(["testbed"]) == 3 and "pip install 'dynts-lrm[vllm]'" in capsys.readouterr().out
+
+
 def vllm_check(tmp_path: Path, *args: str, fault: str | None = None) -> tuple[int, dict, str]:
     """``dynts vllm-check`` in its own process (vLLM keeps process-wide state): exit status, JSON, stdout."""
     out = tmp_path / "check.json"

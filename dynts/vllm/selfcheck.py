@@ -197,12 +197,27 @@ def references(settings: CheckSettings, path: Path, prompts: list[list[int]], me
     return out
 
 
+def not_runnable() -> str | None:
+    """Why no engine with the plugin can start here (``None``: it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed in this environment: pip install 'dynts-lrm[vllm]'"
+    from .compat import unsupported_reason
+
+    return unsupported_reason()
+
+
 def run_check(settings: CheckSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the self-check; returns ``{"status", "engine", "settings", "requests": [...], "seconds"}``."""
     from ..models import load_tokenizer, resolve_path
     from .metrics import request_stats
 
     start = time.perf_counter()
+    reason = not_runnable()
+    if reason is not None:
+        log(f"dynts vllm-check: {reason}")
+        return {"status": NO_ENGINE, "error": reason, "seconds": 0.0}
     path = resolve_path(settings.model)
     prompts = encode(settings, load_tokenizer(str(path)))
     budget = settings.budget or default_budget(prompts, settings.local_window, settings.max_tokens)
