@@ -85,7 +85,7 @@ VLLM_CPU_DIR ?= ../shared/vllm-cpu
 VLLM_V2_WHEEL := $(VLLM_CPU_DIR)/vllm-0.34.0+cpu-cp311-cp311-linux_x86_64.whl
 V2VENV ?= .venv-vllm-v2
 V2_TESTS := tests/test_vllm_layouts.py tests/test_vllm_checks.py tests/test_vllm_inert.py tests/test_vllm_v2_testbed.py tests/test_vllm_async.py \
-	tests/test_vllm_plugin.py tests/test_vllm_server.py
+	tests/test_vllm_plugin.py tests/test_vllm_server.py tests/test_vllm_selfcheck.py tests/test_vllm_host_syncs.py
 $(V2VENV)/.installed: pyproject.toml tests/support/vllm_cpu_testbed/pyproject.toml
 	python3.11 -m venv $(V2VENV)
 	$(V2VENV)/bin/pip install -q torch==2.14.1

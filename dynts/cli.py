@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("trainers.pipeline:main", "traces -> importance -> predictor training -> export, resumable"),
     "eval": ("eval.harness.cli:main", "pass@1 / tokens/s / peak KV of methods x budgets x benchmarks, ablations, resumable"),
     "serve": ("dynts.serving.server:main", "OpenAI-compatible server, a bounded KV cache per request (--engine vllm: vLLM's)"),
+    "vllm-check": ("dynts.vllm.selfcheck:main", "is vLLM + the plugin exact here? a few requests vs dynts.generate, a verdict"),
     "rescue": ("eval.rescue.cli:main", "KV-Rescue: evicted base + full-context helper + PRM; generate, or bench vs best-of-N"),
 }
 

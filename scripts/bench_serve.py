@@ -161,13 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run(model, prompts, settings, args, num_blocks))
     base = runs[0]
     if args.cost:
-        print(f"{'run':<30}{'tok/s':>9}{'x stock':>9}{'x (cpu)':>9}{'hooks us/step':>15}{'hooks %':>9}{'preempt':>9}"
-              f"{'evictions':>11}{'syncs/step':>12}{'syncs/event':>13}")
+        print(f"{'run':<38}{'tok/s':>9}{'x stock':>9}{'x (cpu)':>9}{'hooks us/step':>15}{'hooks %':>9}{'preempt':>9}"
+              f"{'evictions':>11}{'syncs/step':>12}{'syncs/event':>13}{'uploads/step':>14}{'uploads/event':>15}")
         for r in runs:  # x stock: the median over repeats of the ratio to the same repeat's stock run (wall, CPU time)
-            print(f"{r['name']:<30}{r['tokens_per_s']:>9.1f}{r['x_stock']:>9.3f}{r['x_stock_cpu']:>9.3f}"
+            print(f"{r['name']:<38}{r['tokens_per_s']:>9.1f}{r['x_stock']:>9.3f}{r['x_stock_cpu']:>9.3f}"
                   f"{r['hook_us_per_step']:>15.0f}{100 * r['hook_share']:>9.2f}"
                   f"{r['preemptions']:>9}{r['evictions']:>11}{r.get('syncs_per_plain_step', float('nan')):>12.2f}"
-                  f"{r.get('syncs_per_event_round', float('nan')):>13.2f}")
+                  f"{r.get('syncs_per_event_round', float('nan')):>13.2f}"
+                  f"{r.get('uploads_per_plain_step', float('nan')):>14.2f}{r.get('uploads_per_event_round', float('nan')):>15.2f}")
     header = f"{'run':<18}{'tok/s':>9}{'x':>7}{'in-flight max':>15}{'mean':>8}{'x':>7}{'preempt':>9}{'peak blk':>10}{'evictions':>11}"
     print(header)
     for r in runs:

@@ -7,7 +7,8 @@ flight per step, generated tokens/s, preemptions, peak blocks in use, evictions 
 
 ``--cost`` (``bench_serve.py --engine vllm --cost``) runs the plugin's cost table instead: stock vLLM, the plugin
 with a budget above every length (nothing evicted: the plugin's bookkeeping alone), DynTS with its predictor
-and StreamingLLM at ``--budgets``'s first budget, ``--repeats`` times in interleaved order (the machine's load
+and StreamingLLM at ``--budgets``'s first budget (on vLLM 0.34, at vLLM's defaults: the V2 runner, async scheduling;
+there also the nothing-evicted and the StreamingLLM run with async scheduling off), ``--repeats`` times in interleaved order (the machine's load
 drifts: each repeat compares the engines a few seconds apart). Timed runs count nothing; one extra run of
 each plugin configuration counts the host syncs its worker hooks would make on a GPU (:class:`eval.perf.syncs.SyncCounter`,
 a dispatch mode that slows every op it sees), per decode step without an event and per eviction round.
@@ -26,11 +27,11 @@ import time
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
-from eval.perf.syncs import SyncCounter  # noqa: E402  (shared with scripts/bench_vllm_hooks.py)
+from eval.perf.syncs import V1_HOOKS, V2_HOOKS, SyncCounter  # noqa: E402  (shared with scripts/bench_vllm_hooks.py)
 
 
 SCHEDULER_HOOKS = ("before_schedule", "admissible", "after_schedule", "shift", "cache_limit", "on_preempt", "forget")
-WORKER_HOOKS = ("before_step", "after_prepare_inputs", "after_forward")
+WORKER_HOOKS = {"v1": V1_HOOKS, "v2": V2_HOOKS}  # per model runner
 
 
 class HookClock:
@@ -57,11 +58,17 @@ def cost_configs(args) -> list[dict | None]:
     """Stock, the plugin with nothing to evict, DynTS + predictor, StreamingLLM (at the first budget)."""
     from dynts.models import checkpoints_dir
 
+    from dynts.vllm.compat import runner_of
+
     budget, w = args.budgets[0], args.local_window
     above = args.prompt + args.generate + 1
-    return [None, {"method": "streamingllm", "budget": above, "local_window": w, "label": f"plugin@{above} (no eviction)"},
-            {"method": "dynts", "budget": budget, "local_window": w, "predictor": args.predictor or str(checkpoints_dir() / "testbed-predictor")},
-            {"method": "streamingllm", "budget": budget, "local_window": w}]
+    configs = [None, {"method": "streamingllm", "budget": above, "local_window": w, "label": f"plugin@{above} (no eviction)"},
+               {"method": "dynts", "budget": budget, "local_window": w, "predictor": args.predictor or str(checkpoints_dir() / "testbed-predictor")},
+               {"method": "streamingllm", "budget": budget, "local_window": w}]
+    if runner_of() == "v2":  # vLLM's default there is async scheduling: the plugin with it off beside it
+        configs += [{**configs[1], "async_scheduling": False, "label": f"plugin@{above} (no eviction), async off"},
+                    {**configs[3], "async_scheduling": False, "label": f"streamingllm@{budget}, async off"}]
+    return configs
 
 
 def run_all(args, num_blocks: int) -> list[dict]:
@@ -93,14 +100,15 @@ def run_all(args, num_blocks: int) -> list[dict]:
         run["x_stock_cpu"] = statistics.median(rep[0]["cpu_seconds"] / r["cpu_seconds"] for r, rep in zip(series, timed))
         run["hook_share"] = statistics.median(r["hook_share"] for r in series)
         run["hook_us_per_step"] = statistics.median(1e6 * r["hook_seconds"] / r["steps"] for r in series)
-        if dynts is not None:  # an untimed run with the sync counter
+        if dynts is not None and dynts.get("async_scheduling", True):  # an untimed run with the sync counter
             counted = engine_run({**spec, "dynts": dynts, "count_syncs": True})
             run.update({k: counted[k] for k in SYNC_FIELDS})
         runs.append(run)
     return runs
 
 
-SYNC_FIELDS = ("syncs_per_plain_step", "syncs_per_event_round", "event_rounds", "plain_steps")
+SYNC_FIELDS = ("syncs_per_plain_step", "syncs_per_event_round", "uploads_per_plain_step", "uploads_per_event_round",
+               "event_rounds", "plain_steps")
 
 
 def engine_run(spec: dict) -> dict:
@@ -123,15 +131,22 @@ def one_engine(spec: dict) -> dict:
     from dynts.models import resolve_path
     from dynts.vllm.metrics import request_stats
 
+    from dynts.vllm.compat import runner_of
+
+    runner = runner_of()
     dynts = dict(spec["dynts"]) if spec["dynts"] else None
     label = dynts.pop("label", None) if dynts else None
+    # 0.32 (V1): eager and synchronous, what the plugin drives there; 0.34 (V2): vLLM's defaults (async scheduling)
+    defaults = {"enforce_eager": True, "async_scheduling": False} if runner == "v1" else {}
+    if dynts and "async_scheduling" in dynts:
+        defaults["async_scheduling"] = dynts.pop("async_scheduling")
     if dynts and "predictor" in dynts and not os.path.isdir(dynts["predictor"]):
         dynts["predictor"] = str(resolve_path(dynts["predictor"]))
     extra = {"additional_config": {"dynts": dynts}} if dynts else {}
     llm = LLM(model=str(resolve_path(spec["model"])), dtype="float32", block_size=spec["block_size"],
               num_gpu_blocks_override=spec["num_blocks"], max_model_len=spec["prompt"] + spec["generate"],
               max_num_batched_tokens=max(spec["max_batch_tokens"], spec["prompt"] + spec["generate"]),
-              max_num_seqs=spec["requests"], enforce_eager=True, async_scheduling=False, seed=0, **extra)
+              max_num_seqs=spec["requests"], seed=0, **defaults, **extra)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     preemptions = [0]
@@ -148,10 +163,10 @@ def one_engine(spec: dict) -> dict:
         worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
         if spec.get("count_syncs"):
             syncs = SyncCounter()
-            syncs.install(worker.model_runner._dynts)
+            syncs.install(worker.model_runner._dynts, WORKER_HOOKS[runner])
         else:
             clock.install(scheduler._dynts, SCHEDULER_HOOKS)
-            clock.install(worker.model_runner._dynts, WORKER_HOOKS)
+            clock.install(worker.model_runner._dynts, WORKER_HOOKS[runner])
     vocab = llm.get_tokenizer().vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=spec["generate"], ignore_eos=True)
@@ -177,7 +192,7 @@ def one_engine(spec: dict) -> dict:
         "steps": len(trace), "hook_seconds": clock.seconds, "hook_share": clock.seconds / seconds,
         "in_flight_max": max(flight), "in_flight_mean": sum(flight) / len(flight),
         "preemptions": preemptions[0], "peak_blocks": max(b for _, b, _ in trace), "pool_blocks": spec["num_blocks"],
-        "evictions": evictions,
+        "evictions": evictions, "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
         "trace": trace,
     }
 

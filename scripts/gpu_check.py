@@ -35,6 +35,10 @@ Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finish
     hooks (``scripts/bench_vllm_hooks.py``: DynTS + a random predictor, 256 rows decoding one token each, on a
     stand-in model runner): microseconds and host syncs per plain decode step and per eviction round, after a
     small run that checks every row's stored K/V against the evictor's decisions.
+(10) ``vllm_v2``: where vLLM 0.34 is installed, ``dynts vllm-check`` with the plugin at vLLM's defaults (V2
+    runner, async scheduling), CUDA graphs ``FULL_AND_PIECEWISE``, attention ``FLASH_ATTN`` with FA2 and with FA3
+    (:mod:`eval.perf.vllm_v2_check`): every evicting request and its non-evicting control against
+    ``dynts.generate``, the engine each ran. Skipped with the reason where vLLM is not installed.
 
 Run it there (the device tool's ``run``, ``timeout_s=600``; the image has no install of this checkout,
 ``PYTHONPATH=$PWD`` puts its packages on the path)::
@@ -555,6 +559,13 @@ def vllm_check(device: torch.device, dry_run: bool) -> dict:
     return out
 
 
+def vllm_engine_check(dry_run: bool) -> dict:
+    """``dynts vllm-check`` at vLLM's defaults, FULL_AND_PIECEWISE graphs, FA2 and FA3 (skipped without vLLM)."""
+    from eval.perf.vllm_v2_check import vllm_v2_check
+
+    return vllm_v2_check(dry_run)
+
+
 def run_section(result: dict, name: str, fn, seconds: float, save) -> dict | None:
     """Run one section inside a time box; record its output, or its error, under ``result[name]``."""
     t0 = time.perf_counter()
@@ -584,7 +595,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     out_file = args.out / "gpu_check.json"
     result = dict(dry_run=args.dry_run, budget_seconds=budget, versions=None, kernels=None, attention_stats=None,
-                  logits=None, tests=None, serve=None, serve_graphs=None, bench=[], skipped=[], vllm=None)
+                  logits=None, tests=None, serve=None, serve_graphs=None, bench=[], skipped=[], vllm=None,
+                  vllm_v2=None)
 
     def save() -> None:
         result["seconds"] = time.perf_counter() - started
@@ -620,12 +632,13 @@ def main(argv=None) -> int:
         run_section(result, "serve", lambda: serve_check(model, args.dry_run), min(150.0, max(left() / 2, 20)), save)
         run_section(result, "serve_graphs", lambda: serve_graphs_check(device, args.dry_run), 90, save)
     run_section(result, "vllm", lambda: vllm_check(device, args.dry_run), 90, save)
+    run_section(result, "vllm_v2", lambda: vllm_engine_check(args.dry_run), 450, save)
     decode_bench(model, args, shape, dtype, result, left, save)
     save()
     print(f"\nwrote {out_file} ({result['seconds']:.0f} s; {len(result['bench'])} decode combinations run, "
           f"{len(result['skipped'])} skipped)")
     checks = [result[k] and result[k].get("ok", "error" not in result[k])
-              for k in ("kernels", "logits", "serve", "serve_graphs", "vllm")]
+              for k in ("kernels", "logits", "serve", "serve_graphs", "vllm", "vllm_v2")]
     tests_ok = result["tests"] is None or result["tests"]["returncode"] in (0, 5)
     return 0 if all(checks) and tests_ok else 1
 

@@ -30,6 +30,7 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     graphs = result["serve_graphs"]  # on CPU the engine has no graphs: both runs eager, still compared
     assert graphs["ok"] and graphs["tokens_identical"] and graphs["kept_identical"] and graphs["events"] > 0
     assert result["vllm"]["ok"] and result["vllm"]["moved_slots"] > 0  # the plugin's slot copy, exact
+    assert "skipped" in result["vllm_v2"] or result["vllm_v2"]["ok"]  # the engine check: a GPU with vLLM only
     assert result["tests"]["returncode"] == 0 and "test_cuda.py" in result["tests"]["output_tail"]
     assert {(c["compile"], c["batch"]) for c in result["bench"]} == {(False, 1), (False, 2), (True, 1)}
     for combo in result["bench"]:
@@ -68,3 +69,19 @@ def test_gpu_check_runs_the_core_on_any_supported_release(monkeypatch):
     assert versions["refused"] == []
     assert any("transformers 5.17.0 is outside the supported transformers<5.25,>=5.24" in r
                for r in versions["serving_refused"]), versions["serving_refused"]
+
+
+def test_vllm_engine_section_skips_without_vllm_or_lists_its_runs():
+    """The vllm_v2 section: FLASH_ATTN with FA2 and FA3 under FULL_AND_PIECEWISE graphs through dynts vllm-check;
+    without vLLM a skip that says how to install it (a dry run lists the commands only)."""
+    import importlib.util
+
+    from eval.perf.vllm_v2_check import vllm_v2_check
+
+    result = vllm_v2_check(dry_run=True)
+    if importlib.util.find_spec("vllm") is None:
+        assert "vLLM is not installed" in result["skipped"] and "dynts-lrm[vllm]" in result["skipped"]
+        return
+    commands = [" ".join(r["command"]) for r in result["runs"]]
+    assert all("vllm-check" in c and "--cudagraph-mode FULL_AND_PIECEWISE" in c and "FLASH_ATTN" in c for c in commands)
+    assert {c.split("--flash-attn-version ")[1][0] for c in commands} == {"2", "3"} and result["ok"]

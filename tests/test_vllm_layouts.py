@@ -85,14 +85,15 @@ def test_cpu_vec_copy_matches_the_kernels_own_writes(dtype, head):
 
 
 def _vllm_flash_attn_caches(layout_name: str, layers: int, blocks: int, heads: int, head: int, dtype):
-    """FLASH_ATTN's per-layer KV caches exactly as vLLM 0.32 builds them: the engine core's KVCacheConfig
-    (``get_kv_cache_config_from_groups``) and the worker's ``allocate_kv_cache`` (one allocation, per-layer views)."""
+    """FLASH_ATTN's per-layer KV caches exactly as vLLM builds them: the engine core's KVCacheConfig
+    (``get_kv_cache_config_from_groups``: ``kv_cache_utils`` on 0.32, ``kv_cache_planning`` on 0.34) and the
+    worker's ``allocate_kv_cache`` (one allocation, per-layer views)."""
     from types import SimpleNamespace
 
     try:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-    except ImportError:  # vLLM 0.34 builds the KV cache config through another path; this check is 0.32's
-        pytest.skip("vLLM 0.32's KV-cache allocation path (get_kv_cache_config_from_groups) is not in this vLLM")
+    except ImportError:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache

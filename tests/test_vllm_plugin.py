@@ -19,6 +19,7 @@ pytest.importorskip("vllm", reason="needs vLLM's CPU build (make test builds .ve
 
 import dynts  # noqa: E402
 from dynts.models import checkpoints_dir  # noqa: E402
+from dynts.vllm.selfcheck import reference_tokens as reference  # noqa: E402,F401  (test_vllm_async imports it)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,16 +43,6 @@ def run_engine(tmp_path: Path, model: Path, requests: list[dict], admit_all: boo
     return json.loads(lines[-1][len("DYNTS_RESULT "):])
 
 
-def reference(model, tokenizer, prompt: list[int], max_tokens: int, **method) -> list[int]:
-    """``dynts.generate`` on one prompt alone, greedy, up to EOS (included) or ``max_tokens``."""
-    ids = torch.tensor([prompt])
-    out = dynts.generate(model, tokenizer, input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=max_tokens, **method)
-    seq = out.sequences[0].tolist()
-    eos = model.generation_config.eos_token_id
-    return seq[: seq.index(eos) + 1] if eos in seq else seq
-
-
 @pytest.fixture(scope="module")
 def testbed():
     return dynts.load("testbed", dtype="float32", device="cpu")
@@ -59,14 +50,19 @@ def testbed():
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
+    return make_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+def make_tiny_models(root: Path, names: tuple[str, ...] = ("llama", "qwen2", "qwen3")) -> dict[str, Path]:
     """Tiny random Llama, Qwen2 and Qwen3 directories (testbed tokenizer; head size 32 for the CPU kernel)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    root = tmp_path_factory.mktemp("tiny")
     tok = dynts.models.load_tokenizer("testbed")
     dirs = {}
-    for name, (cfg_cls, model_cls) in {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                       "qwen3": (Qwen3Config, Qwen3ForCausalLM)}.items():
+    families = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    for name in names:
+        cfg_cls, model_cls = families[name]
         torch.manual_seed(0)
         cfg = cfg_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,

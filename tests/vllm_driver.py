@@ -31,23 +31,16 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this proc
 
 
 def main(spec_path: str) -> None:  # noqa: C901
-    from vllm import LLM, SamplingParams
-    from vllm.exceptions import VLLMValidationError
+    from vllm import LLM
 
     from dynts.vllm.metrics import request_stats
+    from dynts.vllm.selfcheck import drive, model_runner
 
     spec = json.load(open(spec_path))
     if spec.get("stale_shift"):
-        from dynts.vllm.worker_v2 import RunnerV2Hooks
+        from vllm_faults import make_shift_stale
 
-        before_step = RunnerV2Hooks.before_step
-
-        def stale_before_step(self, scheduler_output):
-            previous = dict(self.shifts)
-            before_step(self, scheduler_output)
-            self.shifts = previous  # the count of the round before: one step stale
-
-        RunnerV2Hooks.before_step = stale_before_step
+        make_shift_stale()
     if spec.get("force_unsupported"):  # before vLLM loads its plugins (at the engine's construction)
         import dynts.vllm.compat
 
@@ -62,7 +55,7 @@ def main(spec_path: str) -> None:  # noqa: C901
         print("DYNTS_RESULT " + json.dumps({"engine_error": f"{type(err).__name__}: {err}"}))
         return
     core = llm.llm_engine.engine_core.engine_core
-    buffers = watch_buffers(model_runner(core)) if spec.get("check_buffers") else None
+    buffers = watch_buffers(model_runner(llm)) if spec.get("check_buffers") else None
     scheduler = core.scheduler
     hooks = getattr(scheduler, "_dynts", None)
     if spec.get("admit_all"):  # switch admission control off: let vLLM preempt
@@ -77,33 +70,26 @@ def main(spec_path: str) -> None:  # noqa: C901
             return out
 
         scheduler.kv_cache_manager.get_computed_blocks = counted
-    pending = sorted(enumerate(spec["requests"]), key=lambda p: p[1].get("arrive_at_step", 0))
-    outputs, max_stored, per_request, step = {}, {}, {}, 0
-    shared_blocks = 0
-    while pending or llm.llm_engine.has_unfinished_requests():
-        while pending and pending[0][1].get("arrive_at_step", 0) <= step:
-            i, r = pending.pop(0)
-            params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args"),
-                                    ignore_eos=r.get("ignore_eos", False))
-            try:
-                llm.llm_engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]}, params)
-            except (ValueError, VLLMValidationError) as err:  # what the server answers with HTTP 400
-                outputs[str(i)] = {"error": f"{type(err).__name__}: {err}"}
-        for out in llm.llm_engine.step():
-            if out.finished:
-                outputs[out.request_id] = {"token_ids": list(out.outputs[0].token_ids),
-                                           "finish_reason": out.outputs[0].finish_reason}
-                stats = request_stats(out.kv_transfer_params)
-                if stats is not None:
-                    per_request[out.request_id] = stats[0]
+    max_stored: dict[str, int] = {}
+    shared_blocks = [0]
+
+    def after_step() -> None:
         manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
         for request in scheduler.running:
             shift = hooks.shift(request) if hooks is not None else 0
             stored = request.num_computed_tokens - shift
             max_stored[request.request_id] = max(max_stored.get(request.request_id, 0), stored)
             for block in manager.req_to_blocks[request.request_id]:
-                shared_blocks = max(shared_blocks, block.ref_cnt)
-        step += 1
+                shared_blocks[0] = max(shared_blocks[0], block.ref_cnt)
+        steps[0] += 1
+
+    steps = [0]
+    outputs = drive(llm, spec["requests"], after_step)
+    per_request = {}
+    for rid, out in outputs.items():
+        stats = request_stats(out.pop("kv_transfer_params", None))
+        if stats is not None:
+            per_request[rid] = stats[0]
     pool = scheduler.kv_cache_manager.block_pool
 
     def external(rid: str) -> str:  # vLLM may suffix the id it was given
@@ -112,15 +98,15 @@ def main(spec_path: str) -> None:  # noqa: C901
     result = {
         "outputs": outputs,
         "max_stored": {external(k): v for k, v in max_stored.items()},
-        "max_block_refcount": shared_blocks,
+        "max_block_refcount": shared_blocks[0],
         "prefix_hits": {external(k): v for k, v in hits.items()},
         "free_blocks_at_end": pool.get_num_free_blocks(),
         "num_blocks": pool.num_gpu_blocks,
-        "steps": step,
+        "steps": steps[0],
         "stats": hooks.engine_stats() if hooks is not None else None,
         "request_stats": per_request,
         "wrapped": wrapped_methods(llm, scheduler, core),
-        "engine_classes": engine_classes(scheduler, core),
+        "engine_classes": engine_classes(llm, scheduler, core),
         "buffers": buffers,
     }
     print("DYNTS_RESULT " + json.dumps(result))
@@ -167,15 +153,11 @@ def watch_buffers(runner) -> dict:
     return counts
 
 
-def model_runner(core):
-    """The in-process engine's model runner (one worker: TP=1)."""
-    worker = getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None)
-    return getattr(worker, "model_runner", None)
-
-
-def engine_classes(scheduler, core) -> dict:
+def engine_classes(llm, scheduler, core) -> dict:
     """What this engine runs: the scheduler class, the model runner's class chain, async scheduling."""
-    runner = model_runner(core)
+    from dynts.vllm.selfcheck import model_runner
+
+    runner = model_runner(llm)
     return {"scheduler": type(scheduler).__name__,
             "runner_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__] if runner else [],
             "async_scheduling": bool(core.vllm_config.scheduler_config.async_scheduling),
@@ -185,10 +167,11 @@ def engine_classes(scheduler, core) -> dict:
 def wrapped_methods(llm, scheduler, core) -> list[str]:
     """The per-step methods of this engine's scheduler, model runner and output processor that are dynts
     wrappers (an engine without dynts has none)."""
+    from dynts.vllm.selfcheck import model_runner
     from dynts.vllm.wrapping import is_wrapped
 
     objects = {"Scheduler": (scheduler, ["schedule", "_preempt_request", "_free_request", "update_from_output"]),
-               "ModelRunner": (model_runner(core),
+               "ModelRunner": (model_runner(llm),
                                ["execute_model", "_prepare_inputs", "_model_forward", "prepare_attn", "sample_tokens"]),
                "OutputProcessor": (llm.llm_engine.output_processor, ["process_outputs"])}
     return [f"{label}.{name}" for label, (obj, names) in objects.items() if obj is not None for name in names

@@ -4,13 +4,14 @@ run would pay, and torch's own sync debug mode on CUDA.
 * :class:`SyncCounter` (any device; on the CPU build nothing waits, the count says what a GPU would pay):
   inside :meth:`SyncCounter.counting` it counts the operations that make the host wait for the device on a
   GPU -- a scalar read (``item``/``bool``), ``nonzero``/``masked_select``/``unique`` and boolean-mask indexing,
-  ``tolist``/``numpy``/``cpu`` of a tensor. It cannot see a blocking host-to-device copy
-  (``torch.tensor(list, device="cuda")``, ``.to("cuda")``): on CPU there is no copy.
+  ``tolist``/``numpy``/``cpu`` of a tensor. Apart from these it counts ``uploads``: host data made into a tensor
+  on a given device (``torch.tensor(list, device=...)``, a blocking host-to-device copy on a GPU, which waits
+  for the stream); it cannot see ``.to("cuda")`` of a host tensor (on CPU there is no copy).
 * :class:`CudaSyncCounter`: ``torch.cuda.set_sync_debug_mode("warn")`` inside :meth:`CudaSyncCounter.counting`,
   one count per warning; it sees every synchronizing CUDA call, blocking host-to-device copies included.
 
 Both count into ``now``; :meth:`SyncCounter.install` wraps the dynts vLLM worker hooks
-(:class:`dynts.vllm.worker.WorkerHooks`) so that every round is counted as a plain decode step or an
+(:class:`dynts.vllm.worker.WorkerHooks` on vLLM's V1 runner, :class:`dynts.vllm.worker_v2.RunnerV2Hooks` on V2) so that every round is counted as a plain decode step or an
 eviction round (``scripts/bench_serve_vllm.py --cost``).
 """
 
@@ -22,15 +23,28 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["CudaSyncCounter", "SyncCounter", "sync_counter"]
+__all__ = ["CudaSyncCounter", "SyncCounter", "V1_HOOKS", "V2_HOOKS", "sync_counter"]
 
+V1_HOOKS = ("before_step", "after_prepare_inputs", "after_forward")  # dynts.vllm.worker.WorkerHooks, per round
+V2_HOOKS = ("before_step", "before_attention", "after_execute")  # dynts.vllm.worker_v2.RunnerV2Hooks
 _ACTIVE: list["SyncCounter"] = []  # counters inside a counted call (tolist/numpy/cpu are not dispatched ops)
 
 
 def _patch_host_reads() -> None:
-    """Count ``Tensor.tolist`` / ``numpy`` / ``cpu`` calls for the active counters (patched once per process)."""
+    """Count ``Tensor.tolist`` / ``numpy`` / ``cpu`` calls for the active counters, and host data made into a tensor
+    on a given ``device`` (``torch.tensor(list, device=...)``: a blocking host-to-device copy on a GPU) apart
+    (patched once per process)."""
     if getattr(torch.Tensor.tolist, "_dynts_sync_counted", False):
         return
+    make = torch.tensor
+
+    def tensor(data, *a, _make=make, **k):
+        if k.get("device") is not None and not isinstance(data, torch.Tensor):
+            for counter in _ACTIVE:
+                counter.uploads += 1
+        return _make(data, *a, **k)
+
+    torch.tensor = tensor
     for name in ("tolist", "numpy", "cpu"):
         method = getattr(torch.Tensor, name)
 
@@ -49,8 +63,9 @@ class _Rounds:
     now: int
 
     def __init__(self) -> None:
-        self.now = 0
+        self.now = self.uploads = 0  # syncs, blocking host-to-device copies (dispatch counter only) this round
         self.plain_steps = self.plain_syncs = self.event_rounds = self.event_syncs = 0
+        self.plain_uploads = self.event_uploads = 0
 
     @contextmanager
     def counting(self) -> Iterator[None]:  # pragma: no cover - overridden
@@ -62,31 +77,39 @@ class _Rounds:
                 return method(*a, **k)
         return run
 
-    def install(self, hooks: Any) -> None:
-        """Count inside ``hooks.before_step`` / ``after_prepare_inputs`` / ``after_forward`` (instance attributes
-        shadow the methods); a round whose ``dynts_plan`` has events is an eviction round."""
+    def install(self, hooks: Any, names: tuple[str, ...] = V1_HOOKS) -> None:
+        """Count inside the worker hooks ``names`` (the round's first hook, then the others; the last one ends
+        the round; instance attributes shadow the methods); a round whose ``dynts_plan`` has events is an
+        eviction round. ``names``: :data:`V1_HOOKS` (``WorkerHooks``) or :data:`V2_HOOKS` (``RunnerV2Hooks``)."""
         event = [False]
-        before, prepare, forward = (self._counted(m) for m in (hooks.before_step, hooks.after_prepare_inputs,
-                                                               hooks.after_forward))
+        first, *middle, last = names
+        counted = {name: self._counted(getattr(hooks, name)) for name in names}
 
-        def before_step(scheduler_output):
+        def start(scheduler_output, *a, **k):
             plan = getattr(scheduler_output, "dynts_plan", None)
-            event[0], self.now = bool(plan is not None and plan.events), 0
-            return before(scheduler_output)
+            event[0], self.now, self.uploads = bool(plan is not None and plan.events), 0, 0
+            return counted[first](scheduler_output, *a, **k)
 
-        def after_forward(output):
-            out = forward(output)
+        def end(*a, **k):
+            out = counted[last](*a, **k)
             if event[0]:
                 self.event_rounds, self.event_syncs = self.event_rounds + 1, self.event_syncs + self.now
+                self.event_uploads += self.uploads
             else:
                 self.plain_steps, self.plain_syncs = self.plain_steps + 1, self.plain_syncs + self.now
+                self.plain_uploads += self.uploads
             return out
 
-        hooks.before_step, hooks.after_prepare_inputs, hooks.after_forward = before_step, prepare, after_forward
+        setattr(hooks, first, start)
+        for name in middle:
+            setattr(hooks, name, counted[name])
+        setattr(hooks, last, end)
 
     def summary(self) -> dict:
         return {"syncs_per_plain_step": self.plain_syncs / max(1, self.plain_steps),
                 "syncs_per_event_round": self.event_syncs / max(1, self.event_rounds),
+                "uploads_per_plain_step": self.plain_uploads / max(1, self.plain_steps),
+                "uploads_per_event_round": self.event_uploads / max(1, self.event_rounds),
                 "event_rounds": self.event_rounds, "plain_steps": self.plain_steps}
 
 
