@@ -22,6 +22,7 @@ LOADS_NO_MODEL = {
     "testbed report": "the bundled CPU testbed checkpoints",
     "analyze pos": "a tokenizer only",
     "analyze sparsity": "reads a trace dataset only",
+    "vllm-check": "vLLM loads the model (one engine, its --dtype and engine options); the transformers reference mirrors them",
 }
 
 
