@@ -7,6 +7,7 @@
 | :mod:`~dynts.core.segments` | the one labelling rule: question / thinking / answer / pad |
 | :mod:`~dynts.core.slots` | the per-request records (:class:`RequestBudget` on the scheduler side, :class:`RequestRow` on the worker side), the slot table, the one :class:`~dynts.TokenInfo` builder, the stale-score check and the one evictor-call loop (:func:`select_kept`) |
 | :mod:`~dynts.core.tracker` | the worker side of a paged engine: metadata, scores, evictor calls, the copy plan |
+| :mod:`~dynts.core.upload` | host index lists to the device in one asynchronous copy (pinned on CUDA) |
 | :mod:`~dynts.core.policy` | the scheduler side of a paged engine: reservations, admission, events, preemption, statistics |
 
 The dense cache (:mod:`dynts.cache`), the ragged KV-Rescue cache (:mod:`dynts.rescue.rows`) and both

@@ -28,6 +28,7 @@ from ..thinking import DelimiterMatcher
 from .settings import EvictionSettings
 from .segments import label_request
 from .slots import EvictorCall, RequestRow, SlotTable, select_kept
+from .upload import upload
 
 __all__ = ["EvictionGroup", "Forward", "SlotTracker", "copy_plan"]
 
@@ -133,12 +134,10 @@ class SlotTracker:
             slots += range(f.stored, f.stored + q)
             positions += range(f.start, f.start + q)
             tokens += f.token_ids
-        device = self.table.device
         if slots:
             self.table.ensure_width(max(slots) + 1)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        row_t, slot_t = as_long(rows), as_long(slots)
-        self.table.write(row_t, slot_t, as_long(positions), as_long(segments), as_long(tokens))
+        row_t, slot_t, *columns = upload((rows, slots, positions, segments, tokens), self.table.device)
+        self.table.write(row_t, slot_t, *columns)
         self.pending_scores = (row_t, slot_t, len(rows)) if score and rows else None
         return row_t, slot_t
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..core import Forward
+from ..core.upload import upload
 from .worker import WorkerHooks
 
 __all__ = ["RunnerV2Hooks"]
@@ -132,9 +133,7 @@ class RunnerV2Hooks(WorkerHooks):
         if forwards:
             self.tracker.record(forwards)
         if self.predictor is not None and score_rows:  # every token of the batch, in its order (all are tracked)
-            device = self.tracker.table.device
-            self.tracker.pending_scores = (torch.tensor(score_rows, device=device),
-                                           torch.tensor(score_slots, device=device), len(score_rows))
+            self.tracker.pending_scores = (*upload((score_rows, score_slots), self.tracker.table.device), len(score_rows))
         if not shift_rows.any():
             return None
         device = batch.seq_lens.device
@@ -183,8 +182,8 @@ class RunnerV2Hooks(WorkerHooks):
                 del self.unlabelled[rid]
         if not forwards:
             return
-        rows = torch.tensor([f.entry.row for f in forwards for _ in f.token_ids], device=table.device)
-        slots = torch.tensor([f.stored + j for f in forwards for j in range(len(f.token_ids))], device=table.device)
+        rows, slots = upload(([f.entry.row for f in forwards for _ in f.token_ids],
+                              [f.stored + j for f in forwards for j in range(len(f.token_ids))]), table.device)
         scores = table.scores[rows, slots].clone()
         self.tracker.record(forwards)  # writes positions, segments and ids (and clears the slots' scores)
         table.scores[rows, slots] = scores
