@@ -29,8 +29,8 @@ CHAIN_VERIFIER='testbed-chain-prm*likelihood:testbed-chain-helper'
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
 # the fair chain LRM (configs/testbed/chain-lrm-fair.yaml) and its rebuilt helper, PRM and predictor
-CHAIN_FAIR=runs/testbed-chain-lrm-fair/export
-CHAIN_FAIR_PREDICTOR=runs/testbed-chain-lrm-fair/predictor
+CHAIN_FAIR=checkpoints/testbed-chain-fair-lrm
+CHAIN_FAIR_PREDICTOR=checkpoints/testbed-chain-fair-predictor
 # the paper's protocol: k = 5 samples per problem, budgets as shares of the full cache's mean sequence
 # (--budget-fraction), W_l = 32; a share whose n_keep leaves no selection slot is refused under --final
 FRACTIONS=0.15,0.25,0.35
@@ -186,9 +186,9 @@ for step in $steps; do
       $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-lrm-fair.yaml --resume      # -> $CHAIN_FAIR
       $LOCK $PY -m dynts.cli eval --model $CHAIN_FAIR --benchmark testbed:n=200,family=chain,set=dev --method full \
         --k 5 --batch-size 100 --threads 2 --no-progress --run-dir runs/chain-fair-dev-full
-      $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-fair-helper.yaml --resume   # -> runs/testbed-chain-fair-helper/export
-      $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-fair-prm.yaml --resume      # -> runs/testbed-chain-fair-prm/export
-      $LOCK $PY -m trainers.testbed_prm runs/testbed-chain-fair-prm/export --family chain --n 200 > reports/prm-chain-fair.json
+      $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-fair-helper.yaml --resume   # -> checkpoints/testbed-chain-fair-helper
+      $LOCK $PY -m dynts.cli testbed train --config configs/testbed/chain-fair-prm.yaml --resume      # -> checkpoints/testbed-chain-fair-prm
+      $LOCK $PY -m trainers.testbed_prm checkpoints/testbed-chain-fair-prm --family chain --n 200 > reports/prm-chain-fair.json
       $LOCK $PY -m dynts.cli pipeline --config configs/predictor/testbed-chain-fair.pipeline.yaml     # -> $CHAIN_FAIR_PREDICTOR
       for side in favouring fair; do
         model=testbed-chain; pred=checkpoints/testbed-chain-predictor
