@@ -30,31 +30,39 @@ V2_HOOKS = ("before_step", "before_attention", "after_execute")  # dynts.vllm.wo
 _ACTIVE: list["SyncCounter"] = []  # counters inside a counted call (tolist/numpy/cpu are not dispatched ops)
 
 
-def _patch_host_reads() -> None:
+@contextmanager
+def _host_reads_counted() -> Iterator[None]:
     """Count ``Tensor.tolist`` / ``numpy`` / ``cpu`` calls for the active counters, and host data made into a tensor
-    on a given ``device`` (``torch.tensor(list, device=...)``: a blocking host-to-device copy on a GPU) apart
-    (patched once per process)."""
-    if getattr(torch.Tensor.tolist, "_dynts_sync_counted", False):
+    on a given ``device`` (``torch.tensor(list, device=...)``: a blocking host-to-device copy on a GPU) apart; the
+    originals are back when the outermost counter exits (nothing outside a count is changed)."""
+    if _ACTIVE:  # an enclosing counter has patched them
+        yield
         return
     make = torch.tensor
+    methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
 
-    def tensor(data, *a, _make=make, **k):
+    def tensor(data, *a, **k):
         if k.get("device") is not None and not isinstance(data, torch.Tensor):
             for counter in _ACTIVE:
                 counter.uploads += 1
-        return _make(data, *a, **k)
+        return make(data, *a, **k)
 
-    torch.tensor = tensor
-    for name in ("tolist", "numpy", "cpu"):
-        method = getattr(torch.Tensor, name)
-
-        def wrapped(t, *a, _m=method, **k):
+    def counted(method):
+        def wrapped(t, *a, **k):
             for counter in _ACTIVE:
                 counter.now += 1
-            return _m(t, *a, **k)
+            return method(t, *a, **k)
+        return wrapped
 
-        wrapped._dynts_sync_counted = True
-        setattr(torch.Tensor, name, wrapped)
+    torch.tensor = tensor
+    for name, method in methods.items():
+        setattr(torch.Tensor, name, counted(method))
+    try:
+        yield
+    finally:
+        torch.tensor = make
+        for name, method in methods.items():
+            setattr(torch.Tensor, name, method)
 
 
 class _Rounds:
@@ -135,16 +143,16 @@ class SyncCounter(_Rounds):
                 return func(*args, **(kwargs or {}))
 
         self.mode = Mode
-        _patch_host_reads()
 
     @contextmanager
     def counting(self) -> Iterator[None]:
-        _ACTIVE.append(self)
-        try:
-            with self.mode():
-                yield
-        finally:
-            _ACTIVE.remove(self)
+        with _host_reads_counted():
+            _ACTIVE.append(self)
+            try:
+                with self.mode():
+                    yield
+            finally:
+                _ACTIVE.remove(self)
 
 
 class CudaSyncCounter(_Rounds):
