@@ -61,19 +61,10 @@ def growth_by_package(first, last, top: int = 8) -> dict:
 
 
 def tiny_model(root: str) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from eval.perf.random_models import random_llama
 
-    from dynts.models import load_tokenizer
-
-    tok = load_tokenizer("testbed")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(cfg).eval().save_pretrained(root)
-    tok.save_pretrained(root)
-    return root
+    return str(random_llama(root, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=32, max_position_embeddings=1024))
 
 
 def worker_hooks(llm):

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .random_models import random_llama
+
 __all__ = ["RUNS", "tiny_r1_model", "vllm_v2_check"]
 
 GRAPHS = "FULL_AND_PIECEWISE"
@@ -30,20 +32,8 @@ RUNS = [  # (label, model, flash_attn_version, extra flags)
 
 def tiny_r1_model(root: Path) -> Path:
     """A random-init 2-layer Llama with R1-Distill-7B's attention head shape, saved with the testbed tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dynts.models import load_tokenizer
-
-    tok = load_tokenizer("testbed")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    path = root / "tiny-r1"
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return random_llama(root / "tiny-r1", hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096)
 
 
 def skip_reason() -> str | None:
