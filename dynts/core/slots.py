@@ -23,6 +23,7 @@ import torch
 
 from ..evictors.base import Evictor, Segment, TokenInfo
 from .segments import AnswerState
+from .upload import upload
 
 if TYPE_CHECKING:
     from .settings import EvictionSettings
@@ -209,7 +210,7 @@ def select_kept(
         rows.append(row)
     out = []
     for call, members, rows in groups.values():
-        index = torch.tensor(rows, dtype=torch.long).to(table.positions.device, non_blocking=True)
+        (index,) = upload((rows,), table.positions.device)
         info = build_token_info(table, call.stored, call.n_keep, call.local_window, call.question_length, rows=index,
                                 keys=None if keys is None else keys(index, call.stored))
         if check:

@@ -326,25 +326,25 @@ class EvictingBatchProcessor(ContinuousBatchProcessor):
         for rid, state in self.scheduler.active_requests.items():
             row = self.slots.get(rid)
             if row is not None and state.status == RequestStatus.DECODING:
-                event = self.policy.event(rid, self.policy.get(rid), state.position_offset)
+                budget = self.policy.get(rid)
+                event = self.policy.event(rid, budget, state.position_offset)
                 if event is not None:
-                    due.append((state, row, event))
+                    due.append((state, row, event, budget))
         if not due:
             return
-        states = {id(row): (state, event) for state, row, event in due}
+        states = {id(row): (state, event, budget) for state, row, event, budget in due}
         src, dst = [], []
-        for group in self.tracker.evict([(row, event.stored, event.n_keep) for _, row, event in due]):
+        for group in self.tracker.evict([(row, event.stored, event.n_keep) for _, row, event, _ in due]):
             members = [states[id(e)] for e in group.entries]
             physical = torch.tensor(
-                [self.allocator.get_read_indices(s.request_id, 0, group.stored) for s, _ in members],
+                [self.allocator.get_read_indices(s.request_id, 0, group.stored) for s, _, _ in members],
                 dtype=torch.long, device=self._flat.device,
             )  # [g, stored]
             moved = copy_plan(group.kept, physical)
             src.append(moved[0])
             dst.append(moved[1])
-            for state, event in members:
-                rid = state.request_id
-                self.policy.freed(self.policy.get(rid), self._pop_tail_blocks(rid, event.keep_blocks))
+            for state, event, budget in members:
+                self.policy.freed(budget, self._pop_tail_blocks(state.request_id, event.keep_blocks))
                 state.position_offset = group.n_keep
         self._gather_rows(torch.cat(src), torch.cat(dst))
 

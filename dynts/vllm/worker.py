@@ -183,13 +183,14 @@ class WorkerHooks:
 
     def _evict(self, events: list[tuple[str, int, int]]) -> None:
         bs = self.block_size
-        entries = {}
-        for rid, _, _ in events:
+        entries, due = {}, []
+        for rid, stored, n_keep in events:
             entry = self.tracker.slots.get(rid)
             if entry is None:
                 raise RuntimeError(f"dynts: request {rid} evicts but the worker does not track it")
             entries[id(entry)] = rid
-        groups = self.tracker.evict([(self.tracker.slots[rid], stored, n_keep) for rid, stored, n_keep in events])
+            due.append((entry, stored, n_keep))
+        groups = self.tracker.evict(due)
         src, dst = [], []
         device = self.layers[0][0].device
         for group in groups:
