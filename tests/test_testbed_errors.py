@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from data_pipeline.testbed import task
 from eval.harness.testbed_errors import classify_error, error_table
 
@@ -72,3 +74,24 @@ def test_degeneration_table_has_budget_and_samples(tmp_path):
     table = error_table(tmp_path, degeneration=True).splitlines()
     assert table[0] == "| method | budget | samples | wrong | stops early | wrong value | loops | incoherent |"
     assert table[2] == "| window | 64 | 6 | 5 | 1 | 2 | 0 | 2 |"
+
+
+def test_length_table_splits_pass_at_1_by_thinking_length(tmp_path):
+    from eval.harness.records import eval_record, write_record
+    from eval.harness.testbed_errors import length_table
+
+    benchmark = "testbed:n=6,set=errors"
+    problems = task.problem_set("errors", 6)
+    lengths = sorted(p.thinking_length for p in problems)
+    edge = lengths[3]  # three problems below, three at or above
+    correct = {p.name: p.thinking_length < edge for p in problems}  # right below the edge only
+    ids = [p.name for p in problems]
+    samples = [{"question": i, "sample": s, "correct": correct[q], "answered": True, "tokens": 10}
+               for i, q in enumerate(ids) for s in range(2)]
+    cell = {"benchmark": benchmark, "method": {"name": "full", "options": {}, "label": "full"}, "budget": None}
+    write_record(tmp_path, eval_record("c1", cell, ids, 2, samples))
+    table = length_table(tmp_path, [edge]).splitlines()
+    assert table[0] == f"| method | budget | 0-{edge} pass@1 % (n) | >= {edge} pass@1 % (n) |"
+    assert table[2] == "| full | – | 100.0 (3) | 0.0 (3) |"
+    with pytest.raises(ValueError, match="--by-length"):
+        length_table(tmp_path, [900, 700])

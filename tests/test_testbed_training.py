@@ -35,6 +35,20 @@ def test_stream_is_a_function_of_the_step():
     assert a.long_frac(0) == 0.0 and a.long_frac(2) == 0.5 and a.long_frac(5) == 1.0
 
 
+def test_a_stage_can_train_longer_traces_without_changing_earlier_batches():
+    base = _cfg()
+    stages = [dict(s) for s in (
+        {"steps": 4, "lr": 1e-3, "lr_end": 1e-4, "long_frac": 0.5},
+        {"steps": 2, "lr": 5e-4, "lr_end": 1e-5, "long_frac": 1.0, "max_think": 400})]
+    longer = _cfg(stages=stages)
+    a, b = TraceStream(base, 0), TraceStream(longer, 0)
+    for step in range(4):  # the first stage draws the same batches
+        assert torch.equal(a.batch(step)["input_ids"], b.batch(step)["input_ids"])
+    widths = [b.batch(step)["input_ids"].shape[1] for step in range(4, 6)]
+    assert max(widths) > max(a.batch(step)["input_ids"].shape[1] for step in range(4, 6))
+    assert (base.longest_think, longer.longest_think) == (80, 400)  # the gate reads up to the longest
+
+
 def test_weights_follow_roles():
     cfg = _cfg()
     batch = TraceStream(cfg, 0).batch(0)

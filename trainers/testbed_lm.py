@@ -113,6 +113,7 @@ class Stage:
     early_prob: float | None = None  # overrides data.early_prob during this stage
     drill_frac: float | None = None  # overrides data.drill_frac during this stage
     evict_frac: float | None = None  # overrides data.evict_frac during this stage
+    max_think: int | None = None  # overrides data.max_think (long traces) during this stage
 
 
 @dataclass
@@ -146,6 +147,11 @@ class LMConfig:
     @property
     def max_steps(self) -> int:
         return sum(s.steps for s in self.stages)
+
+    @property
+    def longest_think(self) -> int:
+        """The longest thinking length any stage trains on (the gate's range)."""
+        return max([self.data.max_think] + [s.max_think for s in self.stages if s.max_think is not None])
 
 
 def build_model(model_cfg: dict[str, Any]) -> Qwen2ForCausalLM:
@@ -219,14 +225,15 @@ class TraceStream(IterableDataset):
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         d, seed = self.cfg.data, self.cfg.seed
         rng = random.Random(f"batch:{seed}:{step}")
+        stage = self.stage(step)
+        max_think = d.max_think if stage.max_think is None else stage.max_think
         if rng.random() < self.long_frac(step):
-            size, center = d.long_batch, rng.randint(d.min_think, d.max_think)
-            lo, hi = max(d.min_think, center - d.length_spread), min(d.max_think, center + d.length_spread)
+            size, center = d.long_batch, rng.randint(d.min_think, max_think)
+            lo, hi = max(d.min_think, center - d.length_spread), min(max_think, center + d.length_spread)
             drill_kw: dict[str, Any] = {"max_gap": max(2, hi // 30)}
         else:
             size, lo, hi = d.short_batch, d.short_min, d.short_max
             drill_kw = {"max_pairs": 8, "max_gap": 4}
-        stage = self.stage(step)
         early = d.early_prob if stage.early_prob is None else stage.early_prob
         drill = d.drill_frac if stage.drill_frac is None else stage.drill_frac
         evict = d.evict_frac if stage.evict_frac is None else stage.evict_frac
@@ -353,11 +360,12 @@ class LMModule(L.LightningModule):
         return export(self.model, self.cfg.export_dir)
 
     def gate(self) -> dict[str, float]:
-        """Full-cache generation check on ``gate_size`` dev problems (the gate: >= 95 % correct)."""
+        """Full-cache generation check on ``gate_size`` dev problems up to the longest thinking length any
+        stage trains on (the gate: >= 95 % correct)."""
         from trainers.testbed_eval import generate_texts, score
 
         d = self.cfg.data
-        probs = task.problem_set("dev", self.cfg.gate_size, min_think=d.min_think, max_think=d.max_think, family=d.family)
+        probs = task.problem_set("dev", self.cfg.gate_size, min_think=d.min_think, max_think=self.cfg.longest_think, family=d.family)
         texts = generate_texts(self.model, build_tokenizer(), probs, max_new_tokens=self.cfg.gate_max_new_tokens)
         return {f"gate_{k}": v for k, v in score(probs, texts).items()}
 

@@ -20,7 +20,11 @@ A coarser view, :func:`degeneration_class`, says what an evicted model *does* wh
   a slip in the step itself);
 - ``incoherent``: no readable answer, or an answer to another key.
 
-Run: ``python -m eval.harness.testbed_errors RUN_DIR [--degeneration]`` (a markdown table, one row per cell).
+:func:`length_table` splits pass@1 by the problems' thinking length (``--by-length 700``: up to 700 and
+above), read from the cells' committed per-problem records: where a model's accuracy falls off with length.
+
+Run: ``python -m eval.harness.testbed_errors RUN_DIR [--degeneration | --by-length EDGE ...]`` (a markdown
+table, one row per cell).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from data_pipeline.testbed import task
 
 from .loops import testbed_loops
 
-__all__ = ["DEGENERATION_CLASSES", "ERROR_CLASSES", "classify_error", "count_errors", "degeneration_class", "error_table", "main"]
+__all__ = ["DEGENERATION_CLASSES", "ERROR_CLASSES", "classify_error", "count_errors", "degeneration_class", "error_table",
+           "length_table", "main"]
 
 ERROR_CLASSES = ("wrong key", "unparsed", "asked step never written", "step's own value wrong", "retrieval wrong")
 DEGENERATION_CLASSES = ("stops early", "wrong value", "loops", "incoherent")
@@ -106,13 +111,43 @@ def error_table(run_dir: str | Path, cells: Sequence[dict[str, Any]] | None = No
     return "\n".join(lines)
 
 
+def length_table(run_dir: str | Path, edges: Sequence[int]) -> str:
+    """Markdown table of pass@1 % per band of the problems' thinking length (bands split at ``edges``),
+    one row per testbed cell of ``run_dir``'s per-problem records (``n``: problems in the band)."""
+    from .benchmarks import load_benchmark
+    from .records import per_question, read_records
+
+    if not edges or list(edges) != sorted(set(edges)):
+        raise ValueError(f"--by-length {list(edges)}: give increasing thinking lengths, e.g. --by-length 700")
+    bounds = [0, *edges, None]
+    bands = [f"{lo}-{hi}" if hi is not None else f">= {lo}" for lo, hi in zip(bounds, bounds[1:])]
+    lines = ["| method | budget | " + " | ".join(f"{b} pass@1 % (n)" for b in bands) + " |", "|" + "---|" * (2 + len(bands))]
+    for record in read_records(run_dir):
+        cell = record["cell"]
+        if not cell["benchmark"].startswith("testbed"):
+            continue
+        length = {ex.id: ex.answer.thinking_length for ex in load_benchmark(cell["benchmark"]).examples}
+        scores = dict(zip(record["ids"], per_question(record)))
+        row = [cell["method"]["label"], str(cell.get("budget") or "–")]
+        for lo, hi in zip(bounds, bounds[1:]):
+            band = [v for q, v in scores.items() if length[q] >= lo and (hi is None or length[q] < hi)]
+            row.append(f"{100 * sum(band) / len(band):.1f} ({len(band)})" if band else "– (0)")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.harness.testbed_errors", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a dynts eval run directory on the testbed benchmark")
     parser.add_argument("--degeneration", action="store_true",
                         help="coarse classes (stops early / wrong value / loops / incoherent) per method and budget")
+    parser.add_argument("--by-length", type=int, nargs="+", metavar="EDGE",
+                        help="pass@1 per band of the problems' thinking length, split at these lengths")
     args = parser.parse_args(argv)
+    if args.by_length:
+        print(length_table(args.run_dir, args.by_length))
+        return 0
     print(error_table(args.run_dir, degeneration=args.degeneration))
     return 0
 
