@@ -113,7 +113,10 @@ def build_model(shape: dict, device: str, dtype: torch.dtype) -> torch.nn.Module
 
 @contextmanager
 def time_box(seconds: float):
-    """Raise ``TimeoutError`` in the main thread after ``seconds`` (whole seconds, at least 1)."""
+    """Raise ``TimeoutError`` in the main thread after ``seconds`` (whole seconds, at least 1; ``inf``: no box)."""
+    if math.isinf(seconds):
+        yield
+        return
 
     def expire(signum, frame):
         raise TimeoutError(f"time box of {seconds:.0f} s expired")
@@ -134,7 +137,7 @@ def run_tests(dry_run: bool, seconds: float) -> dict:
         command.append("--collect-only")
     started = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=None if math.isinf(seconds) else seconds)
         tail, rc = (done.stdout + done.stderr)[-4000:], done.returncode
     except subprocess.TimeoutExpired as err:
         tail, rc = f"timed out after {seconds:.0f} s\n{(err.stdout or b'')[-3000:]!r}", 124
@@ -585,16 +588,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="directory for gpu_check.json")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, tests collected only")
-    parser.add_argument("--budget-seconds", type=float, default=None, help="whole run (default 480; dry run 300)")
+    parser.add_argument("--budget-seconds", type=float, default=None,
+                        help="whole run (default 480; a dry run checks code paths, not time: no time boxes)")
     parser.add_argument("--methods", nargs="+", default=["window", "dynts"])
     parser.add_argument("--skip-tests", action="store_true")
     args = parser.parse_args(argv)
-    budget = args.budget_seconds or (300.0 if args.dry_run else 480.0)
+    budget = args.budget_seconds or (math.inf if args.dry_run else 480.0)
+    box = (lambda seconds: math.inf) if args.dry_run and args.budget_seconds is None else (lambda seconds: seconds)  # noqa: E731
     started = time.perf_counter()
     left = lambda: budget - (time.perf_counter() - started)  # noqa: E731
     args.out.mkdir(parents=True, exist_ok=True)
     out_file = args.out / "gpu_check.json"
-    result = dict(dry_run=args.dry_run, budget_seconds=budget, versions=None, kernels=None, attention_stats=None,
+    result = dict(dry_run=args.dry_run, budget_seconds=None if math.isinf(budget) else budget, versions=None, kernels=None, attention_stats=None,
                   logits=None, tests=None, serve=None, serve_graphs=None, bench=[], skipped=[], vllm=None,
                   vllm_v2=None)
 
@@ -615,11 +620,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     result.update(gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], shape=shape,
                   dtype=str(dtype), methods=args.methods)
-    run_section(result, "kernels", lambda: kernel_check(device, args.dry_run), 60, save)
-    run_section(result, "attention_stats", lambda: attention_stats_check(device, args.dry_run), 30, save)
-    run_section(result, "logits", lambda: logits_check(device, args.dry_run), 60, save)
+    run_section(result, "kernels", lambda: kernel_check(device, args.dry_run), box(60), save)
+    run_section(result, "attention_stats", lambda: attention_stats_check(device, args.dry_run), box(30), save)
+    run_section(result, "logits", lambda: logits_check(device, args.dry_run), box(60), save)
     if not args.skip_tests:
-        result["tests"] = run_tests(args.dry_run, min(120.0, 0.25 * budget))
+        result["tests"] = run_tests(args.dry_run, box(min(120.0, 0.25 * budget)))
         print(f"tests: rc={result['tests']['returncode']} ({result['tests']['seconds']:.0f} s)\n"
               f"{result['tests']['output_tail'][-1500:]}", flush=True)
         save()
@@ -629,10 +634,10 @@ def main(argv=None) -> int:
             result[name] = dict(skipped=result["versions"]["serving_refused"])
         print("serving sections skipped:\n  " + "\n  ".join(result["versions"]["serving_refused"]), flush=True)
     else:
-        run_section(result, "serve", lambda: serve_check(model, args.dry_run), min(150.0, max(left() / 2, 20)), save)
-        run_section(result, "serve_graphs", lambda: serve_graphs_check(device, args.dry_run), 90, save)
-    run_section(result, "vllm", lambda: vllm_check(device, args.dry_run), 90, save)
-    run_section(result, "vllm_v2", lambda: vllm_engine_check(args.dry_run), 450, save)
+        run_section(result, "serve", lambda: serve_check(model, args.dry_run), box(min(150.0, max(left() / 2, 20))), save)
+        run_section(result, "serve_graphs", lambda: serve_graphs_check(device, args.dry_run), box(90), save)
+    run_section(result, "vllm", lambda: vllm_check(device, args.dry_run), box(90), save)
+    run_section(result, "vllm_v2", lambda: vllm_engine_check(args.dry_run), box(450), save)
     decode_bench(model, args, shape, dtype, result, left, save)
     save()
     print(f"\nwrote {out_file} ({result['seconds']:.0f} s; {len(result['bench'])} decode combinations run, "
