@@ -162,13 +162,16 @@ def test_controls_helper_search_and_full_search(tmp_path, monkeypatch):
 def test_controls_keep_the_fingerprints_of_committed_cells():
     """Adding settings changes no existing cell's key: a committed run's cells are still reused."""
     import hashlib
+    from dataclasses import replace
     from pathlib import Path
 
-    from eval.rescue.bench import RescueEvalConfig
+    from eval.rescue.config import RescueEvalConfig
 
     run = Path(__file__).resolve().parents[1] / "reports/rescue/B64-N4"
-    config = json.loads((run / "results.json").read_text())["config"]
-    config = RescueEvalConfig(**{**config, "methods": tuple(config["methods"]), "settings": ()})
+    record = json.loads((run / "results.json").read_text())["config"]
+    config = RescueEvalConfig.from_record({**record, "settings": ()})
+    # the flat record round-trips through the held RescueConfig, names and order included
+    assert json.dumps(config.record(), indent=2) == json.dumps({**record, "settings": []}, indent=2)
     digest = lambda key: hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]  # noqa: E731
     paths = sorted((run / "cells").glob("*.json"))
     assert len(paths) == 11
@@ -180,11 +183,50 @@ def test_controls_keep_the_fingerprints_of_committed_cells():
     # the controls: their own keys, independent of the base's budget, dependent on N
     keys = {s: digest(config.cell_settings(s, None)) for s in ("full", "helper", "helper-search", "full-search")}
     assert len(set(keys.values())) == 4
-    other_budget = RescueEvalConfig(**{**config.__dict__, "budget": 32})
-    other_n = RescueEvalConfig(**{**config.__dict__, "n": 8})
+    other_budget = replace(config, budget=32)
+    other_n = replace(config, search=replace(config.search, n_base=8, n_helper=8))
     for s in ("helper-search", "full-search"):
         assert digest(other_budget.cell_settings(s, None)) == keys[s]
         assert digest(other_n.cell_settings(s, None)) != keys[s]
+
+
+def test_a_committed_cell_key_is_rebuilt_from_the_held_search():
+    """The key of ``kvr-window-cba229319f`` comes back byte for byte from a config holding a ``RescueConfig``
+    built as ``dynts rescue bench`` builds it (each step-search field under its record name)."""
+    import hashlib
+    from pathlib import Path
+
+    from dynts.rescue import RescueConfig
+    from eval.rescue.config import RescueEvalConfig
+
+    loop = {"repeat_ngram": 8, "min_pattern_size": 1, "max_pattern_size": 4, "min_count": 2}
+    detector = {"entropy_threshold": 3.3, "compress_threshold": 0.5, "compress_window": 100, "guard": 12,
+                "entropy_window": 6, "include_context": False, "loop": loop}
+    search = RescueConfig(n_base=4, n_helper=4, step_delimiter=";", max_steps=96, max_step_tokens=64, detector=detector,
+                          temperature=0.6, top_p=0.95, top_k=20, seed=0, max_rows=64)
+    config = RescueEvalConfig(benchmark="testbed:n=100,set=test", out="reports/rescue/B64-N4", prm="testbed-prm-order",
+                              methods=("window", "rkv", "dynts"), predictor="checkpoints/testbed-predictor", budget=64,
+                              local_window=16, retention=0.4, search=search, settings=())
+    cell = Path(__file__).resolve().parents[1] / "reports/rescue/B64-N4/cells/kvr-window-cba229319f.json"
+    key = config.cell_settings("kvr", "window")
+    key["weights"] = json.loads(cell.read_text())["settings"]["weights"]  # a fresh checkout has other file mtimes
+    text = json.dumps(key, sort_keys=True, default=str)
+    assert hashlib.sha256(text.encode()).hexdigest()[:10] == "cba229319f"
+    assert (key["n"], key["delimiter"], key["max_steps"], key["max_step_tokens"], key["detector"]) == (4, ";", 96, 64, detector)
+    assert config.step_search("kvr", 100).detector == search.detector and config.step_search("bon", 100).detector is None
+    assert (config.step_search("helper-search", 100).n_base, config.step_search("helper-search", 100).n_helper) == (0, 8)
+
+
+def test_the_held_search_is_checked_by_the_core_and_names_the_field():
+    from dynts.rescue import RescueConfig
+    from eval.rescue.config import RescueEvalConfig
+
+    with pytest.raises(ValueError, match=r"max_step_tokens=0 must be an int >= 1"):
+        RescueEvalConfig(benchmark="testbed", out="", methods=("window",), search=RescueConfig(max_step_tokens=0))
+    with pytest.raises(ValueError, match=r"n_base=0, n_helper=4: both must be N >= 1"):
+        RescueEvalConfig(benchmark="testbed", out="", methods=("window",), search=RescueConfig(n_base=0))
+    with pytest.raises(ValueError, match=r"top_p"):
+        main([*ARGS, "--top-p", "0", "--out", "/nonexistent"])
 
 
 def test_bad_settings_name_the_option_and_the_choices(tmp_path):

@@ -28,7 +28,7 @@ The model must be driven through :func:`dynts.attach` (``dynts.generate`` does i
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Sequence
+from typing import Self, Sequence
 
 import torch
 from transformers.cache_utils import Cache
@@ -88,17 +88,32 @@ class BoundedCache(Cache):
     ):
         if observation_window is None:
             observation_window = getattr(evictor, "observation_window", 8)
-        self.config = CacheConfig(evictor, budget, think_end_token_id, observation_window, keys_layer % num_layers,
-                                  bool(static), max_length, bool(defer_scores))
-        layer = StaticBoundedLayer if static else BoundedLayer
-        self.layout = Layout()  # the counters every layer reads, shared by reference
-        super().__init__(layers=[layer(self.layout, i) for i in range(num_layers)])
-        self.labels = RowLabels.for_delimiter(think_end_token_id)
-        self.table: SlotTable | None = None  # per-slot metadata, allocated at the first forward
+        config = CacheConfig(evictor, budget, think_end_token_id, observation_window, keys_layer % num_layers,
+                             bool(static), max_length, bool(defer_scores))
+        self._assemble(config, [None] * num_layers)
+
+    @classmethod
+    def from_parts(cls, config: CacheConfig, kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None], **parts) -> Self:
+        """A cache made of given parts: ``kv`` holds each layer's K/V buffers ``[b, h_kv, capacity, d]``
+        (``None``: a layer not yet written); ``parts`` are the keywords of :meth:`_assemble`."""
+        cache = cls.__new__(cls)
+        cache._assemble(config, kv, **parts)
+        return cache
+
+    def _assemble(self, config: CacheConfig, kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None], *,
+                  layout: Layout | None = None, table: SlotTable | None = None, labels: RowLabels | None = None,
+                  n_keep: int | None = None, question_length: int = 0) -> None:
+        """Set up the cache from its parts (fresh ones where not given)."""
+        self.config = config
+        layer = StaticBoundedLayer if config.static else BoundedLayer
+        self.layout = layout if layout is not None else Layout()  # the counters every layer reads, shared by reference
+        super().__init__(layers=[layer(self.layout, i, buffers) for i, buffers in enumerate(kv)])
+        self.labels = labels if labels is not None else RowLabels.for_delimiter(config.think_end_token_id)
+        self.table = table  # per-slot metadata, allocated at the first forward
         self.scorer: PredictorScores | None = None  # set by dynts.attach with a predictor
         self.stats = CacheStats()
-        self.n_keep: int | None = None
-        self.question_length = 0
+        self.n_keep = n_keep
+        self.question_length = question_length
 
     # ------------------------------------------------------------------ forward protocol
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,

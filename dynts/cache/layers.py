@@ -24,18 +24,23 @@ class BoundedLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, layout: Layout, layer_idx: int):
+    def __init__(self, layout: Layout, layer_idx: int, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.layout = layout
         self.layer_idx = layer_idx
+        if kv is not None:  # buffers made elsewhere (RaggedCache.stack)
+            self._hold(*kv)
+
+    def _hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Take ``keys`` / ``values`` ``[b, h_kv, capacity, d]`` as this layer's buffers."""
+        self.device, self.dtype = keys.device, keys.dtype
+        self.keys, self.values = keys, values
+        self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
         b, h, _, d = key_states.shape
         cap = self.layout.capacity
-        self.keys = key_states.new_zeros(b, h, cap, d)
-        self.values = value_states.new_zeros(b, h, cap, value_states.shape[-1])
-        self.is_initialized = True
+        self._hold(key_states.new_zeros(b, h, cap, d), value_states.new_zeros(b, h, cap, value_states.shape[-1]))
 
     def grow(self, capacity: int) -> None:
         """Reallocate the buffers to ``capacity`` slots (amortised doubling; never per step)."""

@@ -76,9 +76,11 @@ class RowLabels:
     think_match: torch.Tensor | None = None
 
     @classmethod
-    def for_delimiter(cls, think_end_token_id: int | Sequence[int] | None) -> "RowLabels":
+    def for_delimiter(cls, think_end_token_id: int | Sequence[int] | None, in_answer: torch.Tensor | None = None,
+                      think_match: torch.Tensor | None = None) -> "RowLabels":
+        """Labels for the delimiter's id(s) (``None``: none), optionally with each row's state."""
         ids = (think_end_token_id,) if isinstance(think_end_token_id, int) else think_end_token_id
-        return cls(DelimiterMatcher(ids) if ids is not None else None)
+        return cls(DelimiterMatcher(ids) if ids is not None else None, in_answer, think_match)
 
     def allocate(self, rows: int, device: torch.device) -> None:
         self.in_answer = torch.zeros(rows, dtype=torch.bool, device=device)

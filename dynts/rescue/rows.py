@@ -34,6 +34,8 @@ from typing import Sequence
 import torch
 
 from ..cache import BoundedCache, incoming_tokens
+from ..cache.layout import Layout
+from ..cache.parts import CacheConfig, RowLabels
 from ..core.slots import SlotTable
 from ..evictors.base import Segment
 from ..kernels import compact_torch_
@@ -67,10 +69,13 @@ class RaggedCache(BoundedCache):
     row's question length and ``n_keep`` from its real (non-padding) prompt tokens.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def _assemble(self, config: CacheConfig, kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None], *,
+                  rows: list[Row] | None = None, **parts) -> None:
+        """Set up the cache from its parts (:meth:`BoundedCache._assemble`) and its rows (``None``: made
+        by the first forward)."""
+        super()._assemble(config, kv, **parts)
         # per-row bookkeeping, kept on the host (Python ints): a decode step reads nothing back
-        self.rows: list[Row] | None = None  # one per row, made by the first forward
+        self.rows = rows
         self.incoming: list[int] | None = None  # real tokens per row of the next forward (set by the caller)
         self._new_counts: list[int] | None = None
 
@@ -216,20 +221,10 @@ class RaggedCache(BoundedCache):
         total = sum(len(rows) for _, rows in parts)
         capacity = max(max(c.capacity for c, _ in parts), width + 1)
 
-        new = cls(
-            len(first.layers), first.evictor, first.budget, think_end_token_id=first.think_end_token_id,
-            observation_window=first.observation_window, keys_layer=first.keys_layer,
-        )
-        new.capacity, new.length = capacity, width
-        new.n_keep, new.question_length = first.n_keep, first.question_length
-        new.table = SlotTable(device, rows=total, width=capacity, statistics=first.table.statistics,
-                              window=first.table.window)
-        for dst, src in zip(new.layers, first.layers):
-            if src.is_initialized:
-                dst.device, dst.dtype, dst.is_initialized = src.device, src.dtype, True
-                dst.keys = src.keys.new_zeros(total, src.keys.shape[1], capacity, src.keys.shape[3])
-                dst.values = src.values.new_zeros(total, src.values.shape[1], capacity, src.values.shape[3])
-
+        table = SlotTable(device, rows=total, width=capacity, statistics=first.table.statistics, window=first.table.window)
+        kv = [None if not src.is_initialized else
+              (src.keys.new_zeros(total, src.keys.shape[1], capacity, src.keys.shape[3]),
+               src.values.new_zeros(total, src.values.shape[1], capacity, src.values.shape[3])) for src in first.layers]
         start = 0
         for (c, rows), count in zip(parts, counts):
             n, g = c.length, len(rows)
@@ -240,18 +235,18 @@ class RaggedCache(BoundedCache):
             filler = torch.arange(w, device=device)[None, :] < (w - count)[:, None]
             out = slice(start, start + g)
             for name, block in c.table.gathered(rows, order, filler):
-                getattr(new.table, name)[out, ..., width - w : width] = block
-            for dst, src in zip(new.layers, c.layers):
+                getattr(table, name)[out, ..., width - w : width] = block
+            for dst, src in zip(kv, c.layers):
                 if src.is_initialized:
-                    for name in ("keys", "values"):
-                        t = getattr(src, name)[rows, :, :n]
+                    for buffer, t in zip(dst, (src.keys[rows, :, :n], src.values[rows, :, :n])):
                         idx = order[:, None, :, None].expand(g, t.shape[1], w, t.shape[3])
-                        getattr(dst, name)[out, :, width - w : width] = t.gather(2, idx)
+                        buffer[out, :, width - w : width] = t.gather(2, idx)
             start += g
 
-        new.rows = [replace(c.rows[r]) for c, rows in hosts for r in rows]  # copies: a fork never changes its source
-        new.labels.in_answer = torch.cat([c.in_answer[rows] for c, rows in parts])
-        new.labels.think_match = torch.cat([c.think_match[rows] for c, rows in parts])
-        new.seen = max(width, max(r.seen for r in new.rows))
-        return new
-
+        new_rows = [replace(c.rows[r]) for c, rows in hosts for r in rows]  # copies: a fork never changes its source
+        config = CacheConfig(first.evictor, first.budget, first.think_end_token_id, first.observation_window, first.keys_layer)
+        labels = RowLabels.for_delimiter(first.think_end_token_id, torch.cat([c.in_answer[rows] for c, rows in parts]),
+                                         torch.cat([c.think_match[rows] for c, rows in parts]))
+        layout = Layout(length=width, seen=max(width, max(r.seen for r in new_rows)), capacity=capacity)
+        return cls.from_parts(config, kv, layout=layout, table=table, labels=labels, n_keep=first.n_keep,
+                              question_length=first.question_length, rows=new_rows)

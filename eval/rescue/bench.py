@@ -38,158 +38,19 @@ import hashlib
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from dynts.io import write_atomic
-from eval.rescue.table import CONTROLS, SEARCHES, STEPWISE, control_columns, summary_table, write_records
-from dynts.predictor import find_predictor
 from dynts.rescue.results import EXIT_SIGNALS
+from eval.rescue.config import SETTINGS, RescueEvalConfig, check_settings
 from eval.rescue.oracle_choice import oracle_choice, plot_oracle_choice
-from eval.rescue.verifiers import DEFAULT_VERIFIER, load_eval_prm
+from eval.rescue.table import CONTROLS, SEARCHES, STEPWISE, control_columns, summary_table, write_records
+from eval.rescue.verifiers import load_eval_prm
 
 __all__ = ["CONTROLS", "RescueEvalConfig", "check_settings", "SETTINGS", "STEPWISE", "evaluate"]
-
-SETTINGS = ("full", "helper", "evict", "bon", "kvr", "kvr-noexit", "helper-search", "full-search")
-
-
-def check_settings(settings: Sequence[str], empty_ok: bool = True) -> None:
-    """Refuse unknown ``--settings`` (and, unless ``empty_ok``, an empty list), naming the choices."""
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown or not (settings or empty_ok):
-        raise ValueError(f"--settings {','.join(settings)!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no setting'}; "
-                         f"choose from {','.join(SETTINGS)}")
-
-
-@dataclass
-class RescueEvalConfig:
-    """One comparison: every setting in ``settings`` for every eviction ``method`` of the base.
-
-    ``degen_steps``: a trajectory is *degenerate* when it is incorrect and has at least this many
-    committed steps (paper Table 2: 256 of at most 1024 steps; default ``max_steps // 4``).
-    ``detector``: fields of :class:`dynts.rescue.DegenerationDetector` (paper defaults if empty).
-    """
-
-    benchmark: str
-    out: str
-    base: str = "testbed"
-    helper: str = "testbed-helper"
-    prm: str = DEFAULT_VERIFIER
-    methods: tuple[str, ...] = ("dynts", "window")
-    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    predictor: str | None = None
-    budget: int = 64
-    paper_budget: bool = False  # budget = score-selected entries + headroom (KV-Rescue Appendix C)
-    headroom: int = 128
-    local_window: int = 16
-    retention: float = 0.4
-    n: int = 4
-    delimiter: str = "\n\n"
-    max_tokens: int | None = None
-    max_steps: int = 1024
-    max_step_tokens: int = 512
-    degen_steps: int | None = None
-    detector: dict[str, Any] = field(default_factory=dict)
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 20
-    seed: int = 0
-    limit: int | None = None
-    settings: tuple[str, ...] = SETTINGS
-    max_rows: int = 64
-    think_end: str | None = "</think>"
-    trust_remote_code: bool = False
-    load_options: dict[str, Any] = field(default_factory=dict)  # dynts.load: dtype, device, device_map, ...
-
-    def __post_init__(self) -> None:
-        if self.predictor == "auto":  # the trained predictor of the base (dynts.predictor.find_predictor)
-            self.predictor = str(find_predictor(self.base))
-        check_settings(self.settings)
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n={self.n!r} must be an int >= 1 (candidates per model per step)")
-        if self.degen_steps is None:
-            self.degen_steps = max(1, self.max_steps // 4)
-        for method in self.methods:  # every method's eviction settings, validated by the core now
-            self.eviction(method)
-
-    def bounds(self):
-        """The base's :class:`~dynts.core.budget.Budget`: ``budget`` is the physical bound ``B``, or with
-        ``paper_budget`` the paper's score-selected entries (``B' = budget + headroom`` held)."""
-        from dynts.core.budget import Budget
-
-        if self.paper_budget:
-            return Budget.from_paper(self.budget, self.headroom, self.local_window)
-        return Budget(self.budget, self.local_window, self.retention)
-
-    def eviction(self, method: str):
-        """The base's :class:`~dynts.core.EvictionSpec` under ``method`` (``"full"``: no eviction)."""
-        from dynts.core import EvictionSpec
-
-        return EvictionSpec(method, self.bounds(), self.local_window, self.retention, self.predictor, self.think_end,
-                            self.method_options.get(method))
-
-    def search(self, setting: str) -> tuple[int, int, bool]:
-        """``(n_base, n_helper, detector on)`` of a stepwise setting: ``bon`` N + 0 without the detector,
-        ``kvr`` N + N with it, ``kvr-noexit`` N + N without it, ``full-search`` as ``kvr`` (its base
-        unevicted), ``helper-search`` 0 + 2N (as many scored candidates per step as KV-Rescue; there
-        are no base candidates to screen)."""
-        return {"bon": (self.n, 0, False), "kvr": (self.n, self.n, True), "kvr-noexit": (self.n, self.n, False),
-                "full-search": (self.n, self.n, True), "helper-search": (0, 2 * self.n, False)}[setting]
-
-    def step_search(self, n_helper: int, max_tokens: int, detector: Any, n_base: int | None = None):
-        """The :class:`~dynts.rescue.RescueConfig` of a stepwise cell (``n_base`` base candidates, default
-        ``n``; ``n_helper`` helper ones; each cell's ``max_tokens`` and ``detector``)."""
-        from dynts.rescue import RescueConfig
-
-        return RescueConfig(n_base=self.n if n_base is None else n_base, n_helper=n_helper, step_delimiter=self.delimiter, max_steps=self.max_steps,
-                            max_step_tokens=self.max_step_tokens, max_tokens=max_tokens, detector=detector,
-                            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                            max_rows=self.max_rows)
-
-    def cell_settings(self, setting: str, method: str | None) -> dict[str, Any]:
-        """What a cell's result depends on (its file is reused only when these match)."""
-        from eval.harness.config import fingerprint
-
-        keep = {k: v for k, v in asdict(self).items() if k not in ("out", "settings", "methods", "max_rows", "method_options")}
-        if not keep["load_options"]:
-            keep.pop("load_options")  # default loading: cells of earlier runs stay reusable
-        if not keep["paper_budget"]:  # the physical budget: cells of earlier runs stay reusable
-            keep.pop("paper_budget")
-            keep.pop("headroom")
-        keep.update(setting=setting, method=method, method_options=self.method_options.get(method or "", {}))
-        # the weights, so that a retrained model, PRM or predictor never reuses an old cell
-        prms = [fingerprint(p.removeprefix("likelihood:")) for p in self.prm.split("*")]  # A*B: a product of verifiers
-        keep["weights"] = {"base": fingerprint(self.base), "helper": fingerprint(self.helper),
-                           "prm": prms[0] if len(prms) == 1 else prms, "predictor": fingerprint(self.predictor)}
-        from dynts.evictors.base import EVICTORS
-
-        if method is not None and method in EVICTORS and "scores" not in EVICTORS[method].requires:
-            keep.pop("predictor")  # the method never reads importance scores
-            keep["weights"].pop("predictor")
-        if setting == "evict":  # plain decoding of the evicted base: no PRM, no helper, no candidates
-            for k in ("prm", "n", "detector"):
-                keep.pop(k)
-            keep["weights"] = {k: v for k, v in keep["weights"].items() if k in ("base", "predictor")}
-        if setting == "bon":
-            keep["weights"].pop("helper")
-        if setting in ("full", "helper"):
-            for k in ("budget", "local_window", "retention", "predictor", "prm", "n", "detector", "method_options",
-                      "paper_budget", "headroom"):
-                keep.pop(k, None)
-            keep["weights"] = {k: keep["weights"][k] for k in (("base",) if setting == "full" else ("helper",))}
-        if setting in CONTROLS:  # the step search without eviction: no budget, no predictor
-            for k in ("budget", "local_window", "retention", "predictor", "method_options", "paper_budget", "headroom"):
-                keep.pop(k, None)
-            keep["weights"].pop("predictor", None)
-            n_base, n_helper, _ = self.search(setting)
-            keep["search"] = {"n_base": n_base, "n_helper": n_helper}  # candidates per step, explicitly
-            if setting == "helper-search":  # no base candidates: nothing to screen, no base weights
-                keep.pop("detector")
-                keep["weights"].pop("base")
-        return keep
 
 
 def helper_options(load_options: dict[str, Any]) -> dict[str, Any]:
@@ -213,12 +74,12 @@ def _plain(model, tokenizer, prompts, config: RescueEvalConfig, method: str, max
 
     texts, lengths, seconds = [], [], 0.0
     pad = pad_id(tokenizer)
-    eviction = config.eviction(method)
+    eviction, search = config.eviction(method), config.search
     for start in range(0, len(prompts), 32):
-        torch.manual_seed(config.seed * 1_000_003 + start)
+        torch.manual_seed(search.seed * 1_000_003 + start)
         ids, mask = pad_rows(prompts[start : start + 32], pad)
         out = dynts.generate(model, tokenizer, input_ids=ids, attention_mask=mask, eviction=eviction, max_new_tokens=max_tokens,
-                             do_sample=True, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+                             do_sample=True, temperature=search.temperature, top_p=search.top_p, top_k=search.top_k)
         texts += out.texts
         lengths += out.stats["lengths"]
         seconds += out.stats["seconds"]
@@ -233,20 +94,19 @@ def _cell(config: RescueEvalConfig, setting: str, method: str | None, models: di
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     if setting in ("full", "helper", "evict"):
+        delimiter = config.search.step_delimiter
         model, tok = models["helper"] if setting == "helper" else models["base"]
         name = method if setting == "evict" else "full"
         texts, lengths, _ = _plain(model, tok, prompts, config, name, max_tokens)
         for ex, text, length in zip(bench.examples, texts, lengths):
-            steps = text.count(config.delimiter) + (not text.rstrip().endswith(config.delimiter.strip() or config.delimiter))
+            steps = text.count(delimiter) + (not text.rstrip().endswith(delimiter.strip() or delimiter))
             records.append({"id": ex.id, "text": text, "output_tokens": length, "committed_steps": steps,
                             "base_tokens": length if setting != "helper" else 0, "helper_tokens": length if setting == "helper" else 0,
                             "ended": "eos" if length < max_tokens else "max_tokens"})
     else:  # one stepwise engine for every search: the settings differ in candidates, detector and base cache
-        n_base, n_helper, screened = config.search(setting)
-        helper = models["helper"][0] if n_helper else None
-        detector = (config.detector or True) if screened else None
+        search = config.step_search(setting, max_tokens)
+        helper = models["helper"][0] if search.n_helper else None
         chats = [[{"role": "user", "content": p}] for p in models["messages"]]
-        search = config.step_search(n_helper, max_tokens, detector, n_base=n_base)
         eviction = config.eviction("full" if setting in CONTROLS else method)
         result = rescue_generate(base, helper, models["prm"], tokenizer, chats, config=search, eviction=eviction)
         for ex, problem in zip(bench.examples, result.problems):
@@ -293,7 +153,7 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
     if {"helper", "kvr", "kvr-noexit", *CONTROLS} & set(config.settings):
         models["helper"] = load_model(config.helper, **helper_options(config.load_options))
     if set(SEARCHES) & set(config.settings):
-        models["prm"] = load_eval_prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
+        models["prm"] = load_eval_prm(config.prm, config.search.step_delimiter, config.trust_remote_code, config.load_options)
     tokenizer = models["base"][1]
     models["messages"] = [user_message(e, bench) for e in bench.examples]
     prompts = encode_prompts(tokenizer, models["messages"])
@@ -312,7 +172,7 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
         m = cell["metrics"]
         log(f"{key:22s} acc {m['accuracy']:.3f}  base tok {m['base_tokens']:8.1f}  helper share {m['helper_share']:.3f}  ({cell['seconds']:.0f} s)")
         results.append(cell)
-    summary = {"config": asdict(config), "cells": [{k: c[k] for k in ("setting", "method", "seconds", "metrics")} for c in results]}
+    summary = {"config": config.record(), "cells": [{k: c[k] for k in ("setting", "method", "seconds", "metrics")} for c in results]}
     summary["comparison"] = compare(summary["cells"], config.methods)
     by = {(c["setting"], c["method"]): c["records"] for c in results}
     if ("full", None) in by and ("helper", None) in by:

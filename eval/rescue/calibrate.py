@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from typing import Any, Sequence
 
-from eval.rescue.bench import RescueEvalConfig, load_model
+from eval.rescue.bench import load_model
+from eval.rescue.config import RescueEvalConfig
 from eval.rescue.verifiers import load_eval_prm, testbed_step_verifier
 
 __all__ = ["calibrate"]
@@ -23,12 +25,12 @@ def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = F
     from eval.harness.benchmarks import load_benchmark
     from eval.harness.prompts import user_message
 
-    from dynts.rescue import DegenerationDetector, rescue_generate
+    from dynts.rescue import rescue_generate
 
     bench = load_benchmark(config.benchmark).head(config.limit)
     (base, tokenizer) = load_model(config.base, **config.load_options)
-    prm = load_eval_prm(config.prm, config.delimiter, config.trust_remote_code, config.load_options)
-    options = {**config.detector, "entropy_threshold": 1e9, "compress_threshold": 1e-9}
+    prm = load_eval_prm(config.prm, config.search.step_delimiter, config.trust_remote_code, config.load_options)
+    silent = replace(config.search.detector, entropy_threshold=1e9, compress_threshold=1e-9)  # records, never fires
     rows: list[tuple[bool, float, float]] = []
     judged: list[tuple[float, int]] = []  # (PRM score, exact verifier label) of complete candidates (testbed)
 
@@ -40,7 +42,7 @@ def calibrate(config: RescueEvalConfig, method: str, log=print, verify: bool = F
             judged.append((c.score, int(testbed_step_verifier(c.owner.question, steps))))
 
     chats = [[{"role": "user", "content": user_message(e, bench)}] for e in bench.examples]
-    search = config.step_search(0, config.max_tokens or bench.max_new_tokens, DegenerationDetector(**options))
+    search = replace(config.step_search("bon", config.max_tokens or bench.max_new_tokens), detector=silent)
     rescue_generate(base, None, prm, tokenizer, chats, config=search, eviction=config.eviction(method), on_candidate=record)
     result: dict[str, Any] = {"candidates": len(rows), "capped": sum(r[0] for r in rows)}
     if verify:

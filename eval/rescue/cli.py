@@ -14,8 +14,10 @@ import torch
 from dynts.core.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
-from eval.rescue.bench import RescueEvalConfig, SETTINGS, check_settings, evaluate, helper_options, load_model
+from dynts.rescue import RescueConfig
+from eval.rescue.bench import evaluate, helper_options, load_model
 from eval.rescue.calibrate import calibrate
+from eval.rescue.config import SETTINGS, RescueEvalConfig, check_settings
 from eval.rescue.table import summary_table
 from eval.rescue.verifiers import DEFAULT_VERIFIER, FAMILY_VERIFIERS, default_verifier, load_eval_prm
 
@@ -95,6 +97,14 @@ def _detector(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _search(args: argparse.Namespace, n_base: int, n_helper: int, detector: dict[str, Any] | None,
+            max_tokens: int = 4096, max_rows: int = 64) -> RescueConfig:
+    """The step search the flags name (``--delimiter`` is ``step_delimiter``); the core checks it."""
+    return RescueConfig(n_base=n_base, n_helper=n_helper, step_delimiter=args.delimiter, max_steps=args.max_steps,
+                        max_step_tokens=args.max_step_tokens, max_tokens=max_tokens, detector=detector,
+                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_rows=max_rows)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dynts rescue", description="KV-Rescue: an evicted base + a full-context helper, PRM-selected steps")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,19 +141,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dynts.rescue import RescueConfig, rescue_generate
+    from dynts.rescue import rescue_generate
 
     options = load_kwargs(args, given_only=True)
     base, tokenizer = load_model(args.base, **options)
     helper = load_model(args.helper, **helper_options(options))[0] if args.n_helper else None
     prm = load_eval_prm(args.prm, args.delimiter, args.trust_remote_code, options)
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else list(args.prompts)
-    search = RescueConfig(
-        n_base=args.n_base, n_helper=args.n_helper, step_delimiter=args.delimiter, max_steps=args.max_steps,
-        max_step_tokens=args.max_step_tokens, max_tokens=args.max_tokens or 4096,
-        detector=None if args.no_detector else _detector(args), temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
-    )
+    search = _search(args, args.n_base, args.n_helper, None if args.no_detector else _detector(args), args.max_tokens or 4096)
     out = rescue_generate(
         base, helper, prm, tokenizer, prompts, config=search, method=args.method,
         budget=Budget.from_paper(args.budget, args.headroom, args.local_window) if args.paper_budget else args.budget,
@@ -172,10 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             benchmark=args.benchmark, out=args.out or "", base=args.base, prm=args.prm, methods=(args.method,),
             predictor=args.predictor,
             budget=args.budget, paper_budget=args.paper_budget, headroom=args.headroom,
-            local_window=args.local_window, retention=args.retention, n=args.n,
-            delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
-            max_step_tokens=args.max_step_tokens, detector=_detector(args), temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit, trust_remote_code=args.trust_remote_code,
+            local_window=args.local_window, retention=args.retention, search=_search(args, args.n, args.n, _detector(args)),
+            max_tokens=args.max_tokens, limit=args.limit, trust_remote_code=args.trust_remote_code,
             load_options=load_kwargs(args, given_only=True),
         )
         result = calibrate(config, args.method, verify=args.verify)
@@ -191,10 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         benchmark=args.benchmark, out=args.out, base=args.base, helper=args.helper, prm=args.prm,
         methods=tuple(m.strip() for m in args.method.split(",") if m.strip()), predictor=args.predictor,
         budget=args.budget, paper_budget=args.paper_budget, headroom=args.headroom, local_window=args.local_window,
-        retention=args.retention, n=args.n, delimiter=args.delimiter, max_tokens=args.max_tokens, max_steps=args.max_steps,
-        max_step_tokens=args.max_step_tokens, degen_steps=args.degen_steps, detector=_detector(args),
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, limit=args.limit,
-        settings=settings, max_rows=args.max_rows,
+        retention=args.retention, search=_search(args, args.n, args.n, _detector(args), max_rows=args.max_rows),
+        max_tokens=args.max_tokens, degen_steps=args.degen_steps, limit=args.limit, settings=settings,
         trust_remote_code=args.trust_remote_code, load_options=load_kwargs(args, given_only=True),
     )
     from eval.harness.ledger import final_run

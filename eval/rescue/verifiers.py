@@ -7,7 +7,7 @@
 * anything else -- :func:`dynts.rescue.load_prm` (a trained PRM, e.g. ``testbed-prm-order``).
 
 :func:`load_eval_prm` builds them; :data:`DEFAULT_VERIFIER` is the default of ``dynts rescue`` and of
-:class:`eval.rescue.bench.RescueEvalConfig`.
+:class:`eval.rescue.config.RescueEvalConfig`.
 """
 
 from __future__ import annotations
