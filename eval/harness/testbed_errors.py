@@ -122,11 +122,14 @@ def length_table(run_dir: str | Path, edges: Sequence[int]) -> str:
     bounds = [0, *edges, None]
     bands = [f"{lo}-{hi}" if hi is not None else f">= {lo}" for lo, hi in zip(bounds, bounds[1:])]
     lines = ["| method | budget | " + " | ".join(f"{b} pass@1 % (n)" for b in bands) + " |", "|" + "---|" * (2 + len(bands))]
+    lengths: dict[str, dict[str, int]] = {}  # per benchmark: each problem's thinking length (built once)
     for record in read_records(run_dir):
         cell = record["cell"]
         if not cell["benchmark"].startswith("testbed"):
             continue
-        length = {ex.id: ex.answer.thinking_length for ex in load_benchmark(cell["benchmark"]).examples}
+        if cell["benchmark"] not in lengths:
+            lengths[cell["benchmark"]] = {ex.id: ex.answer.thinking_length for ex in load_benchmark(cell["benchmark"]).examples}
+        length = lengths[cell["benchmark"]]
         scores = dict(zip(record["ids"], per_question(record)))
         row = [cell["method"]["label"], str(cell.get("budget") or "–")]
         for lo, hi in zip(bounds, bounds[1:]):
