@@ -28,6 +28,9 @@ COPY_VERIFIER='testbed-prm-order*likelihood:testbed-helper'
 CHAIN_VERIFIER='testbed-chain-prm*likelihood:testbed-chain-helper'
 EVAL_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom,oracle-step,oracle-value,oracle-token
 FAIR_METHODS=full,window,streamingllm,sepllm,h2o,h2o+q,snapkv,snapkv+q,rkv,rkv+q,random,dynts,oracle-step,oracle-value
+# the fair copy LRM (configs/testbed/lrm-fair.yaml) and its predictor (configs/predictor/testbed-fair.pipeline.yaml)
+COPY_FAIR=checkpoints/testbed-fair-lrm
+COPY_FAIR_PREDICTOR=checkpoints/testbed-fair-predictor
 # the fair chain LRM (configs/testbed/chain-lrm-fair.yaml) and its rebuilt helper, PRM and predictor
 CHAIN_FAIR=checkpoints/testbed-chain-fair-lrm
 CHAIN_FAIR_PREDICTOR=checkpoints/testbed-chain-fair-predictor
@@ -100,7 +103,7 @@ for step in $steps; do
       FAIR="$PY -m dynts.cli eval --benchmark testbed:n=200,set=dev --method $FAIR_METHODS --budget 64,128 --local-window 32 \
         --retention 0.4 --k 1 --batch-size 100 --threads 1 --no-progress"
       pair "$FAIR --model testbed --predictor checkpoints/testbed-predictor --run-dir runs/eval-fair-before" \
-           "$FAIR --model runs/testbed-lrm-fair/export --predictor runs/testbed-lrm-fair/predictor --run-dir runs/eval-fair-after"
+           "$FAIR --model $COPY_FAIR --predictor $COPY_FAIR_PREDICTOR --run-dir runs/eval-fair-after"
       for side in before after; do
         mkdir -p reports/eval-fair/$side/records
         $PY -m eval.harness.compare runs/eval-fair-$side --write > reports/eval-fair/$side/compare.md
@@ -112,7 +115,7 @@ for step in $steps; do
       CONFIRM="$PY -m dynts.cli eval --final --method $FAIR_METHODS --local-window 32 --retention 0.4 --k 1 --batch-size 100 --threads 1 --no-progress"
       COPY="$CONFIRM --benchmark testbed:n=200,set=confirm --budget 64,96,128,192"
       pair "$COPY --model testbed --predictor checkpoints/testbed-predictor --run-dir runs/confirm-copy" \
-           "$COPY --model runs/testbed-lrm-fair/export --predictor runs/testbed-lrm-fair/predictor --run-dir runs/confirm-copy-fair"
+           "$COPY --model $COPY_FAIR --predictor $COPY_FAIR_PREDICTOR --run-dir runs/confirm-copy-fair"
       CHAIN="$CONFIRM --benchmark testbed:n=200,family=chain,set=confirm --model testbed-chain --predictor checkpoints/testbed-chain-predictor"
       pair "${CHAIN/oracle-step,oracle-value/chain-oracle-step,chain-oracle-value} --budget 48,64 --run-dir runs/confirm-chain" \
            "${CHAIN/oracle-step,oracle-value/chain-oracle-step,chain-oracle-value} --budget 96,128 --run-dir runs/confirm-chain-b"
@@ -217,7 +220,7 @@ for step in $steps; do
       # Table 2 ablations; verdicts Holm-adjusted per table with TOST +-3 points (eval.harness.compare --wide)
       SEALED="$PY -m dynts.cli eval --final $K5"
       CHAIN="$SEALED --benchmark testbed:n=500,family=chain,set=sealed --model $CHAIN_FAIR --predictor $CHAIN_FAIR_PREDICTOR"
-      COPY="$SEALED --benchmark testbed:n=200,set=sealed --model runs/testbed-lrm-fair/export --predictor runs/testbed-lrm-fair/predictor"
+      COPY="$SEALED --benchmark testbed:n=200,set=sealed --model $COPY_FAIR --predictor $COPY_FAIR_PREDICTOR"
       pair "$CHAIN --method $RANK_METHODS --run-dir runs/sealed-chain" \
            "$CHAIN --method full,chain-oracle-step,chain-oracle-value,$ABLATIONS --run-dir runs/sealed-chain-b"
       pair "$COPY --method $RANK_METHODS --run-dir runs/sealed-copy" \
