@@ -5,9 +5,9 @@
 # Steps: predictor chain report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev
 #        rescue-confirm rescue-confirm-chain pareto-confirm demo-confirm
 # (default: all, in this order). The ranking steps are not in the default list; run them by name, in order:
-#        chain-fair chain-fair-dev sealed
+#        chain-fair chain-fair-dev copy-fair-dev sealed
 # (chain-fair trains the fair chain LRM and rebuilds its helper, PRM and predictor; chain-fair-dev is the
-# before/after table on dev and where the budget fractions are checked; sealed reads the final-only
+# before/after table on dev and where the budget fractions are checked, copy-fair-dev the same check for copy; sealed reads the final-only
 # `sealed` problems once every choice is made, and each of its runs appends to reports/final-ledger.jsonl).
 # The rescue steps run two single-threaded benches side by side under one lock (the 2 cores).
 set -ex
@@ -214,6 +214,14 @@ for step in $steps; do
         cp runs/chain-dev-$side/records/*.json reports/chain-dev-$side/records/
         cp runs/chain-dev-$side/results.{md,json} reports/chain-dev-$side/
       done ;;
+    copy-fair-dev)  # the fractions on dev for the fair copy LRM: its mean full trace sizes B; each share must leave
+      # selection slots (question 14 + W_l 32 kept)
+      $LOCK $PY -m dynts.cli eval --model $COPY_FAIR --predictor $COPY_FAIR_PREDICTOR --benchmark testbed:n=200,set=dev \
+        --method full,dynts,random,rkv+q $K5 --run-dir runs/copy-dev-fair
+      mkdir -p reports/copy-dev-fair/records
+      $PY -m eval.harness.compare runs/copy-dev-fair --wide > reports/copy-dev-fair/wide.md
+      cp runs/copy-dev-fair/records/*.json reports/copy-dev-fair/records/
+      cp runs/copy-dev-fair/results.{md,json} reports/copy-dev-fair/ ;;
     sealed)  # the final tables on the final-only `sealed` problems, read only here (dynts eval
       # --final; each run appends to reports/final-ledger.jsonl): chain n = 500 on the fair chain LRM, copy n = 200 on
       # the fair copy LRM (lrm-fair.yaml), k = 5, the fractions above, every ranked method, the oracles and the
