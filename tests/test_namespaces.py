@@ -119,6 +119,25 @@ def test_ledger_logs_failed_final_runs_and_nothing_else(final_ledger):
     assert final_ledger.read_text().count("\n") == 2
 
 
+def test_ledger_logs_a_final_run_stopped_by_sigterm(final_ledger):
+    """``kill`` (SIGTERM) during a final run still writes its line, marked failed; the handler is restored."""
+    import os
+    import signal
+
+    from eval.harness.ledger import final_run, read_ledger
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        with final_run("dynts eval", ["--final"], enabled=True, out="runs/x") as entry:
+            task.problem_set("sealed", 2)
+            entry["cells"].append("cell-a")
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    (line,) = read_ledger()
+    assert line["status"] == "failed" and line["cells"] == ["cell-a"] and line["sets"][0]["set"] == "sealed"
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_every_final_command_goes_through_the_ledger():
     """Each final-table command names ``final_run`` (so its ``--final`` work is logged); the committed
     ledger parses."""

@@ -11,7 +11,9 @@ One line per run::
 The commands that produce final tables (``dynts eval``, ``dynts demo``, ``dynts rescue bench``,
 ``dynts analyze traces``) run their ``--final`` work inside :func:`final_run`, the only way into
 :func:`data_pipeline.testbed.task.final_tables`; a run that reads no final set writes nothing, a run
-that fails after reading one is logged with ``"status": "failed"``. The append rewrites the file
+that fails after reading one is logged with ``"status": "failed"``, and so is one stopped by SIGINT or
+SIGTERM (``kill``; the block turns SIGTERM into ``SystemExit`` so the line is written; only SIGKILL
+leaves no line). The append rewrites the file
 atomically (:func:`dynts.io.write_atomic`) under an exclusive lock, so concurrent runs lose no line.
 ``DYNTS_FINAL_LEDGER`` names another file (the tests use it).
 """
@@ -24,8 +26,10 @@ import fcntl
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -76,6 +80,23 @@ def read_ledger(path: str | Path | None = None) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """Within the block SIGTERM raises ``SystemExit(143)`` (in the main thread), so ``finally`` clauses run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def final_run(command: str, argv: Sequence[str] | None, enabled: bool, out: str | Path | None = None) -> Iterator[dict[str, Any]]:
     """Run a block as a final-table run when ``enabled`` (the command's ``--final``): inside
     :func:`~data_pipeline.testbed.task.final_tables`, and on exit, if it read a final-only set, one
@@ -87,7 +108,7 @@ def final_run(command: str, argv: Sequence[str] | None, enabled: bool, out: str 
         yield entry
         return
     status = "failed"
-    with task.final_tables() as reads:
+    with task.final_tables() as reads, _sigterm_exits():
         try:
             yield entry
             status = "finished"
