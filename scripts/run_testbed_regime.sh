@@ -34,12 +34,18 @@ COPY_FAIR_PREDICTOR=checkpoints/testbed-fair-predictor
 # the fair chain LRM (configs/testbed/chain-lrm-fair.yaml) and its rebuilt helper, PRM and predictor
 CHAIN_FAIR=checkpoints/testbed-chain-fair-lrm
 CHAIN_FAIR_PREDICTOR=checkpoints/testbed-chain-fair-predictor
-# the paper's protocol: k = 5 samples per problem, budgets as shares of the full cache's mean sequence
-# (--budget-fraction), W_l = 32; a share whose n_keep leaves no selection slot is refused under --final
+# the paper's protocol: k = 5 samples per problem, W_l = 32, budgets as shares of the full cache's mean
+# sequence (--budget-fraction) on dev. The final runs take the token budgets those shares gave on dev
+# (chain-fair-dev, copy-fair-dev): a share of the final set's own mean moves B with that set's lengths
+# (copy: 0.15 of sealed's 322-token mean is B = 48, which leaves no selection slot and is refused under
+# --final; dev's 361-token mean gave 54). The tables print B / full seq on the set they read.
 FRACTIONS=0.15,0.25,0.35
+CHAIN_BUDGETS=72,121,169   # FRACTIONS x the fair chain LRM's mean full sequence on dev (483 tokens)
+COPY_BUDGETS=54,90,126     # FRACTIONS x the fair copy LRM's mean full sequence on dev (361 tokens)
 RANK_METHODS=full,dynts,random,h2o+q,snapkv+q,rkv+q,h2o,snapkv,rkv
 ABLATIONS=dynts-no-question,dynts-no-thinking,dynts-no-local,t-random,t-bottom
-K5="--k 5 --budget-fraction $FRACTIONS --local-window 32 --retention 0.4 --batch-size 100 --threads 1 --no-progress"
+K5_RUN="--k 5 --local-window 32 --retention 0.4 --batch-size 100 --threads 1 --no-progress"
+K5="$K5_RUN --budget-fraction $FRACTIONS"
 steps=${*:-predictor chain report eval pareto prm-order rescue rescue-n8 rescue-verifiers fair confirm confirm-ablations verifiers-dev rescue-confirm rescue-confirm-chain pareto-confirm demo-confirm}
 one() { $LOCK bash -c "$1"; }  # the rescue commands are strings (quoted ';'), run by bash -c
 pair() { $LOCK bash -c "$1 & a=\$!; $2 & b=\$!; wait \$a; x=\$?; wait \$b; exit \$((x || \$?))"; }  # two single-threaded jobs on the 2 cores
@@ -224,11 +230,11 @@ for step in $steps; do
       cp runs/copy-dev-fair/results.{md,json} reports/copy-dev-fair/ ;;
     sealed)  # the final tables on the final-only `sealed` problems, read only here (dynts eval
       # --final; each run appends to reports/final-ledger.jsonl): chain n = 500 on the fair chain LRM, copy n = 200 on
-      # the fair copy LRM (lrm-fair.yaml), k = 5, the fractions above, every ranked method, the oracles and the
-      # Table 2 ablations; verdicts Holm-adjusted per table with TOST +-3 points (eval.harness.compare --wide)
-      SEALED="$PY -m dynts.cli eval --final $K5"
-      CHAIN="$SEALED --benchmark testbed:n=500,family=chain,set=sealed --model $CHAIN_FAIR --predictor $CHAIN_FAIR_PREDICTOR"
-      COPY="$SEALED --benchmark testbed:n=200,set=sealed --model $COPY_FAIR --predictor $COPY_FAIR_PREDICTOR"
+      # the fair copy LRM (lrm-fair.yaml), k = 5, the budgets dev gave the fractions above, every ranked method, the
+      # oracles and the Table 2 ablations; verdicts Holm-adjusted per table with TOST +-3 points (compare --wide)
+      SEALED="$PY -m dynts.cli eval --final $K5_RUN"
+      CHAIN="$SEALED --benchmark testbed:n=500,family=chain,set=sealed --budget $CHAIN_BUDGETS --model $CHAIN_FAIR --predictor $CHAIN_FAIR_PREDICTOR"
+      COPY="$SEALED --benchmark testbed:n=200,set=sealed --budget $COPY_BUDGETS --model $COPY_FAIR --predictor $COPY_FAIR_PREDICTOR"
       pair "$CHAIN --method $RANK_METHODS --run-dir runs/sealed-chain" \
            "$CHAIN --method full,chain-oracle-step,chain-oracle-value,$ABLATIONS --run-dir runs/sealed-chain-b"
       pair "$COPY --method $RANK_METHODS --run-dir runs/sealed-copy" \
