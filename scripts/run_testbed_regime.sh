@@ -243,7 +243,8 @@ for step in $steps; do
         mkdir -p reports/$run/records
         $PY -m eval.harness.compare runs/$run runs/$run-b --write > reports/$run/compare.md
         $PY -m eval.harness.compare runs/$run runs/$run-b --wide > reports/$run/wide.md   # the tables docs/evaluation.md will print
-        cp runs/$run/records/*.json runs/$run-b/records/*.json reports/$run/records/
+        cp runs/$run/records/*.json reports/$run/records/
+        cp runs/$run-b/records/*.json reports/$run/records/   # its full cell is the same record (same seed), rewritten
         cp runs/$run/results.{md,json} reports/$run/
       done ;;
     *) echo "unknown step $step"; exit 2 ;;

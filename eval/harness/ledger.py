@@ -48,11 +48,13 @@ def ledger_path() -> Path:
 
 
 def revision() -> tuple[str, bool | None]:
-    """``(commit, dirty)`` of the checkout this code runs from (``("unknown", None)`` without git)."""
+    """``(commit, dirty)`` of the checkout this code runs from (``("unknown", None)`` without git); ``dirty``
+    counts tracked changes other than the ledger's own unstaged lines."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip() != ""
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                f":(exclude){LEDGER.relative_to(ROOT)}"],  # the ledger's own new lines are not a change
+                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip() != ""
         return head, dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown", None
