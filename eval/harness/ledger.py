@@ -49,7 +49,7 @@ def ledger_path() -> Path:
 
 def revision() -> tuple[str, bool | None]:
     """``(commit, dirty)`` of the checkout this code runs from (``("unknown", None)`` without git); ``dirty``
-    counts tracked changes other than the ledger's own unstaged lines."""
+    counts tracked changes other than those to the ledger file itself."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
