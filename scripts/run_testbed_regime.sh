@@ -231,20 +231,21 @@ for step in $steps; do
     sealed)  # the final tables on the final-only `sealed` problems, read only here (dynts eval
       # --final; each run appends to reports/final-ledger.jsonl): chain n = 500 on the fair chain LRM, copy n = 200 on
       # the fair copy LRM (lrm-fair.yaml), k = 5, the budgets dev gave the fractions above, every ranked method, the
-      # oracles and the Table 2 ablations; verdicts Holm-adjusted per table with TOST +-3 points (compare --wide)
+      # oracles and the Table 2 ablations; verdicts Holm-adjusted per table with TOST +-3 points (compare --wide).
+      # The full cache runs once, in the first run dir: token budgets need no full cell of their own
       SEALED="$PY -m dynts.cli eval --final $K5_RUN"
       CHAIN="$SEALED --benchmark testbed:n=500,family=chain,set=sealed --budget $CHAIN_BUDGETS --model $CHAIN_FAIR --predictor $CHAIN_FAIR_PREDICTOR"
       COPY="$SEALED --benchmark testbed:n=200,set=sealed --budget $COPY_BUDGETS --model $COPY_FAIR --predictor $COPY_FAIR_PREDICTOR"
       pair "$CHAIN --method $RANK_METHODS --run-dir runs/sealed-chain" \
-           "$CHAIN --method full,chain-oracle-step,chain-oracle-value,$ABLATIONS --run-dir runs/sealed-chain-b"
+           "$CHAIN --method chain-oracle-step,chain-oracle-value,$ABLATIONS --run-dir runs/sealed-chain-b"
       pair "$COPY --method $RANK_METHODS --run-dir runs/sealed-copy" \
-           "$COPY --method full,oracle-step,oracle-value,$ABLATIONS --run-dir runs/sealed-copy-b"
+           "$COPY --method oracle-step,oracle-value,$ABLATIONS --run-dir runs/sealed-copy-b"
       for run in sealed-chain sealed-copy; do
         mkdir -p reports/$run/records
         $PY -m eval.harness.compare runs/$run runs/$run-b --write > reports/$run/compare.md
         $PY -m eval.harness.compare runs/$run runs/$run-b --wide > reports/$run/wide.md   # the tables docs/evaluation.md will print
         cp runs/$run/records/*.json reports/$run/records/
-        cp runs/$run-b/records/*.json reports/$run/records/   # its full cell is the same record (same seed), rewritten
+        cp runs/$run-b/records/*.json reports/$run/records/   # one cp per run dir: a record both hold is rewritten, not refused
         cp runs/$run/results.{md,json} reports/$run/
       done ;;
     *) echo "unknown step $step"; exit 2 ;;
