@@ -219,7 +219,9 @@ for step in $steps; do
         $PY -m eval.harness.compare runs/chain-dev-$side --wide > reports/chain-dev-$side/wide.md
         cp runs/chain-dev-$side/records/*.json reports/chain-dev-$side/records/
         cp runs/chain-dev-$side/results.{md,json} reports/chain-dev-$side/
-      done ;;
+      done
+      $PY -m eval.harness.before_after reports/chain-dev-favouring reports/chain-dev-fair --names favouring,fair \
+        > reports/chain-dev-before-after.md ;;  # the table docs/testbed.md prints
     copy-fair-dev)  # the fractions on dev for the fair copy LRM: its mean full trace sizes B; each share must leave
       # selection slots (question 14 + W_l 32 kept)
       $LOCK $PY -m dynts.cli eval --model $COPY_FAIR --predictor $COPY_FAIR_PREDICTOR --benchmark testbed:n=200,set=dev \

@@ -138,6 +138,18 @@ def test_ledger_logs_a_final_run_stopped_by_sigterm(final_ledger):
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_ledger_keeps_the_revision_the_run_started_from(final_ledger, monkeypatch):
+    """A commit made while a final run reads (hours, on CPU) does not move the line's ``git``/``dirty``."""
+    from eval.harness import ledger
+
+    monkeypatch.setattr(ledger, "revision", lambda: ("start", False))
+    with ledger.final_run("dynts eval", ["--final"], enabled=True):
+        task.problem_set("sealed", 1)
+        monkeypatch.setattr(ledger, "revision", lambda: ("later", True))
+    (line,) = ledger.read_ledger()
+    assert (line["git"], line["dirty"]) == ("start", False)
+
+
 def test_every_final_command_goes_through_the_ledger():
     """Each final-table command names ``final_run`` (so its ``--final`` work is logged); the committed
     ledger parses."""

@@ -110,13 +110,13 @@ def final_run(command: str, argv: Sequence[str] | None, enabled: bool, out: str 
         yield entry
         return
     status = "failed"
+    head, dirty = revision()  # the checkout the run started from (a commit made while it runs does not move it)
     with task.final_tables() as reads, _sigterm_exits():
         try:
             yield entry
             status = "finished"
         finally:
             if reads:
-                head, dirty = revision()
                 args = list(sys.argv[1:] if argv is None else argv)
                 append({"utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                         "command": " ".join([command, *map(shlex.quote, args)]), "git": head, "dirty": dirty,
