@@ -46,3 +46,14 @@ def test_refuses_other_problems_budgets_or_no_records(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):
         ba.main([str(before), str(tmp_path / "empty")])
+
+
+def test_docs_chain_before_after_table_recomputes_from_the_committed_records():
+    """docs/testbed.md prints the chain before/after table as this module computes it from reports/."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    table = ba.before_after(ba.read_records(root / "reports/chain-dev-favouring"),
+                            ba.read_records(root / "reports/chain-dev-fair"), ("favouring", "fair"))
+    assert table in (root / "docs/testbed.md").read_text()
+    assert table == (root / "reports/chain-dev-before-after.md").read_text().strip()
