@@ -3,7 +3,7 @@
 import pytest
 
 from eval.harness import before_after as ba
-from eval.harness.records import eval_record, write_record
+from eval.harness.records import eval_record, read_records, write_record
 
 
 def _run(directory, budgets, right, k=2, ids=None):
@@ -39,10 +39,10 @@ def test_refuses_other_problems_budgets_or_no_records(tmp_path):
     before = _run(tmp_path / "before", [64], {"dynts": range(4)})
     other = _run(tmp_path / "other", [64], {"dynts": range(4)}, ids=[f"test:{q}" for q in range(10)])
     with pytest.raises(ValueError, match="other problems"):
-        ba.before_after(ba.read_records(before), ba.read_records(other))
+        ba.before_after(read_records(before), read_records(other))
     two = _run(tmp_path / "two", [64, 96], {"dynts": range(4)})
     with pytest.raises(ValueError, match="pair by rank"):
-        ba.before_after(ba.read_records(before), ba.read_records(two))
+        ba.before_after(read_records(before), read_records(two))
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):
         ba.main([str(before), str(tmp_path / "empty")])
@@ -53,7 +53,7 @@ def test_docs_chain_before_after_table_recomputes_from_the_committed_records():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    table = ba.before_after(ba.read_records(root / "reports/chain-dev-favouring"),
-                            ba.read_records(root / "reports/chain-dev-fair"), ("favouring", "fair"))
+    table = ba.before_after(read_records(root / "reports/chain-dev-favouring"),
+                            read_records(root / "reports/chain-dev-fair"), ("favouring", "fair"))
     assert table in (root / "docs/testbed.md").read_text()
     assert table == (root / "reports/chain-dev-before-after.md").read_text().strip()

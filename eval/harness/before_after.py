@@ -15,7 +15,6 @@ budgets differ; the column head names both (``B = 59 / 72``).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any, Sequence
 
 from .compare import cells_from_records
@@ -25,13 +24,16 @@ from .stats import paired_difference
 __all__ = ["before_after", "main"]
 
 
-def _by_method(records: Sequence[dict[str, Any]]) -> tuple[list[int], dict[tuple[str, int | None], dict[str, Any]]]:
-    """The run's budgets (ascending) and its records by ``(method, budget rank)`` (rank None: the full cache)."""
+Cell = tuple[dict[str, Any], dict[str, Any]]  # a cell's result (pass@1 recomputed from its record) and its record
+
+
+def _by_method(records: Sequence[dict[str, Any]]) -> tuple[list[int], dict[tuple[str, int | None], Cell]]:
+    """The run's budgets (ascending) and its cells by ``(method, budget rank)`` (rank None: the full cache)."""
     cells = cells_from_records(records)
     budgets = sorted({c["budget"] for c in cells if c.get("budget") is not None})
     rank = {b: i for i, b in enumerate(budgets)}
     by_key = {r["key"]: r for r in records}
-    return budgets, {(c["method"]["label"], rank.get(c.get("budget"))): by_key[c["key"]] for c in cells}
+    return budgets, {(c["method"]["label"], rank.get(c.get("budget"))): (c, by_key[c["key"]]) for c in cells}
 
 
 def before_after(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]],
@@ -47,7 +49,7 @@ def before_after(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any
     if not pairs:
         raise ValueError(f"{names[0]} and {names[1]} share no (method, budget) cell; give runs of the same methods")
     for key in pairs:
-        rb, ra = cells_b[key], cells_a[key]
+        (_, rb), (_, ra) = cells_b[key], cells_a[key]
         if rb["ids"] != ra["ids"] or rb["k"] != ra["k"]:
             raise ValueError(f"cell {key[0]}: {names[0]} and {names[1]} ran other problems or another k; "
                              "compare runs of one benchmark (same n, family, set, seed) and --k")
@@ -64,9 +66,9 @@ def before_after(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any
             if (m, i) not in cells_b or (m, i) not in cells_a:
                 row += ["", "", ""]
                 continue
-            sb, sa = per_question(cells_b[(m, i)]), per_question(cells_a[(m, i)])
-            d = paired_difference(sa, sb)
-            row += [f"{100 * sum(sb) / len(sb):.1f}", f"{100 * sum(sa) / len(sa):.1f}",
+            (cb, rb), (ca, ra) = cells_b[(m, i)], cells_a[(m, i)]
+            d = paired_difference(per_question(ra), per_question(rb))
+            row += [f"{100 * cb['pass@1']:.1f}", f"{100 * ca['pass@1']:.1f}",
                     f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"]
         row += [""] * (len(head) - len(row))
         lines.append("| " + " | ".join(row) + " |")
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("after", metavar="AFTER", help="run or report directory with records/*.json")
     parser.add_argument("--names", default="before,after", help="the two column names, comma-separated")
     args = parser.parse_args(argv)
-    names = tuple(n.strip() for n in args.names.split(","))
+    names = [n.strip() for n in args.names.split(",")]
     if len(names) != 2 or not all(names):
         parser.error(f"--names {args.names!r}: give two names, e.g. --names favouring,fair")
     runs = []
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{d}: no records/*.json; give a dynts eval --run-dir or a report directory holding records")
         runs.append(records)
     try:
-        print(before_after(runs[0], runs[1], names))  # type: ignore[arg-type]
+        print(before_after(runs[0], runs[1], (names[0], names[1])))
     except ValueError as e:
         parser.error(str(e))
     return 0
