@@ -238,7 +238,9 @@ for step in $steps; do
       SEALED="$PY -m dynts.cli eval --final $K5_RUN"
       CHAIN="$SEALED --benchmark testbed:n=500,family=chain,set=sealed --budget $CHAIN_BUDGETS --model $CHAIN_FAIR --predictor $CHAIN_FAIR_PREDICTOR"
       COPY="$SEALED --benchmark testbed:n=200,set=sealed --budget $COPY_BUDGETS --model $COPY_FAIR --predictor $COPY_FAIR_PREDICTOR"
-      pair "$CHAIN --method $RANK_METHODS --run-dir runs/sealed-chain" \
+      # chain ranks the question-protected scorers only (on dev the question-free ones score level with or below
+      # their +q variants, reports/chain-dev-fair/): 500 problems x 5 samples is about 10 min of a core per cell
+      pair "$CHAIN --method full,dynts,random,h2o+q,snapkv+q,rkv+q --run-dir runs/sealed-chain" \
            "$CHAIN --method chain-oracle-step,chain-oracle-value,$ABLATIONS --run-dir runs/sealed-chain-b"
       pair "$COPY --method $RANK_METHODS --run-dir runs/sealed-copy" \
            "$COPY --method oracle-step,oracle-value,$ABLATIONS --run-dir runs/sealed-copy-b"

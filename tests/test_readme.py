@@ -43,7 +43,7 @@ def test_readme_python_blocks_run(monkeypatch, capsys):
 
 
 MEASURED_ROW = re.compile(r"^\| (chain|copy) \| (\d+) \| ([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\| ([^|]+) \|$", re.M)
-MEASURED_SOURCE = {"chain": "reports/confirm-chain", "copy": "reports/sealed-copy"}
+MEASURED_SOURCE = {"chain": "reports/sealed-chain", "copy": "reports/sealed-copy"}
 MEASURED_METHODS = ("full (no eviction)", "dynts", "rkv+q", "snapkv+q", "h2o+q", "random")
 
 
