@@ -139,17 +139,26 @@ def build_token_info(
     )
 
 
-def check_scored(info: TokenInfo, evictor: Evictor) -> None:
-    """The stale-score check: a score-based evictor must never see a thinking token without a predictor
-    score (the scores of a forward are written after it runs; an event between would rank NaNs)."""
+def stale_scores(info: TokenInfo, evictor: Evictor) -> torch.Tensor | None:
+    """A device flag: some thinking token has no predictor score (``None`` for an evictor that reads no scores).
+    The scores of a forward are written after it runs; an event between would rank NaNs."""
     if "scores" not in evictor.requires:
-        return
-    stale = info.scores.isnan() & (info.segments == Segment.THINKING)
-    if bool(stale.any()):
-        raise RuntimeError(
-            f"method={evictor.name!r} needs predictor scores but some thinking tokens have none; "
-            "pass predictor=... to dynts.generate / dynts.attach"
-        )
+        return None
+    return (info.scores.isnan() & (info.segments == Segment.THINKING)).any()
+
+
+def _refuse_stale(evictor: Evictor) -> None:
+    raise RuntimeError(
+        f"method={evictor.name!r} needs predictor scores but some thinking tokens have none; "
+        "pass predictor=... to dynts.generate / dynts.attach"
+    )
+
+
+def check_scored(info: TokenInfo, evictor: Evictor) -> None:
+    """The stale-score check of one evictor call (one host read of a flag)."""
+    stale = stale_scores(info, evictor)
+    if stale is not None and bool(stale):
+        _refuse_stale(evictor)
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,14 +217,20 @@ def select_kept(
         _, members, rows = groups.setdefault(call.key(), (call, [], []))
         members.append(member)
         rows.append(row)
-    out = []
+    out, stale = [], []
     for call, members, rows in groups.values():
         (index,) = upload((rows,), table.positions.device)
         info = build_token_info(table, call.stored, call.n_keep, call.local_window, call.question_length, rows=index,
                                 keys=None if keys is None else keys(index, call.stored))
-        if check:
-            check_scored(info, call.evictor)
+        flag = stale_scores(info, call.evictor) if check else None
+        if flag is not None:
+            stale.append((flag, call.evictor))
         out.append(Selection(call, members, index, call.evictor(info)))
+    if stale:  # one host read for the whole round, before any caller compacts
+        flags = torch.stack([flag for flag, _ in stale]).tolist()
+        for hit, (_, evictor) in zip(flags, stale):
+            if hit:
+                _refuse_stale(evictor)
     return out
 
 

@@ -28,7 +28,7 @@ from ..thinking import DelimiterMatcher
 from .settings import EvictionSettings
 from .segments import label_request
 from .slots import EvictorCall, RequestRow, SlotTable, select_kept
-from .upload import upload
+from .upload import HostStaging
 
 __all__ = ["EvictionGroup", "Forward", "SlotTracker", "copy_plan"]
 
@@ -96,6 +96,7 @@ class SlotTracker:
         self.settings = settings
         self.delimiter = DelimiterMatcher(think_end) if think_end is not None else None
         self.table = table if table is not None else SlotTable(torch.device(device), width=max(256, settings.bounds.budget if settings.bounds else 0))
+        self.staging = HostStaging(self.table.device)  # every upload of this worker: pinned, never waited on
         self.slots: dict[str, RequestRow] = {}
         self.pending_scores: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
@@ -136,7 +137,7 @@ class SlotTracker:
             tokens += f.token_ids
         if slots:
             self.table.ensure_width(max(slots) + 1)
-        row_t, slot_t, *columns = upload((rows, slots, positions, segments, tokens), self.table.device)
+        row_t, slot_t, *columns = self.staging.columns((rows, slots, positions, segments, tokens))
         self.table.write(row_t, slot_t, *columns)
         self.pending_scores = (row_t, slot_t, len(rows)) if score and rows else None
         return row_t, slot_t

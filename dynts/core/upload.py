@@ -1,23 +1,102 @@
-"""Host index lists to the device without making the host wait for it."""
+"""Host index data to the device without making the host wait for it.
+
+Every per-step and per-round upload of the paged engines' worker hooks goes through :class:`HostStaging`:
+the host data is written into a persistent pinned buffer and copied with ``non_blocking=True``, so the host
+never waits for the work queued on the stream (a pageable copy, or ``torch.tensor(list, device=...)``, waits
+for the forward in flight -- under vLLM's async scheduling, the next step's). A pinned buffer is written again
+only once the copy that last read it has run (a CUDA event per buffer, polled, never waited on: a busy ring
+grows by one buffer instead). Elsewhere (CPU) the copy is a plain one and nothing is pinned.
+
+:func:`staging_active` tells a sync counter (``eval.perf.syncs``) that the code running is this audited path.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["upload"]
+__all__ = ["HostStaging", "staging_active", "upload"]
+
+_LOCAL = threading.local()
+
+
+def staging_active() -> bool:
+    """True while :class:`HostStaging` copies host data to the device (the one audited upload path)."""
+    return getattr(_LOCAL, "depth", 0) > 0
+
+
+@contextmanager
+def _staging() -> Iterator[None]:
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.depth -= 1
+
+
+class HostStaging:
+    """Persistent (pinned on CUDA) host buffers for one worker's uploads to ``device``.
+
+    Args:
+        device: where the uploaded tensors go.
+        capacity: elements of the first buffer (it grows by doubling when a larger upload comes).
+    """
+
+    def __init__(self, device: torch.device | str, capacity: int = 4096) -> None:
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self.capacity = capacity
+        self._lock = threading.Lock()  # one worker thread in an engine; a lock keeps shared use (tests, threads) safe
+        self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+
+    def _buffer(self, numel: int) -> int:
+        """Index of a ring buffer of at least ``numel`` int64 elements that no queued copy still reads."""
+        for i, (host, event) in enumerate(self._ring):
+            if host.numel() >= numel and (event is None or event.query()):
+                return i
+        self.capacity = max(self.capacity, numel)
+        host = torch.empty(self.capacity, dtype=torch.long, pin_memory=self.pinned)
+        self._ring.append((host, None))
+        return len(self._ring) - 1
+
+    def upload(self, data: np.ndarray) -> torch.Tensor:
+        """``data`` (any integer array) as an int64 tensor of its shape on the device: one copy, never waited on."""
+        flat = np.ascontiguousarray(data, dtype=np.int64).reshape(-1)
+        with self._lock, _staging():
+            i = self._buffer(flat.size)
+            host = self._ring[i][0]
+            staged = host[: flat.size]
+            staged.copy_(torch.from_numpy(flat))
+            if self.device.type == "cpu":
+                out = staged.clone()
+            else:
+                out = staged.to(self.device, non_blocking=True)
+            event = None
+            if self.pinned:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+            self._ring[i] = (host, event)
+        return out.view(data.shape)
+
+    def columns(self, columns: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+        """Equal-length int lists as ``len(columns)`` int64 tensors ``[T]`` on the device (one copy)."""
+        return tuple(self.upload(np.asarray(columns, dtype=np.int64).reshape(len(columns), -1)).unbind(0))
+
+
+_SHARED: dict[torch.device, HostStaging] = {}
 
 
 def upload(columns: Sequence[Sequence[int]], device: torch.device | str) -> tuple[torch.Tensor, ...]:
-    """The equal-length int lists ``columns`` as ``len(columns)`` long tensors ``[T]`` on ``device``, made by
-    one host-to-device copy of a ``[len(columns), T]`` host tensor.
-
-    On CUDA the host tensor is pinned and the copy is asynchronous: the host does not wait for the work
-    already queued on the stream (a blocking copy of pageable memory would wait for the forward in flight,
-    which under async scheduling is the next step's). torch's caching host allocator keeps the pinned block
-    until the copy has run. Elsewhere it is a plain copy.
-    """
+    """The equal-length int lists ``columns`` as ``len(columns)`` long tensors ``[T]`` on ``device``, through one
+    :class:`HostStaging` per device (one copy, never waited on)."""
     device = torch.device(device)
-    host = torch.tensor(columns, dtype=torch.long, pin_memory=device.type == "cuda")
-    return tuple(host.to(device, non_blocking=True).unbind(0))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    staging = _SHARED.get(device)
+    if staging is None:
+        staging = _SHARED[device] = HostStaging(device)
+    return staging.columns(columns)

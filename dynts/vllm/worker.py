@@ -6,14 +6,21 @@ Per round, in vLLM's ``GPUModelRunner`` (the CPU runner subclasses it):
 1. first thing in ``execute_model`` -- before ``_update_states`` zeroes newly allocated blocks, which
    may be the tail blocks the scheduler just freed -- every event of the round's
    :class:`~dynts.vllm.scheduler.StepPlan` runs the :class:`~dynts.evictors.Evictor` over the request's
-   slot metadata (:class:`dynts.core.SlotTracker`), the kept K/V move to the front slots of its blocks
-   in every layer (one batched copy per layer for all requests evicting in the round, identity moves
-   dropped, bounded chunks) and its block lists are cut to the scheduler's;
+   slot metadata (:class:`dynts.core.SlotTracker`), the kept K/V of every request move to the front slots
+   of its blocks in every layer (:class:`dynts.kernels.PagedKV`: the physical plan built on the device from
+   one upload of the round's block lists, one Triton launch on CUDA) and its block lists are cut to the
+   scheduler's;
 2. after ``_prepare_inputs``: the scheduled tokens' positions, ids and segments are recorded; RoPE
    positions stay logical while ``seq_lens`` and the slot mapping use ``position - shift`` (the kept
    keys sit contiguously at the front of the request's blocks);
 3. after the model forward: the predictor scores the final-norm hidden states of every scheduled token
    (prefill included), on the device, outside any captured graph.
+
+No hook makes the host wait for the device: every upload goes through the tracker's pinned
+:class:`~dynts.core.upload.HostStaging` (``non_blocking``), nothing is read back on a plain step, and an
+eviction round reads back one flag (the stale-score check of :func:`dynts.core.slots.select_kept`). Counted on
+CPU by ``eval.perf.syncs.SyncCounter`` (``tests/test_vllm_hook_syncs.py``), on CUDA by torch's sync debug mode
+(``scripts/bench_vllm_hooks.py``).
 
 The hooks are built when the worker allocates its KV cache (``initialize_kv_cache``), before the first
 request: the attention backend's layout, the one KV-cache group, the kernel block size, the tokenizer and
@@ -36,11 +43,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core import Forward, SlotTable, SlotTracker, copy_plan
+from ..core import Forward, SlotTable, SlotTracker
+from ..kernels.paged import PagedKV
 from ..thinking import think_end_ids
 from .checks import check_worker
 from .config import PluginConfig
-from .layouts import COPY_CHUNK, SlotCopy, layout_for
+from .layouts import geometry_for
 
 __all__ = ["TABLE_CELL_BYTES", "WorkerHooks", "slot_table_bytes", "slot_table_shape"]
 
@@ -82,7 +90,7 @@ class WorkerHooks:
         self.runner = runner
         self.config = config
         self.block_size = check_worker(runner.kv_cache_config, kernel_block_sizes)
-        self.layers = self._kv_layers(runner)
+        self.kv = self._paged_kv(runner, self.block_size)
         tokenizer = self._tokenizer(runner)
         config.settings.evictor.bind(tokenizer)
         self.tokenizer = tokenizer
@@ -90,6 +98,7 @@ class WorkerHooks:
         rows, width = slot_table_shape(config, runner.vllm_config)
         self.tracker = SlotTracker(config.settings, runner.device, think_end_ids(tokenizer, config.settings.think_end),
                                    table=SlotTable(torch.device(runner.device), rows=rows, width=width))
+        self.staging = self.tracker.staging
         self.predictor = self._predictor(runner) if config.settings.needs_scores else None
         self.shifts: dict[str, int] = {}
         self.untracked: set[str] = set()  # requests that can never evict (no scores needed): nothing recorded
@@ -116,19 +125,21 @@ class WorkerHooks:
         return group if group.world_size > 1 else None
 
     @staticmethod
-    def _kv_layers(runner: Any) -> list[tuple[torch.Tensor, SlotCopy]]:
-        """Every attention layer's KV cache tensor with the slot copy of its backend's layout."""
+    def _paged_kv(runner: Any, block_size: int) -> PagedKV:
+        """Every attention layer's KV cache tensor, with the slot geometry of its backend's layout."""
         groups = runner.kv_cache_config.kv_cache_groups
         context = runner.compilation_config.static_forward_context
-        layers = []
+        caches, geometries = [], set()
         for name in groups[0].layer_names:
             layer = context[name]
-            backend = layer.attn_backend.get_name()
             kv = layer.kv_cache
             if isinstance(kv, (list, tuple)):  # older vLLM kept one tensor per virtual engine
                 kv = kv[0]
-            layers.append((kv, layout_for(backend, getattr(layer, "isa", None))))
-        return layers
+            caches.append(kv)
+            geometries.add(geometry_for(layer.attn_backend.get_name(), getattr(layer, "isa", None), kv))
+        if len(geometries) != 1:
+            raise NotImplementedError(f"dynts.vllm needs one KV slot layout for every layer; found {len(geometries)}")
+        return PagedKV(caches, block_size, geometries.pop())
 
     def _predictor(self, runner: Any) -> torch.nn.Module:
         """The engine's predictor, checked against the served model (config + final-norm weight fingerprint)."""
@@ -182,6 +193,9 @@ class WorkerHooks:
             self._evict(plan.events)
 
     def _evict(self, events: list[tuple[str, int, int]]) -> None:
+        """Run the round's events: the evictor once per group of equal calls, then every request's kept K/V to the
+        front of its blocks in every layer (one move over all requests; its physical plan is built on the device
+        from one upload of the requests' block lists), then the block lists cut to the scheduler's."""
         bs = self.block_size
         entries, due = {}, []
         for rid, stored, n_keep in events:
@@ -191,27 +205,23 @@ class WorkerHooks:
             entries[id(entry)] = rid
             due.append((entry, stored, n_keep))
         groups = self.tracker.evict(due)
-        src, dst = [], []
-        device = self.layers[0][0].device
+        rids = [entries[id(e)] for group in groups for e in group.entries]
+        width = max(group.n_keep for group in groups)
+        kept = torch.arange(width, device=self.kv.device).repeat(len(rids), 1)  # padding: kept[r, i] = i moves nothing
+        blocks = np.zeros((len(rids), max(math.ceil(group.stored / bs) for group in groups)), dtype=np.int64)
+        row = 0
         for group in groups:
-            rids = [entries[id(e)] for e in group.entries]
-            slot = torch.arange(group.stored, device=device)
-            physical = torch.stack([
-                torch.tensor(self.block_ids(rid)[: math.ceil(group.stored / bs)], dtype=torch.long,
-                             device=device)[slot // bs] * bs + slot % bs
-                for rid in rids
-            ])  # [g, stored]
-            moved = copy_plan(group.kept, physical)
-            src.append(moved[0])
-            dst.append(moved[1])
-            keep = math.ceil(group.n_keep / bs)
-            for rid in rids:
-                self._truncate_blocks(rid, keep)
-        src_all, dst_all = torch.cat(src), torch.cat(dst)
-        for lo in range(0, src_all.numel(), COPY_CHUNK):
-            s, d = src_all[lo : lo + COPY_CHUNK], dst_all[lo : lo + COPY_CHUNK]
-            for kv, copy in self.layers:
-                copy(kv, s, d, bs)
+            used = math.ceil(group.stored / bs)
+            kept[row : row + len(group.entries), : group.n_keep] = group.kept
+            for rid in rids[row : row + len(group.entries)]:
+                blocks[row, :used] = self.block_ids(rid)[:used]
+                row += 1
+        self.kv.move_(kept, self.staging.upload(blocks))
+        row = 0
+        for group in groups:
+            for rid in rids[row : row + len(group.entries)]:
+                self._truncate_blocks(rid, math.ceil(group.n_keep / bs))
+            row += len(group.entries)
 
     def _truncate_blocks(self, rid: str, keep: int) -> None:
         """Cut the worker's block lists of a request to its first ``keep`` blocks (the scheduler freed the rest)."""
@@ -247,14 +257,12 @@ class WorkerHooks:
             self.tracker.record(forwards, score=self.predictor is not None)
         if not shift_rows.any():
             return
-        total = int(num_scheduled_tokens[:num_reqs].sum())
-        shift_cpu = torch.from_numpy(shift_rows)
-        runner.optimistic_seq_lens_cpu[:num_reqs] -= shift_cpu.to(runner.optimistic_seq_lens_cpu.dtype)
-        shift_dev = shift_cpu.to(runner.seq_lens.device, non_blocking=True)
-        runner.seq_lens[:num_reqs] -= shift_dev.to(runner.seq_lens.dtype)
-        per_token = torch.from_numpy(np.repeat(shift_rows, num_scheduled_tokens[:num_reqs]))  # host: no device sync
-        stored_positions = runner.positions[:total] - per_token.to(runner.positions.device, runner.positions.dtype,
-                                                                   non_blocking=True)
+        scheduled = num_scheduled_tokens[:num_reqs]
+        total = int(scheduled.sum())
+        runner.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(shift_rows).to(runner.optimistic_seq_lens_cpu.dtype)
+        shifts = self.staging.upload(np.concatenate([shift_rows, np.repeat(shift_rows, scheduled)]))  # one copy
+        runner.seq_lens[:num_reqs] -= shifts[:num_reqs].to(runner.seq_lens.dtype)
+        stored_positions = runner.positions[:total] - shifts[num_reqs:].to(runner.positions.dtype)
         batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], stored_positions)
 
     def entry_of(self, rid: str, prompt_length: int) -> tuple[Any, bool]:

@@ -1,68 +1,146 @@
-"""Counting the host-device syncs of a piece of code: a dispatch-mode counter that says on CPU what a GPU
-run would pay, and torch's own sync debug mode on CUDA.
+"""Counting the host-device syncs of a piece of code: a dispatch-mode counter that says on CPU what a GPU run
+would pay, and torch's own sync debug mode on CUDA.
 
-* :class:`SyncCounter` (any device; on the CPU build nothing waits, the count says what a GPU would pay):
-  inside :meth:`SyncCounter.counting` it counts the operations that make the host wait for the device on a
-  GPU -- a scalar read (``item``/``bool``), ``nonzero``/``masked_select``/``unique`` and boolean-mask indexing,
-  ``tolist``/``numpy``/``cpu`` of a tensor. Apart from these it counts ``uploads``: host data made into a tensor
-  on a given device (``torch.tensor(list, device=...)``, a blocking host-to-device copy on a GPU, which waits
-  for the stream); it cannot see ``.to("cuda")`` of a host tensor (on CPU there is no copy).
+* :class:`SyncCounter` (any device; on the CPU build nothing waits, the count says what a GPU would pay): inside
+  :meth:`SyncCounter.counting` it counts, in ``now``, every operation that makes the host wait for the device on a
+  GPU:
+
+  - reads: a scalar read (``item``/``bool``/``int``), ``nonzero``/``masked_select``/``unique`` and boolean-mask
+    indexing, ``tolist``/``numpy``/``cpu`` of a device tensor;
+  - blocking uploads (also counted apart in ``uploads``): host data made into a tensor on a given device
+    (``torch.tensor(list, device=...)``, ``torch.as_tensor(data, device=...)``), and a copy of a *pageable host
+    tensor* to a device (``.to(device)``, ``.cuda()``, ``device_tensor.copy_(host)``). On CPU a host tensor and a
+    device tensor are both CPU tensors, so the counter tracks which are host ones: made from host data
+    (``torch.from_numpy``, ``torch.tensor`` / ``torch.as_tensor`` without a device) or converted from one without
+    naming a device. A copy of a pinned tensor is not counted, and neither is anything inside
+    :class:`dynts.core.upload.HostStaging` (the one audited upload path: pinned buffers, ``non_blocking``, never
+    waited on).
 * :class:`CudaSyncCounter`: ``torch.cuda.set_sync_debug_mode("warn")`` inside :meth:`CudaSyncCounter.counting`,
   one count per warning; it sees every synchronizing CUDA call, blocking host-to-device copies included.
 
 Both count into ``now``; :meth:`SyncCounter.install` wraps the dynts vLLM worker hooks
-(:class:`dynts.vllm.worker.WorkerHooks` on vLLM's V1 runner, :class:`dynts.vllm.worker_v2.RunnerV2Hooks` on V2) so that every round is counted as a plain decode step or an
-eviction round (``scripts/bench_serve_vllm.py --cost``).
+(:class:`dynts.vllm.worker.WorkerHooks` on vLLM's V1 runner, :class:`dynts.vllm.worker_v2.RunnerV2Hooks` on V2) so
+that every round is counted as a plain decode step or an eviction round (``scripts/bench_serve_vllm.py --cost``,
+``scripts/bench_vllm_hooks.py``).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+
+from dynts.core.upload import staging_active
 
 __all__ = ["CudaSyncCounter", "SyncCounter", "V1_HOOKS", "V2_HOOKS", "sync_counter"]
 
 V1_HOOKS = ("before_step", "after_prepare_inputs", "after_forward")  # dynts.vllm.worker.WorkerHooks, per round
 V2_HOOKS = ("before_step", "before_attention", "after_execute")  # dynts.vllm.worker_v2.RunnerV2Hooks
 _ACTIVE: list["SyncCounter"] = []  # counters inside a counted call (tolist/numpy/cpu are not dispatched ops)
+_HOST: dict[int, weakref.ref] = {}  # id -> tensor made from host data while counting (a host tensor on CPU)
+
+
+def _mark_host(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        key = id(t)
+        _HOST[key] = weakref.ref(t, lambda _, key=key: _HOST.pop(key, None))
+    return t
+
+
+def _is_host(t: Any) -> bool:
+    ref = _HOST.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _pageable(t: Any) -> bool:
+    return _is_host(t) and not t.is_pinned()
+
+
+def _count(upload: bool) -> None:
+    if staging_active():
+        return
+    for counter in _ACTIVE:
+        counter.now += 1
+        counter.uploads += upload
+
+
+def _target_device(args: tuple, kwargs: dict) -> Any:
+    """The device a ``Tensor.to`` call names (``None``: a dtype-only conversion)."""
+    if kwargs.get("device") is not None:
+        return kwargs["device"]
+    for a in args:
+        if isinstance(a, (str, torch.device, int)) and not isinstance(a, bool):
+            return a
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
 
 
 @contextmanager
 def _host_reads_counted() -> Iterator[None]:
-    """Count ``Tensor.tolist`` / ``numpy`` / ``cpu`` calls for the active counters, and host data made into a tensor
-    on a given ``device`` (``torch.tensor(list, device=...)``: a blocking host-to-device copy on a GPU) apart; the
+    """Patch, for the active counters, what a dispatch mode cannot see: ``Tensor.tolist`` / ``numpy`` / ``cpu`` of a
+    device tensor, host data made into a tensor on a device, and copies of pageable host tensors to a device; the
     originals are back when the outermost counter exits (nothing outside a count is changed)."""
     if _ACTIVE:  # an enclosing counter has patched them
         yield
         return
-    make = torch.tensor
-    methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+    make, as_tensor, from_numpy = torch.tensor, torch.as_tensor, torch.from_numpy
+    methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu", "to", "cuda", "copy_")}
 
-    def tensor(data, *a, **k):
-        if k.get("device") is not None and not isinstance(data, torch.Tensor):
-            for counter in _ACTIVE:
-                counter.uploads += 1
-        return make(data, *a, **k)
+    def made(original):
+        def wrapped(data, *a, **k):
+            out = original(data, *a, **k)
+            if isinstance(data, torch.Tensor):
+                return out
+            if k.get("device") is not None and torch.device(k["device"]).type != "meta":
+                _count(upload=True)  # host data to a named device: a blocking copy on a GPU
+                return out
+            return _mark_host(out)
+        return wrapped
 
-    def counted(method):
+    def numpy_made(array):
+        return _mark_host(from_numpy(array))
+
+    def read(method):
         def wrapped(t, *a, **k):
-            for counter in _ACTIVE:
-                counter.now += 1
+            if not _is_host(t):
+                _count(upload=False)
             return method(t, *a, **k)
         return wrapped
 
-    torch.tensor = tensor
-    for name, method in methods.items():
-        setattr(torch.Tensor, name, counted(method))
+    def to(t, *a, **k):
+        out = methods["to"](t, *a, **k)
+        if _is_host(t):
+            if _target_device(a, k) is None:
+                _mark_host(out)  # a dtype conversion of a host tensor is a host tensor
+            elif _pageable(t):
+                _count(upload=True)
+        return out
+
+    def cuda(t, *a, **k):
+        if _pageable(t):
+            _count(upload=True)
+        return methods["cuda"](t, *a, **k)
+
+    def copy_(t, src, *a, **k):
+        if _pageable(src) and not _is_host(t):
+            _count(upload=True)
+        return methods["copy_"](t, src, *a, **k)
+
+    torch.tensor, torch.as_tensor, torch.from_numpy = made(make), made(as_tensor), numpy_made
+    for name in ("tolist", "numpy", "cpu"):
+        setattr(torch.Tensor, name, read(methods[name]))
+    torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_ = to, cuda, copy_
     try:
         yield
     finally:
-        torch.tensor = make
+        torch.tensor, torch.as_tensor, torch.from_numpy = make, as_tensor, from_numpy
         for name, method in methods.items():
             setattr(torch.Tensor, name, method)
+        _HOST.clear()
 
 
 class _Rounds:
@@ -138,7 +216,8 @@ class SyncCounter(_Rounds):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 name = func.__name__.split(".")[0]
                 indices = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
-                if name in counter.READS or any(getattr(i, "dtype", None) is torch.bool for i in indices or ()):
+                if (name in counter.READS or any(getattr(i, "dtype", None) is torch.bool for i in indices or ())) \
+                        and not staging_active():
                     counter.now += 1
                 return func(*args, **(kwargs or {}))
 
