@@ -23,10 +23,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model: str | Path, args: list[str], log_path: Path, timeout: float = 120) -> Iterator[str]:
-    """Yield the base url of ``dynts serve MODEL ARGS`` once ``/health`` answers 200; its output goes to ``log_path``."""
+def running_server(model: str | Path, args: list[str], log_path: Path, timeout: float = 120,
+                   env: dict[str, str] | None = None) -> Iterator[str]:
+    """Yield the base url of ``dynts serve MODEL ARGS`` once ``/health`` answers 200; its output goes to ``log_path``.
+    ``env``: more environment for the server (``PYTHONPATH`` entries go before the checkout)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    extra = dict(env or {})
+    path = os.pathsep.join(p for p in (extra.pop("PYTHONPATH", ""), str(ROOT)) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **extra}
     cmd = [sys.executable, "-m", "dynts.cli", "serve", str(model), "--port", str(port), *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

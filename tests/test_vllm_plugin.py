@@ -30,12 +30,12 @@ PREDICTOR = checkpoints_dir() / "testbed-predictor"
 
 def run_engine(tmp_path: Path, model: Path, requests: list[dict], admit_all: bool = False, env: dict | None = None,
                force_unsupported: bool = False, stale_shift: bool = False, check_buffers: bool = False,
-               **engine) -> dict:
+               lose_shipment: tuple[str, int] | None = None, **engine) -> dict:
     """One engine in its own process (tests/vllm_driver.py) over ``requests``; its JSON result."""
     spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
     spec.write_text(json.dumps({"model": str(model), "engine": engine, "requests": requests, "admit_all": admit_all,
                                 "force_unsupported": force_unsupported, "stale_shift": stale_shift,
-                                "check_buffers": check_buffers}))
+                                "check_buffers": check_buffers, "lose_shipment": lose_shipment}))
     proc = subprocess.run([sys.executable, str(DRIVER), str(spec)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("DYNTS_RESULT ")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import os
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,9 @@ openai = pytest.importorskip("openai")
 QUESTION = [{"role": "user", "content": "a 6 b 0 c 4 d 8 e 7 find r2"}]
 PROMPT = "<bos> a 1 b 2 c 3 d 4 e 5 find r1 <think>"
 BUDGET = 96
+SERVER_ARGS = ["--engine", "vllm", "--kv-method", "streamingllm", "--kv-budget", str(BUDGET), "--kv-local-window", "16",
+               "--served-name", "testbed", "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
+               "--num-gpu-blocks-override", "64", "--enforce-eager", "--max-num-seqs", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +30,10 @@ def server(tmp_path_factory):
     from serve_helpers import running_server
 
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    args = ["--engine", "vllm", "--kv-method", "streamingllm", "--kv-budget", str(BUDGET), "--kv-local-window", "16",
-            "--served-name", "testbed", "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
-            "--num-gpu-blocks-override", "64", "--enforce-eager", "--max-num-seqs", "8"]
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     try:
-        with running_server("testbed", args, log, timeout=420) as base:
+        with running_server("testbed", SERVER_ARGS, log, timeout=420) as base:
             yield base, log
     finally:
         for k, v in saved.items():
@@ -150,4 +151,43 @@ def test_metrics_and_usage_report_evictions(server):
     usage = full["usage"]["dynts"]
     assert usage["evictions"] == usage["evicted_tokens"] == usage["freed_blocks"] == 0
     assert usage["peak_slots"] > BUDGET
+    assert "Traceback" not in log.read_text()
+
+
+@pytest.fixture(scope="module")
+def faulty_server(tmp_path_factory):
+    """The same server, with the worker made to lose the 30th shipment of token ids of any request whose
+    ``vllm_xargs`` carry ``test_fault`` (tests/vllm_faults.py, loaded as ``sitecustomize`` in every server process)."""
+    from dynts.vllm.compat import runner_of
+    from serve_helpers import running_server
+    from vllm_faults import SITECUSTOMIZE
+
+    if runner_of() != "v2":
+        pytest.skip("a request's fault ends that request on the V2 runner (vLLM 0.34)")
+    root = tmp_path_factory.mktemp("vllm-faulty-server")
+    (root / "site").mkdir()
+    (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {"PYTHONPATH": str(root / "site"), "DYNTS_FAULTS_DIR": str(Path(__file__).parent),
+           "DYNTS_FAULT_MARK": "test_fault", "DYNTS_FAULT_AT": "30",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    log = root / "server.log"
+    with running_server("testbed", SERVER_ARGS, log, timeout=420, env=env) as base:
+        yield base, log
+
+
+def test_a_request_that_trips_an_invariant_gets_an_error_and_the_next_gets_200(faulty_server):
+    """``vllm serve`` with dynts on vLLM 0.34: a request whose token-id shipment the worker loses (a scheduler /
+    worker disagreement confined to it) returns an error to its client, with one log line naming it and why; the
+    server keeps serving: the next request returns 200."""
+    base, log = faulty_server
+    faulty = httpx.post(f"{base}/v1/completions", timeout=300, json={
+        "model": "testbed", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+        "vllm_xargs": {"test_fault": 1}})
+    assert faulty.status_code == 500, faulty.text  # vLLM's answer to finish_reason="error": GenerationError
+    after = httpx.post(f"{base}/v1/completions", timeout=300, json={
+        "model": "testbed", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True})
+    assert after.status_code == 200, after.text
+    assert after.json()["usage"]["completion_tokens"] == 200
+    lines = [line for line in log.read_text().splitlines() if "dynts: request" in line and " fails: " in line]
+    assert len(lines) == 1 and "token ids arrive from index" in lines[0], lines
     assert "Traceback" not in log.read_text()

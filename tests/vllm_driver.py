@@ -9,7 +9,8 @@
 runner's persistent buffer and the slot mappings landed in vLLM's persistent buffer (what a FULL CUDA graph
 reads at replay), and whether any K/V copy ran inside the model's forward (``"buffers"``).
 ``"stale_shift": true`` makes the V2 worker use each request's shift one round late (the async bug the protocol
-must not have: the test that catches it). Async scheduling is vLLM's default unless ``"engine"`` sets
+must not have: the test that catches it). ``"lose_shipment": [rid, k]`` makes the V2 worker lose request ``rid``'s
+``k``-th shipment of token ids (a fault confined to one request); ``"log_warnings"`` lists the plugin's warnings. Async scheduling is vLLM's default unless ``"engine"`` sets
 ``async_scheduling`` (on vLLM 0.34's CPU test bed, tests/support/vllm_cpu_testbed keeps vLLM's default, on).
 Prints ``{"outputs": {rid: {"token_ids", "finish_reason"} or {"error"}}, "max_stored": {rid: n},
 "prefix_hits": {rid: tokens}, "stats": ..., "request_stats": ..., "wrapped": [...]}`` (``wrapped``: the
@@ -41,6 +42,10 @@ def main(spec_path: str) -> None:  # noqa: C901
         from vllm_faults import make_shift_stale
 
         make_shift_stale()
+    if spec.get("lose_shipment"):
+        from vllm_faults import make_lost_shipment
+
+        make_lost_shipment(*spec["lose_shipment"])
     if spec.get("force_unsupported"):  # before vLLM loads its plugins (at the engine's construction)
         import dynts.vllm.compat
 
@@ -54,6 +59,7 @@ def main(spec_path: str) -> None:  # noqa: C901
     except (ValueError, ImportError, NotImplementedError) as err:
         print("DYNTS_RESULT " + json.dumps({"engine_error": f"{type(err).__name__}: {err}"}))
         return
+    log_lines = watch_log()  # after the engine's start, which re-applies vLLM's logging config
     core = llm.llm_engine.engine_core.engine_core
     buffers = watch_buffers(model_runner(llm)) if spec.get("check_buffers") else None
     scheduler = core.scheduler
@@ -108,8 +114,24 @@ def main(spec_path: str) -> None:  # noqa: C901
         "wrapped": wrapped_methods(llm, scheduler, core),
         "engine_classes": engine_classes(llm, scheduler, core),
         "buffers": buffers,
+        "log_warnings": log_lines,
     }
     print("DYNTS_RESULT " + json.dumps(result))
+
+
+def watch_log() -> list[str]:
+    """The plugin's warnings (logger ``vllm.dynts``), collected as they are logged (attach after the engine
+    started: vLLM's logging config, applied at its start, clears the handlers of ``vllm.*`` loggers)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("vllm.dynts").addHandler(Collect(level=logging.WARNING))
+    return lines
 
 
 def watch_buffers(runner) -> dict:

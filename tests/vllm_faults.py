@@ -17,3 +17,45 @@ def make_shift_stale() -> None:
         self.shifts = previous  # the count of the round before: one step stale
 
     RunnerV2Hooks.before_step = stale_before_step
+
+
+def make_lost_shipment(victim: str, at: int) -> None:
+    """Make the V2 worker lose one request's ``at``-th shipment of token ids (counting from 1): the next one arrives
+    from an index the worker does not hold, a scheduler/worker disagreement confined to that request. ``victim``:
+    the request id as given to vLLM (vLLM may suffix it)."""
+    _lose_shipment(lambda hooks, rid: rid == victim or rid.startswith(victim + "-"), at)
+
+
+def make_marked_lost_shipment(marker: str, at: int) -> None:
+    """The same fault for every request whose ``extra_args`` carry the key ``marker`` (over HTTP: ``vllm_xargs``)."""
+    def marked(hooks, rid):
+        params = hooks.params.get(rid)
+        return params is not None and marker in (params.extra_args or {})
+
+    _lose_shipment(marked, at)
+
+
+def _lose_shipment(is_victim, at: int) -> None:
+    from dynts.vllm.worker_v2 import RunnerV2Hooks
+
+    receive = RunnerV2Hooks._receive
+    seen: dict[str, int] = {}
+
+    def lossy_receive(self, rid, start, ids):
+        if is_victim(self, rid):
+            seen[rid] = seen.get(rid, 0) + 1
+            if seen[rid] == at:
+                return  # this shipment never arrives
+        receive(self, rid, start, ids)
+
+    RunnerV2Hooks._receive = lossy_receive
+
+
+# Loaded as ``sitecustomize`` by a server under test (tests/test_vllm_server.py): every process of it (API server,
+# engine core) injects the fault named by the environment before vLLM starts.
+SITECUSTOMIZE = """
+import os, sys
+sys.path.insert(0, os.environ["DYNTS_FAULTS_DIR"])
+from vllm_faults import make_marked_lost_shipment
+make_marked_lost_shipment(os.environ["DYNTS_FAULT_MARK"], int(os.environ["DYNTS_FAULT_AT"]))
+"""

@@ -1,18 +1,19 @@
 """dynts inside vLLM: a ``vllm.general_plugins`` plugin that bounds every request's KV cache.
 
 Installed with ``pip install 'dynts-lrm[vllm]'`` (entry point ``dynts = dynts.vllm:register``); vLLM
-calls :func:`register` in each of its processes. Inert unless the engine is configured::
+calls :func:`register` in each of its processes. Inert unless the engine is configured. On vLLM 0.34 (the V2
+model runner, async scheduling on: vLLM's defaults, nothing else to pass)::
 
-    VLLM_USE_V2_MODEL_RUNNER=0 vllm serve MODEL --no-async-scheduling \\
-        --additional-config '{"dynts": {"method": "dynts", "budget": 4096, "local_window": 512,
-                                        "retention": 0.4, "predictor": "DIR"}}'
+    vllm serve MODEL --additional-config '{"dynts": {"method": "dynts", "budget": 4096, "local_window": 512,
+                                                     "retention": 0.4, "predictor": "DIR"}}'
 
-or ``vllm.LLM(MODEL, async_scheduling=False, additional_config={"dynts": {...}})`` with
-``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment (``dynts serve MODEL --engine vllm`` sets both). Settings the
-plugin is not tested with are refused before the model loads (:mod:`dynts.vllm.checks`). A request may bring
-its own ``method``/``budget``/``local_window``/``retention`` in ``SamplingParams.extra_args``
-(``{"dynts": {...}}``; over HTTP ``vllm_xargs`` ``dynts_method``, ``dynts_budget``, ...). See
-``docs/vllm.md``.
+or ``vllm.LLM(MODEL, additional_config={"dynts": {...}})``. On vLLM 0.32 (the V1 runner, synchronous scheduling)
+also ``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment and ``--no-async-scheduling`` (``async_scheduling=False``);
+vLLM 0.34 rejects both (it has no V1 runner). ``dynts serve MODEL --engine vllm`` sets what the installed release
+needs. Settings the plugin is not exact under are refused before the model loads, or when the KV cache is set up
+(:mod:`dynts.vllm.checks`). A request may bring its own ``method``/``budget``/``local_window``/``retention`` in
+``SamplingParams.extra_args`` (``{"dynts": {...}}``; over HTTP ``vllm_xargs`` ``dynts_method``, ``dynts_budget``,
+...). See ``docs/vllm.md``.
 """
 
 from __future__ import annotations

@@ -36,8 +36,10 @@ CHAT = "entrypoints/openai/chat_completion/serving.py"
 PROTOCOL = "entrypoints/serve/engine/protocol.py"
 
 # (file under vllm/, class, member, what) -- what: ("params", names...) a method taking these arguments,
-# ("uses", words...) a method whose source holds these words, ("field", names...) class-level fields,
-# ("no-field", name) a field that must not exist (the plugin's attribute would clash).
+# ("uses", words...) a method whose source holds these words, ("order", words...) a method whose source holds these
+# words in this order (the call order the plugin's wrappers rely on), ("field", names...) class-level fields,
+# ("no-field", name) a field that must not exist (the plugin's attribute would clash), ("open",) a dataclass
+# without ``__slots__`` (the plugin sets an attribute of its own on its instances).
 COMMON: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("engine/arg_utils.py", "EngineArgs", "create_engine_config", ("params",)),
     ("config/vllm.py", "VllmConfig", "", ("field", "kv_transfer_config", "speculative_config", "attention_config")),
@@ -102,8 +104,45 @@ WORKER_V1: list[tuple[str, str, str, tuple[str, ...]]] = [
     (BATCH, "CachedRequestState", "", ("field", "block_ids", "sampling_params")),
 ]
 
-# the V2 runner's (vLLM 0.34): dynts.vllm.worker_v2
+ASYNC_V2, STATES_V2, REQUEST, QUEUE = ("v1/worker/gpu/async_utils.py", "v1/worker/gpu/states.py", "v1/request.py",
+                                      "v1/core/sched/request_queue.py")
+
+# the V2 runner's (vLLM 0.34): dynts.vllm.worker_v2, and what the scheduler side reads on that release. Beyond the
+# names: the attributes the worker reads on the runner and the order of the calls inside ``execute_model`` that
+# exactness depends on (the plugin's events before ``update_requests`` zeroes the round's new blocks -- wrapping
+# ``execute_model`` puts them first only while that call is inside it -- and ``prepare_attn``, where the slot
+# mappings are formed from the stored positions, before the attention metadata and the forward).
 WORKER_V2: list[tuple[str, str, str, tuple[str, ...]]] = [
+    (RUNNER_V2, "GPUModelRunner", "__init__", ("uses", "self.req_states = RequestState(",
+                                               "self.input_buffers = InputBuffers(", "self.execute_model_state",
+                                               "self.compilation_config = ", "self.model_config = ")),
+    (RUNNER_V2, "GPUModelRunner", "initialize_kv_cache", ("uses", "self.kv_cache_config = kv_cache_config",
+                                                          "self.block_tables = BlockTables(")),
+    (RUNNER_V2, "GPUModelRunner", "execute_model", ("order", "self.update_requests(scheduler_output)",
+                                                    "self.block_tables.apply_staged_writes()", "self.prepare_inputs(",
+                                                    "self.prepare_attn(input_batch)", "self.model_state.prepare_attn(",
+                                                    "self.model(", "self.execute_model_state = ExecuteModelState(")),
+    (RUNNER_V2, "GPUModelRunner", "sample_tokens", ("uses", "self.execute_model_state = None", "return async_output")),
+    (RUNNER_V2, "ExecuteModelState", "", ("field", "hidden_states")),
+    (BATCH_V2, "InputBuffers", "__init__", ("uses", "self.seq_lens = ")),
+    (TABLE_V2, "BlockTables", "__init__", ("uses", "self.num_blocks = UvaBackedTensor(", "self.slot_mappings = ")),
+    ("v1/worker/gpu/buffer_utils.py", "UvaBackedTensor", "__init__", ("uses", "self.np = ")),
+    (STATES_V2, "RequestState", "__init__", ("uses", "self.prompt_len = UvaBackedTensor(")),
+    (ASYNC_V2, "AsyncOutput", "__init__", ("uses", "self.model_runner_output = model_runner_output")),
+    (ASYNC_V2, "AsyncOutput", "get_output", ("uses", "return self.model_runner_output")),
+    ("v1/outputs.py", "ModelRunnerOutput", "", ("open",)),
+    ("v1/outputs.py", "ModelRunnerOutput", "", ("no-field", "dynts_faults")),
+    (SCHED, "Scheduler", "__init__", ("uses", "self.waiting = create_request_queue(", "self.running: list[Request]",
+                                      "self.requests: dict[str, Request]")),
+    (SCHED, "Scheduler", "update_from_output", ("order", "error_req_ids.update(self.encoder_cache_mismatch_reqs)",
+                                                "self.finish_requests(", "RequestStatus.FINISHED_ERROR")),
+    (REQUEST, "Request", "__init__", ("uses", "self.request_id = ", "self.sampling_params = ", "self.max_tokens = ",
+                                      "self.num_prompt_tokens = ", "self.num_computed_tokens = 0",
+                                      "self.all_token_ids = ")),
+    (REQUEST, "Request", "num_tokens", ("params",)),
+    (QUEUE, "RequestQueue", "add_request", ("params", "request")),
+    (QUEUE, "RequestQueue", "remove_requests", ("params", "requests")),
+    (QUEUE, "RequestQueue", "__iter__", ("params",)),
     (RUNNER_V2, "GPUModelRunner", "initialize_kv_cache", ("params", "kv_cache_config", "is_profiling")),
     (RUNNER_V2, "GPUModelRunner", "initialize_kv_cache", ("uses", "self.kernel_block_sizes")),
     (RUNNER_V2, "GPUModelRunner", "execute_model", ("params", "scheduler_output", "dummy_run")),
@@ -203,6 +242,12 @@ def _check(root: Path, entry: tuple[str, str, str, tuple[str, ...]]) -> list[str
     if what == "no-field":
         return [f"{cls_name}.{n} (now a vLLM field: the plugin's attribute would clash)" for n in names
                 if n in _fields(cls)]
+    if what == "open":
+        decorators = [ast.get_source_segment(text, d) or "" for d in cls.decorator_list]
+        if not any(d.split("(")[0].endswith("dataclass") for d in decorators):
+            return [f"{cls_name} is no longer a dataclass"]
+        return [f"{cls_name} has __slots__" for d in decorators if "slots=True" in d.replace(" ", "")] + \
+            [f"{cls_name} has __slots__" for n in _fields(cls) if n == "__slots__"]
     if what == "text":
         body = ast.get_source_segment(text, cls) or ""
         return [f"{cls_name} uses {w}" for w in names if w not in body]
@@ -218,6 +263,17 @@ def _check(root: Path, entry: tuple[str, str, str, tuple[str, ...]]) -> list[str
         found = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
         return [f"{label}({p}=...)" for p in names if p not in found]
     source = ast.get_source_segment(text, method) or ""
+    if what == "order":
+        missing, at = [], 0
+        for i, w in enumerate(names):
+            found = source.find(w, at)
+            if found >= 0:
+                at = found + len(w)
+            elif w in source:
+                missing.append(f"{label} runs {w} no longer after {names[i - 1]}")
+            else:
+                missing.append(f"{label} uses {w}")
+        return missing
     return [f"{label} uses {w}" for w in names if w not in source]
 
 

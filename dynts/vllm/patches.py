@@ -12,11 +12,12 @@ engine that asked for dynts (:func:`dynts.vllm.wrapping.bind`). The methods wrap
 | engine core | ``Scheduler.__init__`` | builds :class:`~dynts.vllm.scheduler.SchedulerHooks`; the same refusals (an engine core started on its own); binds the three below |
 | engine core | ``Scheduler.schedule`` (bound) | eviction events and freed blocks before the round, admission by bounded footprint, the plan on the output |
 | engine core | ``Scheduler._preempt_request`` (bound) | a preempted evicted request fails loudly |
+| engine core | ``Scheduler.update_from_output`` (bound) | requests a worker failed (``ModelRunnerOutput.dynts_faults``) finish with ``finish_reason="error"``, one log line each; the engine goes on |
 | engine core | ``Scheduler._free_request`` (bound) | per-request state is dropped; its statistics join the request's ``kv_transfer_params`` (:mod:`dynts.vllm.metrics`) |
 | engine core | ``KVCacheManager.allocate_slots`` (per instance) | blocks follow ``stored = num_computed_tokens - shift`` |
 | engine core | ``KVCacheCoordinator.cache_blocks``, ``.find_longest_cache_hit``, ``KVCacheManager.get_computed_blocks``, ``.prefix_cache_lookup_enabled`` (per instance) | only blocks inside the request's own protected prefix are hashed, shared and reused |
 | front end | ``InputProcessor.__init__`` | a dynts engine: the ``dynts_*`` Prometheus counters and the response wrappers below |
-| front end | ``InputProcessor.process_inputs`` | per-request ``dynts`` fields and the prompt checked against the budget (HTTP 400); an engine without dynts refuses a request with ``dynts`` fields (HTTP 400) |
+| front end | ``InputProcessor.process_inputs`` | per-request ``dynts`` fields and the prompt checked against the budget, a ``prompt_embeds`` or streaming-input request refused (HTTP 400, :func:`~dynts.vllm.checks.request_problem`); an engine without dynts refuses a request with ``dynts`` fields (HTTP 400) |
 | front end | ``OutputProcessor.process_outputs`` (installed with the first dynts front end) | finished requests' statistics counted; ``n > 1`` children's merged |
 | front end | ``OpenAIServingCompletion.request_output_to_completion_response``, ``OpenAIServingChat.chat_completion_full_generator`` | ``usage.dynts`` |
 | worker | the model runner's methods | :mod:`dynts.vllm.runners` (one table per runner: V1 on vLLM 0.32, V2 on 0.34) |
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checks import check_engine
+from .checks import check_engine, request_problem
 from .compat import runner_of
 from .config import PluginConfig, asks_for_dynts
 from .metrics import Counters, attach, move_to_usage, pass_on, request_stats
@@ -100,6 +101,7 @@ def _install_scheduler() -> None:
             bind(self, "schedule", schedule)
             bind(self, "_preempt_request", preempt)
             bind(self, "_free_request", free)
+            bind(self, "update_from_output", update)
         return __init__
 
     def schedule(original):
@@ -124,6 +126,14 @@ def _install_scheduler() -> None:
             original(self, request, *args, **kwargs)
             self._dynts.on_preempt(request)
         return _preempt_request
+
+    def update(original):
+        def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+            faults = getattr(model_runner_output, "dynts_faults", None)
+            if faults:  # requests a worker failed this round: finished with an error by this very call
+                self._dynts.fail(faults)
+            return original(self, scheduler_output, model_runner_output, *args, **kwargs)
+        return update_from_output
 
     def free(original):
         def _free_request(self, request, *args, **kwargs):
@@ -154,6 +164,9 @@ def _install_frontend() -> None:
             if params is None:
                 return request
             if config is not None:
+                problem = request_problem(request)
+                if problem is not None:
+                    raise refuse_request(problem)
                 check_request(config, params.extra_args, len(request.prompt_token_ids or ()))
             elif asks_for_dynts(params.extra_args):
                 raise refuse_request(NOT_CONFIGURED)

@@ -6,23 +6,26 @@ asked for dynts, when its KV cache is allocated (:func:`dynts.vllm.wrapping.bind
 
 | runner | method | what dynts adds |
 |---|---|---|
-| both | ``initialize_kv_cache`` | builds and checks the worker hooks (layout, KV groups, kernel blocks, tokenizer, predictor); binds the rest |
+| both | ``initialize_kv_cache`` | builds and checks the worker hooks (layout, KV groups and their kind, cross-layer KV sharing, kernel blocks, tokenizer, predictor); binds the rest |
 | both | ``Worker.determine_available_memory`` (and the CPU worker's) | the slot table's bytes are charged against the KV cache |
 | V1 | ``execute_model`` / ``_prepare_inputs`` / ``_model_forward`` (bound) | :class:`~dynts.vllm.worker.WorkerHooks`: events, recording, scores |
 | V2 | ``execute_model`` (bound) | :class:`~dynts.vllm.worker_v2.RunnerV2Hooks`: events before the round's block writes, scores after the forward |
 | V2 | ``prepare_attn`` (bound) | recording; ``seq_lens`` and slot mappings from the stored slots, RoPE on logical positions |
+| V2 | ``execute_model``, ``sample_tokens`` (bound) | requests the worker failed (a broken invariant) ride on the round's ``ModelRunnerOutput`` to the scheduler (:func:`report_faults`) |
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
+from .checks import check_kv_sharing
 from .config import PluginConfig
 from .worker import WorkerHooks, slot_table_bytes
 from .worker_v2 import RunnerV2Hooks
 from .wrapping import bind, wrap
 
-__all__ = ["install_runner"]
+__all__ = ["install_runner", "report_faults"]
 
 
 def _profiling(args: tuple, kwargs: dict) -> bool:
@@ -63,8 +66,13 @@ def _bind_v2(runner: Any) -> None:
             self._dynts.before_step(scheduler_output)
             out = original(self, scheduler_output, *args, **kwargs)
             self._dynts.after_execute()
-            return out
+            return report_faults(self._dynts, out)
         return execute_model
+
+    def sample(original: Callable) -> Callable:
+        def sample_tokens(self, *args, **kwargs):
+            return report_faults(self._dynts, original(self, *args, **kwargs))
+        return sample_tokens
 
     def attention(original: Callable) -> Callable:
         def prepare_attn(self, input_batch):
@@ -81,6 +89,23 @@ def _bind_v2(runner: Any) -> None:
 
     bind(runner, "execute_model", execute)
     bind(runner, "prepare_attn", attention)
+    bind(runner, "sample_tokens", sample)
+
+
+def report_faults(hooks: RunnerV2Hooks, output: Any) -> Any:
+    """Hand the requests the worker failed this round (:meth:`RunnerV2Hooks.take_faults`) to the scheduler on the
+    round's ``ModelRunnerOutput`` (``dynts_faults``: request id -> why; pickled with it to the engine core under a
+    multi-process executor). V2's ``AsyncOutput`` returns the ``ModelRunnerOutput`` it holds; a bare one is
+    copied first (it may be vLLM's shared empty output). Without an output to carry them they wait for the next."""
+    if output is None or not hooks.faults:
+        return output
+    target = getattr(output, "model_runner_output", output)
+    if not hasattr(target, "req_ids"):  # an intermediate pipeline stage's tensors
+        return output
+    if target is output:
+        output = target = copy.copy(output)
+    target.dynts_faults = {**(getattr(target, "dynts_faults", None) or {}), **hooks.take_faults()}
+    return output
 
 
 RUNNERS = {  # runner -> (module, hooks, the attribute holding the kernel block sizes, binder)
@@ -112,6 +137,8 @@ def install_runner(kind: str) -> None:
             if _profiling(args, kwargs):
                 return
             config = PluginConfig.from_vllm(self.vllm_config)
+            if config is not None:
+                check_kv_sharing(self)
             # built and checked now (backend layout, KV groups, kernel blocks, tokenizer, predictor), not at a request
             self._dynts = hooks_cls(self, config, getattr(self, kernel_attr, None)) if config else None
             if config is not None and "execute_model" not in vars(self):  # once, even if the cache is rebuilt

@@ -31,6 +31,7 @@ evicted first -- into the shared blocks.)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ from ..core.policy import TRACE_ROUNDS
 from .config import PluginConfig
 
 __all__ = ["TRACE_ROUNDS", "SchedulerHooks", "StepPlan"]
+
+logger = logging.getLogger("vllm.dynts")  # under vLLM's logger: its format, its level
 
 
 @dataclass
@@ -168,7 +171,20 @@ class SchedulerHooks:
     def on_preempt(self, request: Any) -> None:
         """A preempted bounded request that already evicted cannot be rebuilt by a re-prefill: fail it."""
         if self.policy.preempted(request.request_id):
+            logger.warning("dynts: request %s fails: vLLM preempted it after its first eviction and a re-prefill "
+                           "cannot rebuild its cache; it finishes with finish_reason='error', the engine goes on",
+                           request.request_id)
             self.failed.add(request.request_id)
+
+    def fail(self, faults: dict[str, str]) -> None:
+        """Finish the requests a worker failed (request id -> why) with ``finish_reason="error"`` in this
+        ``update_from_output`` (vLLM's error-request path: their blocks go back to the pool), one log line each;
+        the engine and every other request go on."""
+        for rid, reason in faults.items():
+            if rid in self.scheduler.requests:
+                logger.warning("dynts: request %s fails: %s; it finishes with finish_reason='error', the engine "
+                               "goes on", rid, reason)
+                self.scheduler.encoder_cache_mismatch_reqs.add(rid)
 
     def after_schedule(self, output: Any, plan: StepPlan) -> None:
         preempted = getattr(output, "preempted_req_ids", None)

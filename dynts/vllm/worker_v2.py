@@ -19,6 +19,11 @@ slot mappings on the device from ``num_computed_tokens``, and leaves the hidden 
    positions;
 3. ``execute_model``, after the forward (outside any captured region): ``seq_lens`` gets its logical values
    back for the sampler, and the predictor scores the final-norm hidden states of every scheduled token.
+
+A plan that contradicts what the worker holds (ids from the wrong index, ids missing, an event before the ids of its
+stored tokens arrived, an event for a request it does not track) fails that one request (:meth:`RunnerV2Hooks._fail`)
+and never raises inside ``execute_model``: the scheduler learns why from the round's output
+(:func:`dynts.vllm.runners.report_faults`) and finishes it with ``finish_reason="error"``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class RunnerV2Hooks(WorkerHooks):
         self.known: dict[str, tuple[int, list[int]]] = {}  # ids received and not yet recorded: (first index, ids)
         self.unlabelled: dict[str, list[tuple[int, int]]] = {}  # (position, slot) scored but waiting for their id
         self.lowered: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_lens rows, shifts) restored after the forward
+        self.failed: set[str] = set()  # requests ended for a broken invariant, until vLLM finishes them (_fail)
+        self.faults: dict[str, str] = {}  # why, per failed request not yet reported to the scheduler (take_faults)
 
     # ------------------------------------------------------------------ the runner's request state
     def sampling_params(self, rid: str) -> Any:
@@ -62,6 +69,35 @@ class RunnerV2Hooks(WorkerHooks):
         self.params.pop(rid, None)
         self.known.pop(rid, None)
         self.unlabelled.pop(rid, None)
+        self.failed.discard(rid)
+        self.faults.pop(rid, None)
+
+    # ------------------------------------------------------------------ one request's fault
+    def _fail(self, rid: str, reason: str) -> None:
+        """End one request for a broken invariant instead of the engine: nothing is raised inside vLLM's
+        ``execute_model``. Its held ids go now, its slot-table row at the next round (this round's recording may
+        still hold it) and it is recorded no more; its blocks follow the scheduler's count as before, so its forward
+        writes only into its own blocks. The reason rides on the round's output to the scheduler (:meth:`take_faults`),
+        which finishes the request with ``finish_reason="error"`` and frees its blocks."""
+        if rid not in self.failed:
+            self.failed.add(rid)
+            self.faults[rid] = reason
+        self.known.pop(rid, None)
+        self.unlabelled.pop(rid, None)
+
+    def _drop_failed(self) -> None:
+        """Release the slot-table rows of failed requests; they are never recorded again."""
+        for rid in self.failed:
+            if rid in self.tracker.slots:
+                self.tracker.release(rid)
+            self.untracked.add(rid)
+            self.known.pop(rid, None)
+            self.unlabelled.pop(rid, None)
+
+    def take_faults(self) -> dict[str, str]:
+        """The requests failed since the last call, with why (handed to the scheduler with the round's output)."""
+        faults, self.faults = self.faults, {}
+        return faults
 
     # ------------------------------------------------------------------ per round
     def before_step(self, scheduler_output: Any) -> None:
@@ -75,16 +111,27 @@ class RunnerV2Hooks(WorkerHooks):
             self.params[new.req_id] = new.sampling_params
         plan = getattr(scheduler_output, "dynts_plan", None)
         if plan is not None:
+            self._drop_failed()
             for rid, (start, ids) in plan.token_ids.items():
                 self._receive(rid, start, ids)
             self._label_late()
             self.shifts = dict(plan.shifts)
             if plan.events:
-                late = [rid for rid, _, _ in plan.events if self.unlabelled.get(rid)]
-                if late:
-                    raise RuntimeError(f"dynts: requests {late} evict before the ids of their stored tokens arrived; "
-                                       "the scheduler's plan is out of step with the worker")
-                self._evict(plan.events)
+                for rid, _, _ in plan.events:
+                    if rid in self.failed:
+                        continue
+                    if self.unlabelled.get(rid):
+                        self._fail(rid, "it evicts before the ids of its stored tokens arrived (the scheduler's plan "
+                                        "is out of step with the worker)")
+                    elif rid not in self.tracker.slots:
+                        self._fail(rid, "it evicts but the worker does not track it")
+                self._drop_failed()
+                for rid, _, n_keep in plan.events:  # the scheduler freed a failed request's tail blocks all the same
+                    if rid in self.failed and rid in self.blocks:
+                        self._truncate_blocks(rid, -(-n_keep // self.block_size))
+                events = [event for event in plan.events if event[0] not in self.failed]
+                if events:
+                    self._evict(events)
         cached = scheduler_output.scheduled_cached_reqs
         for rid, new_blocks in zip(cached.req_ids, cached.new_block_ids):
             if new_blocks is not None and rid in self.blocks:
@@ -147,14 +194,17 @@ class RunnerV2Hooks(WorkerHooks):
     # ------------------------------------------------------------------ token ids from the scheduler
     def _receive(self, rid: str, start: int, ids: list[int]) -> None:
         """Take a shipment of ids (absolute indices ``start ..``), contiguous with what is held."""
+        if rid in self.failed:
+            return
         held = self.known.get(rid)
         if held is None or start == 0:
             self.known[rid] = (start, list(ids))
             return
         first, have = held
         if start != first + len(have):
-            raise RuntimeError(f"dynts: token ids of request {rid} arrive from index {start}, the worker holds "
-                               f"{first}..{first + len(have)}; scheduler and worker disagree")
+            self._fail(rid, f"its token ids arrive from index {start} while the worker holds "
+                            f"{first}..{first + len(have)} (scheduler and worker disagree)")
+            return
         have.extend(ids)
 
     def _take(self, rid: str, start: int, count: int, require: bool = False) -> list[int]:
@@ -162,8 +212,9 @@ class RunnerV2Hooks(WorkerHooks):
         once taken."""
         first, have = self.known.get(rid, (start, []))
         if first > start or (require and first + len(have) < start + count):
-            raise RuntimeError(f"dynts: no token ids for request {rid} indices {start}..{start + count}; "
-                               "scheduler and worker disagree")
+            self._fail(rid, f"the worker has no token ids for its indices {start}..{start + count} (scheduler and "
+                            "worker disagree)")
+            return []
         ids = have[start - first : start - first + count]
         self.known[rid] = (start + len(ids), have[start - first + len(ids):])
         return ids

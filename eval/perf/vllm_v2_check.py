@@ -4,8 +4,10 @@ vLLM's defaults (async scheduling) with FULL_AND_PIECEWISE CUDA graphs, on FLASH
 Each run is ``python -m dynts.cli vllm-check`` in its own process (vLLM keeps process-wide state) on a small
 random-init Llama with the R1-7B attention head (4 KV heads, head 128; the testbed tokenizer and its chat template)
 in bfloat16 (FlashAttention takes no float32), StreamingLLM evicting, each request beside a non-evicting control;
-then the testbed LRM with its DynTS predictor on FA2. Skipped, with the reason, where vLLM is not installed or is
-not a release on the V2 runner.
+then the testbed LRM with its DynTS predictor on FA2. A bfloat16 run that is inconclusive (exit 4: its control
+without eviction already diverges) is rerun in float32 on TRITON_ATTN with the same graphs, and that decisive run
+decides; the section passes only when every run is exact, and each run says which run decided it. Skipped, with the
+reason, where vLLM is not installed or is not a release on the V2 runner.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from .random_models import random_llama
 
-__all__ = ["RUNS", "tiny_r1_model", "vllm_v2_check"]
+__all__ = ["FLOAT32", "RUNS", "VERDICTS", "float32_command", "tiny_r1_model", "verdict", "vllm_v2_check"]
 
 GRAPHS = "FULL_AND_PIECEWISE"
 RUNS = [  # (label, model, flash_attn_version, extra flags)
@@ -48,8 +50,57 @@ def skip_reason() -> str | None:
     return None
 
 
+# ``dynts vllm-check`` exit statuses (dynts.vllm.selfcheck) and what each makes of a run
+VERDICTS = {0: "exact", 1: "mismatch", 2: "error", 3: "error", 4: "inconclusive"}
+# the decisive rerun of an inconclusive bfloat16 run: float32 on a backend that takes it, same graphs
+FLOAT32 = ["--dtype", "float32", "--attention-backend", "TRITON_ATTN"]
+
+
+def float32_command(command: list[str]) -> list[str]:
+    """The same ``vllm-check`` in float32 on TRITON_ATTN (FlashAttention takes no float32), graphs and model kept."""
+    out, skip = [], 0
+    for i, arg in enumerate(command):
+        if skip:
+            skip -= 1
+            continue
+        if arg in ("--dtype", "--attention-backend", "--flash-attn-version"):
+            skip = 1
+            continue
+        if arg == "--json":
+            out += [arg, command[i + 1].replace(".json", "-float32.json")]
+            skip = 1
+            continue
+        out.append(arg)
+    at = out.index("vllm-check") + 2  # after the model
+    return out[:at] + FLOAT32 + out[at:]
+
+
+def verdict(run: dict) -> str:
+    """A run's verdict: ``exact`` or ``mismatch`` from the run that decided it (the bfloat16 run, or the float32 rerun
+    of an inconclusive one); ``inconclusive`` when no decisive run could decide; ``error`` otherwise. Only ``exact``
+    passes."""
+    decided = run.get("float32", run) if run.get("status") == 4 else run
+    return VERDICTS.get(decided.get("status"), "error") if "status" in decided else "inconclusive"
+
+
+def _run_check(command: list[str], json_path: Path, seconds: float) -> dict:
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=seconds)
+        status, tail = proc.returncode, proc.stdout[-3000:] + proc.stderr[-1500:]
+    except subprocess.TimeoutExpired:
+        status, tail = None, "timed out"
+    result = json.loads(json_path.read_text()) if json_path.exists() else {}
+    return {"status": status, "engine": result.get("engine"), "requests": result.get("requests"),
+            "seconds": time.perf_counter() - t0, "output_tail": tail if status else tail[-600:]}
+
+
 def vllm_v2_check(dry_run: bool, seconds: float = 420.0) -> dict:
-    """Run :data:`RUNS` until ``seconds`` are spent; each run's verdict, engine line and seconds."""
+    """Run :data:`RUNS` until ``seconds`` are spent; each run's verdict, engine line and seconds.
+
+    Inconclusive is not a pass: a bfloat16 run that exits 4 (its control already diverges: numerics) is rerun in
+    float32 on TRITON_ATTN under the same graphs, and that decisive run decides (``decided_by``). The section is ok
+    only when every run is ``exact``."""
     reason = skip_reason()
     if reason is not None:
         print(f"vllm_v2: skipped: {reason}", flush=True)
@@ -59,29 +110,31 @@ def vllm_v2_check(dry_run: bool, seconds: float = 420.0) -> dict:
     root = Path(tempfile.mkdtemp(prefix="vllm-check-"))
     models = {"tiny-r1": str(tiny_r1_model(root)), "testbed": "testbed"}
     started, runs = time.perf_counter(), []
+    left = lambda: seconds - (time.perf_counter() - started)  # noqa: E731
     for label, model, version, extra in RUNS:
         extra = [str(checkpoints_dir() / "testbed-predictor") if x == "PREDICTOR" else x for x in extra]
         command = [sys.executable, "-m", "dynts.cli", "vllm-check", models[model], "--dtype", "bfloat16",
                    "--attention-backend", "FLASH_ATTN", "--flash-attn-version", str(version), "--cudagraph-mode", GRAPHS,
                    "--gpu-memory-utilization", "0.5", "--json", str(root / f"{label}.json"), *extra]
         if dry_run:  # on CPU: the commands only (FlashAttention and CUDA graphs need the GPU)
-            runs.append({"label": label, "command": command})
+            runs.append({"label": label, "command": command, "float32_command": float32_command(command)})
             continue
-        left = seconds - (time.perf_counter() - started)
-        if left < 60:
-            runs.append({"label": label, "skipped": "out of time"})
+        if left() < 60:
+            runs.append({"label": label, "skipped": "out of time", "verdict": "inconclusive", "decided_by": None})
             continue
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=left)
-            status, tail = proc.returncode, proc.stdout[-3000:] + proc.stderr[-1500:]
-        except subprocess.TimeoutExpired:
-            status, tail = None, "timed out"
-        out = root / f"{label}.json"
-        result = json.loads(out.read_text()) if out.exists() else {}
-        runs.append({"label": label, "status": status, "engine": result.get("engine"),
-                     "requests": result.get("requests"), "seconds": time.perf_counter() - t0,
-                     "output_tail": tail if status else tail[-600:]})
-        print(f"vllm_v2 {label}: status {status} {json.dumps(result.get('engine'))}", flush=True)
-    ran = [r for r in runs if "status" in r]
-    return {"runs": runs, "ok": all(r["status"] in (0, 4) for r in ran)}  # 4: inconclusive (bf16 numerics)
+        run = {"label": label, **_run_check(command, root / f"{label}.json", left())}
+        run["decided_by"] = "bfloat16"
+        if run["status"] == 4:  # inconclusive: a float32 run decides
+            run["decided_by"] = None
+            if left() >= 60:
+                run["float32"] = _run_check(float32_command(command), root / f"{label}-float32.json", left())
+                run["decided_by"] = "float32"
+        run["verdict"] = verdict(run)
+        runs.append(run)
+        print(f"vllm_v2 {label}: {run['verdict']} (decided by {run['decided_by']}; status {run['status']}"
+              f"{', float32 status %s' % run['float32']['status'] if 'float32' in run else ''}) "
+              f"{json.dumps(run.get('engine'))}", flush=True)
+    if dry_run:
+        return {"runs": runs, "ok": True, "dry_run": True}
+    verdicts = [r["verdict"] for r in runs]
+    return {"runs": runs, "verdicts": verdicts, "ok": bool(verdicts) and all(v == "exact" for v in verdicts)}
