@@ -30,3 +30,20 @@ def test_sealed_tables_recompute_from_the_records(capsys):
     rows = sealed_section_rows()
     assert len(rows) >= 2 * 13 + 2 * 11, "docs/evaluation.md lost a final table on sealed"
     assert [r for r in rows if r not in recomputed] == []
+
+
+def test_gpu_tables_in_performance_md_come_from_the_committed_run():
+    """docs/performance.md's tables of the first GPU run are ``scripts/report_gpu_run.py``'s output, row for row."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from report_gpu_run import report
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    printed = set(report(ROOT / "reports/gpu-runs/2026-12-04").splitlines())
+    text = (ROOT / "docs/performance.md").read_text()
+    section = text.split("### The first run: one H200, 2026-12-04", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    assert len(rows) >= 9
+    assert [r for r in rows if r not in printed] == []

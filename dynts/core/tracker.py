@@ -20,10 +20,13 @@ layout, returns tail blocks to its pool and shifts RoPE positions by ``RequestBu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
+from ..evictors.base import Segment
 from ..thinking import DelimiterMatcher
 from .settings import EvictionSettings
 from .segments import label_request
@@ -31,6 +34,9 @@ from .slots import EvictorCall, RequestRow, SlotTable, select_kept
 from .upload import HostStaging
 
 __all__ = ["EvictionGroup", "Forward", "SlotTracker", "copy_plan"]
+
+_ROW, _ANSWER, _QUESTION_LENGTH = attrgetter("row"), attrgetter("answer"), attrgetter("question_length")
+_IN_ANSWER, _THINK_MATCH = attrgetter("in_answer"), attrgetter("think_match")
 
 
 @dataclass
@@ -95,6 +101,7 @@ class SlotTracker:
                  think_end: Sequence[int] | None, table: SlotTable | None = None) -> None:
         self.settings = settings
         self.delimiter = DelimiterMatcher(think_end) if think_end is not None else None
+        self.delimiter_ids = np.asarray(self.delimiter.ids if self.delimiter is not None else (), dtype=np.int64)
         self.table = table if table is not None else SlotTable(torch.device(device), width=max(256, settings.bounds.budget if settings.bounds else 0))
         self.staging = HostStaging(self.table.device)  # every upload of this worker: pinned, never waited on
         self.slots: dict[str, RequestRow] = {}
@@ -122,6 +129,9 @@ class SlotTracker:
 
         Returns the ``(rows, slots)`` ``[T]`` index pairs of the ``T`` tokens; with ``score`` they are kept
         for :meth:`write_scores` (the next final-norm output scores exactly these tokens)."""
+        if forwards and all(len(f.token_ids) == 1 for f in forwards):  # a decode step: the vectorised path
+            return self.record_decode([f.entry for f in forwards], [f.start for f in forwards],
+                                      [f.stored for f in forwards], [f.token_ids[0] for f in forwards], score)
         rows: list[int] = []
         slots: list[int] = []
         positions: list[int] = []
@@ -140,6 +150,31 @@ class SlotTracker:
         row_t, slot_t, *columns = self.staging.columns((rows, slots, positions, segments, tokens))
         self.table.write(row_t, slot_t, *columns)
         self.pending_scores = (row_t, slot_t, len(rows)) if score and rows else None
+        return row_t, slot_t
+
+    def record_decode(self, entries: Sequence[RequestRow], starts: Sequence[int], stored: Sequence[int],
+                      tokens: Sequence[int], score: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`record` for a decode step: one token per request (``entries[i]`` computes ``tokens[i]`` at absolute
+        index ``starts[i]`` into slot ``stored[i]``), the same table writes in one upload. The labelling rule runs
+        one request at a time only where the delimiter can change something (a partial match, or a delimiter id);
+        every other token is question, thinking or answer by its request's state alone."""
+        if not entries:
+            return self.record([])
+        rows = list(map(_ROW, entries))
+        states = list(map(_ANSWER, entries))
+        start, slot, token = np.asarray(starts), np.asarray(stored), np.asarray(tokens)
+        asked = start < np.array(list(map(_QUESTION_LENGTH, entries)))
+        in_answer = np.array(list(map(_IN_ANSWER, states))) & ~asked
+        segments = np.where(asked, int(Segment.QUESTION), np.where(in_answer, int(Segment.ANSWER), int(Segment.THINKING)))
+        if self.delimiter is not None:  # rows whose delimiter match could move: the rule, one at a time
+            matching = np.array(list(map(_THINK_MATCH, states))) != 0
+            touched = ~asked & ~in_answer & (matching | (token[:, None] == self.delimiter_ids).any(1))
+            for i in np.flatnonzero(touched).tolist():
+                segments[i] = self.segments(entries[i], (int(token[i]),), int(start[i]), int(slot[i]))[0]
+        self.table.ensure_width(int(slot.max()) + 1)
+        row_t, slot_t, *columns = self.staging.upload(np.stack([rows, slot, start, segments, token])).unbind(0)
+        self.table.write(row_t, slot_t, *columns)
+        self.pending_scores = (row_t, slot_t, len(rows)) if score else None
         return row_t, slot_t
 
     def segments(self, entry: RequestRow, new: Sequence[int], start: int, stored: int) -> list[int]:

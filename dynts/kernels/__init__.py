@@ -7,10 +7,13 @@ when its path is taken, so importing ``dynts`` never imports ``triton``.
 
 from .compact import compact_, compact_torch_
 from .dispatch import BACKEND_ENV, backend_for, triton_available
+from .paged import PagedKV, SlotGeometry
 from .select import keep_top_indices, keep_top_torch
 
 __all__ = [
     "BACKEND_ENV",
+    "PagedKV",
+    "SlotGeometry",
     "backend_for",
     "compact_",
     "compact_torch_",

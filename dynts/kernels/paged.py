@@ -51,10 +51,20 @@ class SlotGeometry:
     value_slot: int
     value_dim: int
 
-    def views(self, kv: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``kv`` as ``[blocks, kv_heads, block_size, head_dim]`` views (no copy)."""
-        shape = (kv.shape[0], kv.shape[1], block_size, self.head_dim)
+    @property
+    def joint(self) -> bool:
+        """Values follow keys on one content axis (FlashAttention's ``[..., 2 * head]``): a slot moves as one row."""
+        return (self.value_slot, self.value_dim) == (self.key_slot, self.key_dim) \
+            and self.value_offset == self.key_offset + self.head_dim * self.key_dim
+
+    def views(self, kv: torch.Tensor, block_size: int) -> tuple[torch.Tensor, ...]:
+        """``[blocks, kv_heads, block_size, d]`` views of ``kv`` (no copy) that hold every slot's keys and values:
+        one of ``d = 2 * head_dim`` when :attr:`joint`, else keys and values apart (``d = head_dim``)."""
         base = kv.storage_offset()
+        if self.joint:
+            shape = (kv.shape[0], kv.shape[1], block_size, 2 * self.head_dim)
+            return (kv.as_strided(shape, (self.block, self.head, self.key_slot, self.key_dim), base + self.key_offset),)
+        shape = (kv.shape[0], kv.shape[1], block_size, self.head_dim)
         return (kv.as_strided(shape, (self.block, self.head, self.key_slot, self.key_dim), base + self.key_offset),
                 kv.as_strided(shape, (self.block, self.head, self.value_slot, self.value_dim), base + self.value_offset))
 
@@ -132,6 +142,6 @@ class PagedKV:
             s, d = src[lo : lo + MOVE_CHUNK], dst[lo : lo + MOVE_CHUNK]
             sb, so = torch.div(s, bs, rounding_mode="floor"), s % bs
             db, do = torch.div(d, bs, rounding_mode="floor"), d % bs
-            for keys, values in self.views:
-                keys[db, :, do] = keys[sb, :, so]
-                values[db, :, do] = values[sb, :, so]
+            for views in self.views:
+                for view in views:
+                    view[db, :, do] = view[sb, :, so]

@@ -239,8 +239,44 @@ class WorkerHooks:
         runner = self.runner
         batch = runner.input_batch
         num_reqs = batch.num_reqs
-        forwards, cached, shift_rows = [], [], np.zeros(num_reqs, dtype=np.int64)
-        for i, rid in enumerate(batch.req_ids[:num_reqs]):
+        shift_rows = np.zeros(num_reqs, dtype=np.int64)
+        if not self._record_decode(batch, num_scheduled_tokens[:num_reqs], shift_rows):
+            self._record_forward(batch, num_scheduled_tokens, shift_rows)
+        if not shift_rows.any():
+            return
+        scheduled = num_scheduled_tokens[:num_reqs]
+        total = int(scheduled.sum())
+        runner.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(shift_rows).to(runner.optimistic_seq_lens_cpu.dtype)
+        shifts = self.staging.upload(np.concatenate([shift_rows, np.repeat(shift_rows, scheduled)]))  # one copy
+        runner.seq_lens[:num_reqs] -= shifts[:num_reqs].to(runner.seq_lens.dtype)
+        stored_positions = runner.positions[:total] - shifts[num_reqs:].to(runner.positions.dtype)
+        batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], stored_positions)
+
+    def _record_decode(self, batch: Any, scheduled: np.ndarray, shift_rows: np.ndarray) -> bool:
+        """Record a decode step (one token per request, every request seen before) through
+        :meth:`SlotTracker.record_decode`, filling ``shift_rows``; ``False`` (nothing recorded) for any other step."""
+        num_reqs = len(scheduled)
+        if num_reqs == 0 or not (scheduled == 1).all():
+            return False
+        req_ids = batch.req_ids[:num_reqs]
+        get_shift, get_entry = self.shifts.get, self.tracker.slots.get
+        shift_rows[:] = [get_shift(rid, 0) for rid in req_ids]
+        found = [get_entry(rid) for rid in req_ids]
+        index = np.arange(num_reqs)
+        if any(entry is None for entry in found):
+            if any(entry is None and rid not in self.untracked for entry, rid in zip(found, req_ids)):
+                return False  # a request seen first: opened by the general path
+            index = np.flatnonzero([entry is not None for entry in found])
+            found = [found[i] for i in index.tolist()]
+        computed = batch.num_computed_tokens_cpu[index].astype(np.int64)
+        tokens = batch.token_ids_cpu[index, computed]
+        self.tracker.record_decode(found, computed, computed - shift_rows[index], tokens, score=self.predictor is not None)
+        return True
+
+    def _record_forward(self, batch: Any, num_scheduled_tokens: np.ndarray, shift_rows: np.ndarray) -> None:
+        """Record any step (prefill chunks, requests seen first, prefix-cache hits), filling ``shift_rows``."""
+        forwards, cached = [], []
+        for i, rid in enumerate(batch.req_ids[: batch.num_reqs]):
             q = int(num_scheduled_tokens[i])
             computed = int(batch.num_computed_tokens_cpu[i])
             shift = self.shifts.get(rid, 0)
@@ -255,15 +291,6 @@ class WorkerHooks:
             self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
         if forwards:
             self.tracker.record(forwards, score=self.predictor is not None)
-        if not shift_rows.any():
-            return
-        scheduled = num_scheduled_tokens[:num_reqs]
-        total = int(scheduled.sum())
-        runner.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(shift_rows).to(runner.optimistic_seq_lens_cpu.dtype)
-        shifts = self.staging.upload(np.concatenate([shift_rows, np.repeat(shift_rows, scheduled)]))  # one copy
-        runner.seq_lens[:num_reqs] -= shifts[:num_reqs].to(runner.seq_lens.dtype)
-        stored_positions = runner.positions[:total] - shifts[num_reqs:].to(runner.positions.dtype)
-        batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], stored_positions)
 
     def entry_of(self, rid: str, prompt_length: int) -> tuple[Any, bool]:
         """``(entry, opened now)`` of a scheduled request; ``(None, False)`` for one that is not recorded (no

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from ..core import Forward
-from ..core.upload import upload
 from .worker import WorkerHooks
 
 __all__ = ["RunnerV2Hooks"]
@@ -180,16 +179,16 @@ class RunnerV2Hooks(WorkerHooks):
         if forwards:
             self.tracker.record(forwards)
         if self.predictor is not None and score_rows:  # every token of the batch, in its order (all are tracked)
-            self.tracker.pending_scores = (*upload((score_rows, score_slots), self.tracker.table.device), len(score_rows))
+            self.tracker.pending_scores = (*self.staging.columns((score_rows, score_slots)), len(score_rows))
         if not shift_rows.any():
             return None
-        device = batch.seq_lens.device
-        shifts = torch.from_numpy(shift_rows).to(device, batch.seq_lens.dtype, non_blocking=True)
-        batch.seq_lens[:num_reqs] -= shifts
-        self.lowered = (batch.seq_lens[:num_reqs], shifts)
         per_token = np.zeros(batch.positions.shape[0], dtype=np.int64)
         per_token[: batch.num_tokens] = np.repeat(shift_rows, scheduled)
-        return batch.positions - torch.from_numpy(per_token).to(device, batch.positions.dtype, non_blocking=True)
+        shifts = self.staging.upload(np.concatenate([shift_rows, per_token]))  # one copy, never waited on
+        rows = shifts[:num_reqs].to(batch.seq_lens.dtype)
+        batch.seq_lens[:num_reqs] -= rows
+        self.lowered = (batch.seq_lens[:num_reqs], rows)
+        return batch.positions - shifts[num_reqs:].to(batch.positions.dtype)
 
     # ------------------------------------------------------------------ token ids from the scheduler
     def _receive(self, rid: str, start: int, ids: list[int]) -> None:
@@ -233,8 +232,8 @@ class RunnerV2Hooks(WorkerHooks):
                 del self.unlabelled[rid]
         if not forwards:
             return
-        rows, slots = upload(([f.entry.row for f in forwards for _ in f.token_ids],
-                              [f.stored + j for f in forwards for j in range(len(f.token_ids))]), table.device)
+        rows, slots = self.staging.columns(([f.entry.row for f in forwards for _ in f.token_ids],
+                                            [f.stored + j for f in forwards for j in range(len(f.token_ids))]))
         scores = table.scores[rows, slots].clone()
         self.tracker.record(forwards)  # writes positions, segments and ids (and clears the slots' scores)
         table.scores[rows, slots] = scores
