@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test bench check-transformers check-vllm check-vllm-v2 clean
+.PHONY: install demo test bench check-transformers check-vllm check-vllm-v2 vllm-gpu-bundle check-vllm-gpu-bundle clean
 
 $(BIN)/.installed: pyproject.toml requirements-offline.txt
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,7 @@ test: install
 	$(MAKE) check-transformers
 	$(MAKE) check-vllm
 	$(MAKE) check-vllm-v2
+	$(MAKE) check-vllm-gpu-bundle
 
 bench: install
 	$(BIN)/python scripts/bench_decode.py
@@ -85,7 +86,8 @@ VLLM_CPU_DIR ?= ../shared/vllm-cpu
 VLLM_V2_WHEEL := $(VLLM_CPU_DIR)/vllm-0.34.0+cpu-cp311-cp311-linux_x86_64.whl
 V2VENV ?= .venv-vllm-v2
 V2_TESTS := tests/test_vllm_layouts.py tests/test_vllm_checks.py tests/test_vllm_inert.py tests/test_vllm_v2_testbed.py tests/test_vllm_async.py \
-	tests/test_vllm_plugin.py tests/test_vllm_server.py tests/test_vllm_selfcheck.py tests/test_vllm_host_syncs.py
+	tests/test_vllm_plugin.py tests/test_vllm_server.py tests/test_vllm_selfcheck.py tests/test_vllm_host_syncs.py \
+	tests/test_vllm_gpu_bundle.py
 $(V2VENV)/.installed: pyproject.toml tests/support/vllm_cpu_testbed/pyproject.toml
 	python3.11 -m venv $(V2VENV)
 	$(V2VENV)/bin/pip install -q torch==2.14.1
@@ -105,5 +107,43 @@ check-vllm-v2:
 	      "../shared/vllm-cpu/README.md ('Rebuilding', ~36 min) and run: make check-vllm-v2 VLLM_CPU_DIR=<its folder>"
 endif
 
+# vLLM 0.34 for the lent GPU (its image has no vLLM; a call carries 64 MiB, vLLM's CUDA wheel is 239 MB): a pure-Python
+# vLLM (the CUDA wheel without its compiled parts, a generated stand-in for vllm._C_stable_libtorch, FlashAttention's
+# import guard patched) and the dependencies the image lacks, as CPython 3.12 wheels in $(VLLM_GPU_BUNDLE)/wheels
+# (~32 MiB, kept <= 40; ignored by git). Not part of `make test`: it downloads vLLM's CUDA wheel once (into
+# $(VLLM_GPU_BUNDLE)-cache). scripts/gpu_check.py installs it where a run carries it: docs/vllm.md, "vLLM on the
+# lent GPU".
+VLLM_GPU_BUNDLE ?= .vllm-gpu-bundle
+$(VLLM_GPU_BUNDLE)/bundle.json: scripts/vllm_gpu_bundle/build.sh scripts/vllm_gpu_bundle/gen_shim.py \
+		scripts/vllm_gpu_bundle/strip_wheel.py scripts/vllm_gpu_bundle/patch_flash_attn.py \
+		scripts/vllm_gpu_bundle/requirements-bundle.txt
+	bash scripts/vllm_gpu_bundle/build.sh $(VLLM_GPU_BUNDLE) $(VLLM_GPU_BUNDLE)-cache
+
+vllm-gpu-bundle: $(VLLM_GPU_BUNDLE)/bundle.json
+
+# The bundle's import and config path on these CPUs (an H200 faked for vLLM's platform logic): its own venv with the
+# packages of the GPU image that vLLM needs (requirements-image.txt: transformers 5.17 + huggingface-hub 1.33 and
+# triton 3.6 as there; torch 2.13.0, the local CPU build, for the image's 2.11), the bundle's dependencies at its
+# pins for this Python (3.11; the bundle's own wheels are for 3.12) and the bundle's vLLM wheel itself. ~2 min, once.
+# Without a bundle: skipped, with the command that builds it.
+VGVENV ?= .venv-vllm-gpu
+$(VGVENV)/.installed: $(VLLM_GPU_BUNDLE)/bundle.json scripts/vllm_gpu_bundle/requirements-image.txt
+	rm -rf $(VGVENV)
+	python3.11 -m venv $(VGVENV)
+	$(VGVENV)/bin/pip install -q torch==2.13.0
+	$(VGVENV)/bin/pip install -q -r scripts/vllm_gpu_bundle/requirements-image.txt
+	$(VGVENV)/bin/pip install -q --no-deps --only-binary :all: -r scripts/vllm_gpu_bundle/requirements-bundle.txt
+	$(VGVENV)/bin/pip install -q --no-deps $(VLLM_GPU_BUNDLE)/wheels/vllm-*.whl
+	touch $@
+
+ifneq ($(wildcard $(VLLM_GPU_BUNDLE)/bundle.json),)
+check-vllm-gpu-bundle: $(VGVENV)/.installed
+	PYTHONPATH=$(CURDIR) $(VGVENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_gpu_bundle.py
+else
+check-vllm-gpu-bundle:
+	@echo "check-vllm-gpu-bundle skipped: no $(VLLM_GPU_BUNDLE)/. Build it with: make vllm-gpu-bundle" \
+	      "(downloads vLLM's CUDA wheel once, ~1 min), then: make check-vllm-gpu-bundle"
+endif
+
 clean:
-	rm -rf $(VENV) $(VVENV) $(V2VENV) .pytest_cache
+	rm -rf $(VENV) $(VVENV) $(V2VENV) $(VGVENV) .pytest_cache

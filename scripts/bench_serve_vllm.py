@@ -28,6 +28,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
 from eval.perf.syncs import V1_HOOKS, V2_HOOKS, SyncCounter  # noqa: E402  (shared with scripts/bench_vllm_hooks.py)
+from eval.perf.vllm_gpu_bundle import count_preemptions  # noqa: E402  (shared with the GPU bundle's cost engines)
 
 
 SCHEDULER_HOOKS = ("before_schedule", "admissible", "after_schedule", "shift", "cache_limit", "on_preempt", "forget")
@@ -149,14 +150,7 @@ def one_engine(spec: dict) -> dict:
               max_num_seqs=spec["requests"], seed=0, **defaults, **extra)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    preemptions = [0]
-    original = scheduler._preempt_request
-
-    def counted(request, *a, **k):
-        preemptions[0] += 1
-        return original(request, *a, **k)
-
-    scheduler._preempt_request = counted
+    preemptions = count_preemptions(scheduler)
     syncs, clock = None, HookClock()
     if dynts:
         executor = engine.engine_core.engine_core.model_executor

@@ -35,13 +35,17 @@ Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finish
     hooks (``scripts/bench_vllm_hooks.py``: DynTS + a random predictor, 256 rows decoding one token each, on a
     stand-in model runner): microseconds and host syncs per plain decode step and per eviction round, after a
     small run that checks every row's stored K/V against the evictor's decisions.
-(10) ``vllm_v2``: where vLLM 0.34 is installed, ``dynts vllm-check`` with the plugin at vLLM's defaults (V2
-    runner, async scheduling), CUDA graphs ``FULL_AND_PIECEWISE``, attention ``FLASH_ATTN`` with FA2 and with FA3
-    (:mod:`eval.perf.vllm_v2_check`): every evicting request and its non-evicting control against
-    ``dynts.generate``, the engine each ran. Skipped with the reason where vLLM is not installed.
+(10) ``vllm_v2``: vLLM 0.34 with the plugin. Where the run carries ``.vllm-gpu-bundle`` (``make vllm-gpu-bundle``:
+    a pure-Python vLLM and the dependencies the image lacks, ~32 MiB): installed into a temporary folder, then
+    (:mod:`eval.perf.vllm_gpu_bundle`) a stock smoke (FULL_AND_PIECEWISE, tokens vs transformers), ``dynts vllm-check``
+    on TRITON_ATTN with FULL_AND_PIECEWISE graphs in float32 and bfloat16 (the testbed LRM with its predictor, a tiny
+    Llama), and the plugin's cost at vLLM's defaults on a dummy-weight model of the 7B shape (stock vs nothing evicted
+    vs DynTS and StreamingLLM, an ample and a tight pool), time-boxed, what did not fit under ``not_run``. Where vLLM
+    is installed instead: ``dynts vllm-check`` on FLASH_ATTN with FA2 and FA3 (:mod:`eval.perf.vllm_v2_check`).
+    Skipped otherwise, with the command that builds the bundle.
 
-Run it there (the device tool's ``run``, ``timeout_s=600``; the image has no install of this checkout,
-``PYTHONPATH=$PWD`` puts its packages on the path)::
+Run it there (the device tool's ``run``, ``timeout_s=600``, ``carry=[".vllm-gpu-bundle"]`` for section (10); the
+image has no install of this checkout, ``PYTHONPATH=$PWD`` puts its packages on the path)::
 
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 scripts/gpu_check.py --out $OUT
 
@@ -562,11 +566,27 @@ def vllm_check(device: torch.device, dry_run: bool) -> dict:
     return out
 
 
-def vllm_engine_check(dry_run: bool) -> dict:
-    """``dynts vllm-check`` at vLLM's defaults, FULL_AND_PIECEWISE graphs, FA2 and FA3 (skipped without vLLM)."""
-    from eval.perf.vllm_v2_check import vllm_v2_check
+def vllm_engine_check(dry_run: bool, seconds: float) -> dict:
+    """vLLM 0.34 with the plugin. Where the run carries the bundle (``make vllm-gpu-bundle``; the image has no vLLM):
+    install it and run :mod:`eval.perf.vllm_gpu_bundle` (smoke, ``dynts vllm-check`` on TRITON_ATTN with
+    FULL_AND_PIECEWISE graphs in float32 and bfloat16, the plugin's cost on a dummy-weight R1-7B-shape model) for up to
+    ``seconds``. Else, where vLLM is installed: :mod:`eval.perf.vllm_v2_check` (FLASH_ATTN, FA2 and FA3). Else skipped,
+    saying how to build the bundle."""
+    import importlib.util
 
-    return vllm_v2_check(dry_run)
+    from eval.perf.vllm_gpu_bundle import BUILD, BUNDLE, find_bundle, run_bundle
+
+    bundle = find_bundle()
+    if bundle is not None:
+        return run_bundle(bundle, dry_run, seconds, R1_DISTILL_7B)
+    if importlib.util.find_spec("vllm") is not None:
+        from eval.perf.vllm_v2_check import vllm_v2_check
+
+        return vllm_v2_check(dry_run)
+    reason = (f"no vLLM here and no bundle carried: build it with `{BUILD}` and carry {BUNDLE.name} "
+              f"(docs/vllm.md, 'vLLM on the lent GPU')")
+    print(f"vllm_v2: skipped: {reason}", flush=True)
+    return {"skipped": reason}
 
 
 def run_section(result: dict, name: str, fn, seconds: float, save) -> dict | None:
@@ -637,7 +657,9 @@ def main(argv=None) -> int:
         run_section(result, "serve", lambda: serve_check(model, args.dry_run), box(min(150.0, max(left() / 2, 20))), save)
         run_section(result, "serve_graphs", lambda: serve_graphs_check(device, args.dry_run), box(90), save)
     run_section(result, "vllm", lambda: vllm_check(device, args.dry_run), box(90), save)
-    run_section(result, "vllm_v2", lambda: vllm_engine_check(args.dry_run), box(450), save)
+    # the bundle's plan lists what did not fit; it stops 15 s inside its box, leaving the decode bench >= 60 s
+    vllm_seconds = box(max(90.0, min(420.0, left() - 60)))
+    run_section(result, "vllm_v2", lambda: vllm_engine_check(args.dry_run, vllm_seconds - 15), vllm_seconds, save)
     decode_bench(model, args, shape, dtype, result, left, save)
     save()
     print(f"\nwrote {out_file} ({result['seconds']:.0f} s; {len(result['bench'])} decode combinations run, "

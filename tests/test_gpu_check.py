@@ -34,7 +34,15 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     graphs = result["serve_graphs"]  # on CPU the engine has no graphs: both runs eager, still compared
     assert graphs["ok"] and graphs["tokens_identical"] and graphs["kept_identical"] and graphs["events"] > 0
     assert result["vllm"]["ok"] and result["vllm"]["moved_slots"] > 0  # the plugin's slot copy, exact
-    assert "skipped" in result["vllm_v2"] or result["vllm_v2"]["ok"]  # the engine check: a GPU with vLLM only
+    engine = result["vllm_v2"]  # vLLM's engine: on CPU the bundle is installed and its plan listed, or a skip
+    if (ROOT / ".vllm-gpu-bundle" / "bundle.json").is_file():
+        assert engine["ok"] and engine["install"]["shim"] and engine["not_run"] == []
+        assert [r["label"] for r in engine["runs"]][:3] == ["smoke", "check-float32-testbed-dynts",
+                                                             "check-float32-tiny-llama-streamingllm"]
+    elif "skipped" in engine:
+        assert "make vllm-gpu-bundle" in engine["skipped"]
+    else:  # a vLLM installed beside the checkout
+        assert engine["ok"]
     assert result["tests"]["returncode"] == 0 and "test_cuda.py" in result["tests"]["output_tail"]
     assert {(c["compile"], c["batch"]) for c in result["bench"]} == {(False, 1), (False, 2), (True, 1)}
     for combo in result["bench"]:

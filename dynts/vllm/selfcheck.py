@@ -5,7 +5,8 @@ platform's attention backend, CUDA graphs on a GPU), each twice: evicting (``dyn
 ``streamingllm``) and not evicting (per-request ``full``, the control). Every request is compared token by token
 with the masked reference, :func:`dynts.generate` on transformers with the same method and budget (the control
 with plain decoding). Prints the engine it ran (vLLM version, model runner, attention backend, async scheduling,
-CUDA-graph mode) and one line per request: exact, or the first divergence.
+CUDA-graph mode; the CUDA-graph replays while the requests ran) and one line per request: exact, or the first
+divergence.
 
 Exit status: 0 every request exact; 1 a mismatch (an evicting request diverges where its control agrees); 2 a
 bad argument; 3 the engine did not start; 4 inconclusive (vLLM without eviction already diverges from
@@ -20,13 +21,15 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["CheckSettings", "compare", "drive", "engine_info", "main", "reference_tokens", "run_check"]
+__all__ = ["CheckSettings", "compare", "counting_graph_replays", "drive", "engine_info", "main", "reference_tokens",
+           "run_check"]
 
 PROMPTS = ["What is 17 * 23? Think step by step.", "List the first ten prime numbers and explain how you found them.",
            "A train travels 120 km in 1.5 hours. What is its average speed?",
@@ -109,6 +112,24 @@ def drive(llm: Any, requests: list[dict], after_step: Callable[[], None] | None 
             after_step()
         step += 1
     return outputs
+
+
+@contextmanager
+def counting_graph_replays() -> Iterator[list[int]]:
+    """Count ``torch.cuda.CUDAGraph.replay`` calls while inside (vLLM's FULL and PIECEWISE graphs both replay through
+    it): a check that ran with graphs on shows its decode steps replayed them."""
+    count = [0]
+    original = torch.cuda.CUDAGraph.replay
+
+    def replay(self: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    torch.cuda.CUDAGraph.replay = replay
+    try:
+        yield count
+    finally:
+        torch.cuda.CUDAGraph.replay = original
 
 
 def model_runner(llm: Any) -> Any:
@@ -248,7 +269,10 @@ def run_check(settings: CheckSettings, log: Callable[[str], None] = print) -> di
         for extra in ({}, {"dynts": {"method": "full"}}):
             requests.append({"prompt_token_ids": prompt, "max_tokens": settings.max_tokens, "extra_args": extra or None,
                              "arrive_at_step": 3 * i})
-    got = drive(llm, requests)
+    with counting_graph_replays() as replays:
+        got = drive(llm, requests)
+    info["graph_replays"] = replays[0]
+    log(f"  CUDA-graph replays while the requests ran: {replays[0]}")
     rows = []
     for i, (want_evicted, want_control) in enumerate(wanted):
         evicted, control = got.get(str(2 * i), {}), got.get(str(2 * i + 1), {})
