@@ -332,3 +332,17 @@ def test_engine_section_without_a_bundle_says_how_to_build_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     result = gpu_check.vllm_engine_check(dry_run=True, seconds=60)
     assert "make vllm-gpu-bundle" in result["skipped"] and ".vllm-gpu-bundle" in result["skipped"]
+
+
+def test_the_bundle_tools_are_never_installed_with_dynts():
+    """``pip install dynts-lrm`` installs the packages pyproject.toml lists: the bundle's tools (the ``_C`` stand-in's
+    generator, the FlashAttention patch, the faked device) live under scripts/, which is none of them."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = find_packages(str(ROOT), include=tool["packages"]["find"]["include"])
+    assert "dynts.vllm" in packages and not [p for p in packages if p.split(".")[0] in ("scripts", "vllm")]
+    shipped = [f for files in tool.get("data-files", {}).values() for f in files]
+    assert not [f for f in shipped if "vllm_gpu_bundle" in f or f.startswith("scripts")]
