@@ -1,8 +1,14 @@
-"""Microseconds per step of dynts' vLLM worker hooks (``before_step`` + ``after_prepare_inputs`` +
-``after_forward``), per plain decode step and per eviction round, on a stand-in for vLLM's model runner
-(:mod:`eval.perf.vllm_hooks_bench`; no vLLM needed), with the host syncs they make.
+"""Microseconds per step of dynts' vLLM worker hooks, per plain decode step and per eviction round, on a stand-in
+for vLLM's model runner (:mod:`eval.perf.vllm_hooks_bench`; no vLLM needed), with the host syncs they make:
+
+* ``--runner v1`` (default): vLLM 0.32's V1 runner, :class:`dynts.vllm.worker.WorkerHooks` (``before_step`` +
+  ``after_prepare_inputs`` + ``after_forward``);
+* ``--runner v2``: vLLM 0.34's V2 runner (persistent input buffers, device slot mappings; the hooks bound by the
+  plugin's own binder), :class:`dynts.vllm.worker_v2.RunnerV2Hooks` (``before_step`` + ``before_attention`` +
+  ``after_execute``), async scheduling (``--sync-scheduling``: ids with their own round).
 
     flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_vllm_hooks.py --rows 256 --dtype float32
+    flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_vllm_hooks.py --runner v2 --rows 256 --dtype float32
     python scripts/bench_vllm_hooks.py --device cuda --rows 256 --dtype bfloat16 --json hooks.json   # R1-7B shape
 
 Defaults: ``--shape r1-7b`` on CUDA (hidden 3584, 28 layers, 4 KV heads, head 128, blocks of 16, B = 4096,
@@ -28,6 +34,9 @@ from eval.perf.vllm_hooks_bench import SHAPES, HooksBenchSettings, format_table,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runner", default="v1", choices=["v1", "v2"],
+                        help="the stand-in model runner: v1 (vLLM 0.32) or v2 (vLLM 0.34)")
+    parser.add_argument("--sync-scheduling", action="store_true", help="v2: token ids ship with their own round")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rows", type=int, default=256, help="requests decoding one token each")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -45,13 +54,17 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     shape = args.shape or ("r1-7b" if torch.device(args.device).type == "cuda" else "small")
     result = run_hooks_bench(HooksBenchSettings(
-        rows=args.rows, shape=shape, dtype=args.dtype, device=args.device, method=args.method, reps=args.reps,
-        warmup=args.warmup, plain_steps=args.plain_steps, layout=args.layout, verify=args.verify))
+        rows=args.rows, shape=shape, runner=args.runner, dtype=args.dtype, device=args.device, method=args.method,
+        reps=args.reps, warmup=args.warmup, plain_steps=args.plain_steps, layout=args.layout, verify=args.verify,
+        async_scheduling=not args.sync_scheduling))
     result["shape_name"] = shape
     result["torch"] = torch.__version__
     result["threads"] = torch.get_num_threads()
     print(format_table(result))
-    print(f"syncs counted by: {result['syncs_counter']}; {result['seconds']:.1f} s in all")
+    syncs = result["syncs"] or {}
+    print(f"syncs counted by: {result['syncs_counter']} (uploads per plain step {syncs.get('uploads_per_plain_step')}, "
+          f"per eviction round {syncs.get('uploads_per_event_round')}); {result['moved_slots_per_round']:.0f} slots moved "
+          f"per round, {result['moved_slots_per_ms']:.0f} per ms of its before_step; {result['seconds']:.1f} s in all")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -5,6 +5,9 @@
 * a bounded cache that never evicts: bf16 logits within 4 ulps of a plain forward, float32 tokens
   identical to plain ``generate``; the compiled decode step (CUDA graphs) is token-identical to the
   eager bounded cache;
+* the vLLM V2 worker hooks between CUDA graph replays (:mod:`eval.perf.vllm_graph_check`, no vLLM): a stand-in
+  forward that reads the runner's persistent buffers, captured once and replayed across plain decode steps and
+  eviction rounds, leaves every row's stored K/V and attention output equal to the eager run's;
 * a model split across two GPUs decodes with eviction (only with more than one GPU).
 """
 
@@ -105,6 +108,20 @@ def test_compiled_decode_with_cuda_graphs_matches_eager(method):
     compiled = dynts.generate(model, compile="reduce-overhead", **kw)
     assert eager.stats["evictions"] >= 2 and compiled.stats["evictions"] == eager.stats["evictions"]
     assert torch.equal(compiled.sequences, eager.sequences)
+
+
+def test_vllm_v2_hooks_between_cuda_graph_replays_match_eager():
+    """RunnerV2Hooks lower ``seq_lens`` and point the slot mapping at the stored slots in the persistent buffers a
+    captured graph reads, and move the kept K/V between replays: every decode round replays the graph, and the
+    stored K/V and attention outputs equal the eager drive's and the per-row reference."""
+    from eval.perf.vllm_graph_check import GraphCheckSettings, run_graph_check
+
+    out = run_graph_check(GraphCheckSettings(rows=16, shape="small", dtype="bfloat16", device="cuda", cycles=2,
+                                             plain_steps=4))
+    graphed = out["graph_vs_eager"]
+    assert out["graphs"] and out["ok"], out
+    assert graphed["replays"] == 2 * (1 + 4) and graphed["stored_kv_equal"] and graphed["verified"]["event_rounds"] == 2
+    assert graphed["max_abs_diff"] <= 1e-4 and out["reference_max_abs_diff"] <= 1e-4
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

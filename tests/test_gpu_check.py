@@ -29,11 +29,21 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     assert result["attention_stats"]["bf16_ms"] > 0 and result["attention_stats"]["max_prob_diff"] < 1e-2
     assert result["logits"]["ok"] and result["logits"]["fp32_tokens_identical"]
     serve = result["serve"]
-    assert [r["name"] for r in serve["runs"]] == ["full", "streamingllm@16"] and "error" not in serve
-    assert serve["runs"][1]["peak_slots_max"] <= 16 and serve["runs"][1]["evictions"] > 0
+    assert [r["name"] for r in serve["runs"]] == ["full", "streamingllm@16", "dynts@16"] and "error" not in serve
+    assert not serve["skipped"] and set(serve["tokens_per_s_ratio_by_method"]) == {"streamingllm@16", "dynts@16"}
+    for run in serve["runs"][1:]:
+        assert run["peak_slots_max"] <= 16 and run["evictions"] > 0
     graphs = result["serve_graphs"]  # on CPU the engine has no graphs: both runs eager, still compared
     assert graphs["ok"] and graphs["tokens_identical"] and graphs["kept_identical"] and graphs["events"] > 0
     assert result["vllm"]["ok"] and result["vllm"]["moved_slots"] > 0  # the plugin's slot copy, exact
+    hooks = result["vllm"]["hooks_by_runner"]  # V1 and V2 worker hooks on their stand-in runners, checked and timed
+    assert hooks["v1"]["hooks"] == ["before_step", "after_prepare_inputs", "after_forward"]
+    assert hooks["v2"]["hooks"] == ["before_step", "before_attention", "after_execute"]
+    for record in hooks.values():
+        assert record["verified"]["event_rounds"] >= 2 and record["syncs_per_plain_step"] == 0
+        assert record["us_per_plain_step"] > 0 and record["us_per_event_round"] > 0 and record["rows"] == 4
+    replay = result["vllm"]["graph_replay"]  # on CPU the graph driver runs eager, against its reference
+    assert replay["ok"] and not replay["graphs"] and replay["rounds"]["event"] == 2
     engine = result["vllm_v2"]  # vLLM's engine: on CPU the bundle is installed and its plan listed, or a skip
     if (ROOT / ".vllm-gpu-bundle" / "bundle.json").is_file():
         assert engine["ok"] and engine["install"]["shim"] and engine["not_run"] == []
@@ -44,11 +54,14 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     else:  # a vLLM installed beside the checkout
         assert engine["ok"]
     assert result["tests"]["returncode"] == 0 and "test_cuda.py" in result["tests"]["output_tail"]
-    assert {(c["compile"], c["batch"]) for c in result["bench"]} == {(False, 1), (False, 2), (True, 1)}
+    assert [(c["compile"], c["batch"], c.get("methods")) for c in result["bench"]] == [
+        (False, 1, None), (False, 2, None), (True, 1, None), (True, 1, ["h2o", "snapkv", "rkv"])]
     for combo in result["bench"]:
         assert [row["position"] for row in combo["rows"]] == [256, 512]
         for row in combo["rows"]:
-            assert set(row["methods"]) == {"window", "dynts"}
+            assert set(row["methods"]) == set(combo.get("methods", ["window", "dynts"]))
+            # a compiled full cache is one static cache of the largest L (+ 3 steps of 4 + 1) at every L
+            assert row["full_capacity"] == (512 + 13 if combo["compile"] else None)
             for r in row["methods"].values():
                 assert r["t_ms"] > 0 and r["speedup"] > 0 and r["peak_kv_bytes"] < row["full_peak_kv_bytes"]
 

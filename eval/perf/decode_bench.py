@@ -21,10 +21,17 @@ from the bound ``t_top(L) / t_full(B)`` (same cache length: everything above 1 i
 ``t(L) / t_full(B)``; DynTS vs window; peak KV bytes and their ratio to full; FLOPs/token from
 :mod:`dynts.cost`. :func:`sawtooth` times every step of one continuous decode (the paper's Fig. 5).
 
+Every lane takes one untimed single-token step right before its timed phases at each position (on a GPU
+the first step of a new cache shape pays one-time costs: an eager lane's first timing read 102-105 ms
+against 39-41 ms steady on an H200).
+
 With ``compile`` every lane uses a static-layout cache (fixed buffers: ``B`` slots for a method, for
-the full cache ``max(positions) + 3N`` slots, for ``full@B`` ``B`` slots, like transformers'
-StaticCache) and decode steps run through :func:`dynts.compiled.compiled_decode`; compilation (one
-graph per lane) happens in an untimed warm-up step before the timed phases.
+the full cache ONE buffer of ``max(positions) + 3N + 1`` slots for every position, for ``full@B`` ``B``
+slots, like transformers' StaticCache) and decode steps run through
+:func:`dynts.compiled.compiled_decode`; compilation (one graph per lane) happens in that untimed step.
+A static cache attends over its whole capacity, so a compiled ``t_full(L)`` is the cost at
+``max(positions)`` for every ``L`` (each row's ``full_capacity`` says so; ``None``: a dynamic cache of
+length ``L``).
 
 Used by ``scripts/bench_decode.py`` (CPU, shipped models) and ``scripts/gpu_check.py`` (7B shapes on a
 GPU); :mod:`.decode_report` prints, plots and saves the records.
@@ -72,6 +79,7 @@ class Lane:
     cache: dynts.BoundedCache
     predictor: dynts.ImportancePredictor | None
     batch: int = 1
+    capacity: int | None = None  # a static cache's slots (None: dynamic, sized by what it holds)
     token: torch.Tensor | None = None  # last predicted token [b, 1]
     times: dict = field(default_factory=dict)  # position -> {"top": [...], "event": [...], "bottom": [...]}
     lengths: dict = field(default_factory=dict)  # position -> {"top": [...], ...} cache length after each step
@@ -185,7 +193,7 @@ def make_lane(model, name: str, budget: dynts.Budget | None, batch: int, max_len
     if "scores" in cache.requires:
         torch.manual_seed(0)  # speed does not depend on the weights: an untrained predictor scores the same way
         predictor = dynts.ImportancePredictor(model.config.get_text_config().hidden_size).to(next(model.parameters()).device).eval()
-    return Lane(name, cache, predictor, batch)
+    return Lane(name, cache, predictor, batch, capacity=max_length)
 
 
 def bench_positions(model, model_name: str, batch: int, methods: list[str], positions: list[int],
@@ -206,7 +214,7 @@ def bench_positions(model, model_name: str, batch: int, methods: list[str], posi
     for lane in lanes:
         driver.forward(lane, prompt)
     started = time.perf_counter()
-    warm = 1 if settings.compile else 0  # the last untimed token is a single-token forward: compiles the lane's graph
+    warm = 1  # the last untimed token is a single-token forward: a new shape's one-time costs, a compiled lane's graph
     for position in positions:
         for lane in lanes:  # reach L - N untimed
             cache = lane.cache
@@ -249,7 +257,7 @@ def summarize(model, model_name, batch, lanes, positions, bounds, settings: Deco
         ft = full.times[position]
         t_full_l = med(ft["top"] + ft["event"] + ft["bottom"])
         t_full_b = med(ft["full@B"])
-        row = dict(position=position, t_full_L=t_full_l, t_full_B=t_full_b,
+        row = dict(position=position, t_full_L=t_full_l, t_full_B=t_full_b, full_capacity=full.capacity,
                    full_peak_kv_bytes=full.peak_kv_bytes[position],
                    full_flops=decode_flops(shape, position) * batch, methods={})
         for lane in lanes:

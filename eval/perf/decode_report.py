@@ -17,6 +17,9 @@ def print_run(run: dict) -> None:
           f"retention={run['retention']} prompt={run['prompt_tokens']}: n_keep={run['n_keep']} K={run['eviction_volume']}")
     print(f"{'L':>6} {'lane':<13} {'ms/token':>9} {'top':>7} {'bottom':>7} {'event':>7} {'speedup':>7} "
           f"{'top/tB':>7} {'t/tB':>6} {'peakKV MiB':>10} {'KV ratio':>8} {'GFLOP/tok':>9}")
+    capacity = run["rows"][0].get("full_capacity") if run["rows"] else None
+    if capacity:
+        print(f"{'':>6} full: ONE static cache of {capacity} slots for every L (t_full(L) is the cost at the largest L)")
     for row in run["rows"]:
         print(f"{row['position']:>6} {'full':<13} {ms * row['t_full_L']:>9.2f} {'':>7} {'':>7} {'':>7} {'1.00':>7} "
               f"{row['t_full_L'] / row['t_full_B']:>7.3f} {'':>6} {row['full_peak_kv_bytes'] / 2**20:>10.1f} {'1.000':>8} "

@@ -1,0 +1,135 @@
+"""The worker-hooks bench on the stand-in V2 runner (eval/perf/vllm_v2_standin.py: vLLM 0.34's persistent input
+buffers, block tables and device slot mappings) drives the real dynts.vllm RunnerV2Hooks, bound by the plugin's
+own V2 binder; no vLLM needed. After every round each row's stored K/V must hold the positions the evictor kept
+followed by the new tokens; the graph-safety driver (eval/perf/vllm_graph_check.py) runs eagerly here, its
+attention over the stored slots against a reference from the K/V each row should hold (tests/test_cuda.py
+replays it in a CUDA graph)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.perf.vllm_graph_check import GraphCheckSettings, run_graph_check
+from eval.perf.vllm_hooks_bench import HooksBench, HooksBenchSettings, format_table, run_hooks_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_v2_bench_runs_the_real_hooks_and_the_kept_slots_are_the_evictors(async_scheduling):
+    result = run_hooks_bench(HooksBenchSettings(rows=4, shape="tiny", dtype="float32", runner="v2", reps=2,
+                                                plain_steps=3, verify=True, async_scheduling=async_scheduling))
+    assert result["runner"] == "v2" and result["hooks_class"] == "RunnerV2Hooks"
+    assert result["hooks"] == ["before_step", "before_attention", "after_execute"]
+    assert result["verified"]["event_rounds"] == 4 and result["verified"]["rows_checked"] > 0
+    assert result["cycles_timed"] == 2 and result["moved_slots_per_round"] > 0
+    for kind in ("plain", "event"):
+        assert set(result[kind]) == {"before_step", "before_attention", "after_execute", "step"}
+        assert result[kind]["step"]["host_us"] > 0
+    assert result["syncs"]["plain_steps"] == 3 and result["syncs"]["event_rounds"] == 1  # one counted cycle
+    assert result["syncs_per_plain_step"] == 0  # a decode step without an event reads nothing back
+    assert result["syncs_per_event_round"] <= 2
+    assert "RunnerV2Hooks" in format_table(result) and "before_attention" in format_table(result)
+    json.dumps(result)
+
+
+def test_v2_hooks_lower_seq_lens_in_the_persistent_buffer_and_restore_them():
+    """The hooks write where a captured graph reads: after a plain step's ``prepare_attn`` the persistent ``seq_lens``
+    hold the stored lengths (logical minus shift), the slot mapping points at the stored slots, and after the round
+    ``seq_lens`` are logical again."""
+    bench = HooksBench(HooksBenchSettings(rows=3, shape="tiny", dtype="float32", runner="v2", reps=1, plain_steps=2,
+                                          verify=True, count_syncs=False))
+    runner = bench.runner
+    persistent = runner.input_buffers.seq_lens
+    seen = {}
+    prepare = runner.prepare_attn  # the plugin's wrapper around the stand-in's own
+
+    def spy(batch):
+        out = prepare(batch)
+        seen["seq_lens"] = batch.seq_lens.clone()
+        seen["same_storage"] = batch.seq_lens.data_ptr() == persistent.data_ptr()
+        seen["slots"] = runner.block_tables.slot_mappings[0, : batch.num_tokens].clone()
+        return out
+
+    runner.prepare_attn = spy
+    with torch.no_grad():
+        bench.fill()
+        bench.step(1)  # the eviction round
+        bench.step(1)  # a plain step of shifted rows
+    stored = torch.tensor([row.stored for row in bench.rows], dtype=torch.int32)
+    assert all(row.shift > 0 for row in bench.rows) and seen["same_storage"]
+    assert torch.equal(seen["seq_lens"], stored)  # lowered for attention, in place
+    assert torch.equal(persistent[:3], torch.tensor([row.computed for row in bench.rows], dtype=torch.int32))
+    bs = bench.block
+    want = [row.blocks[(row.stored - 1) // bs] * bs + (row.stored - 1) % bs for row in bench.rows]
+    assert seen["slots"].tolist() == want
+
+
+def test_a_broken_v2_slot_move_is_caught(monkeypatch):
+    """The check can fail on V2 too: with the hooks' eviction moves dropped, the kept K/V stay where they were."""
+    from dynts.vllm.worker_v2 import RunnerV2Hooks
+
+    evict = RunnerV2Hooks._evict
+
+    def blocks_cut_only(self, events):  # the block lists are cut as usual, no K/V moves
+        caches = [kv.clone() for kv in self.runner.kv_caches]
+        evict(self, events)
+        for kv, saved in zip(self.runner.kv_caches, caches):
+            kv.copy_(saved)
+
+    monkeypatch.setattr(RunnerV2Hooks, "_evict", blocks_cut_only)
+    with pytest.raises(AssertionError, match="holds position"):
+        run_hooks_bench(HooksBenchSettings(rows=2, shape="tiny", dtype="float32", runner="v2", reps=1, plain_steps=2,
+                                           verify=True, count_syncs=False))
+
+
+def test_v2_streamingllm_runs_without_a_predictor():
+    result = run_hooks_bench(HooksBenchSettings(rows=2, shape="tiny", dtype="bfloat16", runner="v2",
+                                                method="streamingllm", reps=1, plain_steps=2, verify=True,
+                                                count_syncs=False))
+    assert result["predictor_dtype"] is None and result["verified"]["event_rounds"] == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_driver_eager_attention_over_the_stored_slots_matches_the_reference(dtype):
+    out = run_graph_check(GraphCheckSettings(rows=6, shape="tiny", dtype=dtype, cycles=2, plain_steps=3))
+    assert out["ok"] and not out["graphs"] and "graph_vs_eager" not in out  # no CUDA here: eager only
+    assert out["rounds"] == {"event": 2, "plain": 6} and out["verified"]["event_rounds"] == 2
+    assert out["reference_max_abs_diff"] <= 1e-4
+    json.dumps(out)
+
+
+def test_graph_driver_catches_seq_lens_left_logical(monkeypatch):
+    """Attention that reads logical ``seq_lens`` (a hook that forgot to lower them) reads past the stored slots: the
+    reference comparison fails."""
+    from dynts.vllm.worker_v2 import RunnerV2Hooks
+
+    before = RunnerV2Hooks.before_attention
+
+    def forgetful(self, batch):
+        logical = batch.seq_lens.clone()
+        positions = before(self, batch)
+        batch.seq_lens.copy_(logical)
+        self.lowered = None
+        return positions
+
+    monkeypatch.setattr(RunnerV2Hooks, "before_attention", forgetful)
+    out = run_graph_check(GraphCheckSettings(rows=4, shape="tiny", cycles=1, plain_steps=2))
+    assert not out["ok"] and out["reference_max_abs_diff"] > 1
+
+
+def test_cli_runner_v2_prints_the_table_and_writes_json(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_vllm_hooks
+
+    out = tmp_path / "hooks.json"
+    assert bench_vllm_hooks.main(["--runner", "v2", "--device", "cpu", "--rows", "3", "--dtype", "float32", "--shape",
+                                  "tiny", "--reps", "1", "--plain-steps", "2", "--verify", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["runner"] == "v2" and result["rows"] == 3 and result["verified"]["event_rounds"] >= 2
+    assert result["syncs_per_plain_step"] == 0 and result["plain"]["step"]["done_us"] > 0
