@@ -346,3 +346,25 @@ def test_the_bundle_tools_are_never_installed_with_dynts():
     assert "dynts.vllm" in packages and not [p for p in packages if p.split(".")[0] in ("scripts", "vllm")]
     shipped = [f for files in tool.get("data-files", {}).values() for f in files]
     assert not [f for f in shipped if "vllm_gpu_bundle" in f or f.startswith("scripts")]
+
+
+@needs_bundle_venv
+def test_vllms_tokenizer_loads_the_testbed_on_the_images_transformers(tmp_path):
+    """vLLM 0.34 pins huggingface-hub >= 2 and transformers < 5.23; the image has 1.33 and 5.17. vLLM's own tokenizer
+    loading (its engine detokenizes what ``dynts vllm-check`` generates; the prompts go in as dynts' token ids) on the
+    testbed's directory: dynts' vocabulary, and dynts' ids decode to the question's words (vLLM loads the word-level
+    tokenizer as a Qwen2 one and joins words without spaces, as on the CPU test bed's transformers 5.22)."""
+    from dynts.models import resolve_path
+
+    out = run_faked(f"""
+        import huggingface_hub, transformers
+        from vllm.tokenizers.registry import get_tokenizer
+        from dynts.models import load_tokenizer
+        path = {str(resolve_path("testbed"))!r}
+        tok, ours = get_tokenizer(path), load_tokenizer(path)
+        text = "a 5 b 1 c 2 find r3"
+        decoded = tok.decode(ours.encode(text), skip_special_tokens=True)
+        print("tokenizer", tok.get_vocab() == ours.get_vocab(), decoded.replace(" ", "") == text.replace(" ", ""),
+              transformers.__version__, huggingface_hub.__version__)
+        """, tmp_path)
+    assert "tokenizer True True 5.17.0 1.33.0" in out, out
