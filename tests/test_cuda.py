@@ -68,6 +68,32 @@ def _bf16_model(seed: int = 0) -> torch.nn.Module:
     return tiny_model("qwen2", seed=seed).to("cuda", torch.bfloat16)
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_paged_move_matches_torch_on_gpu(layout, dtype):
+    """The vLLM eviction round's one-launch slot move equals the torch path bitwise on the GPU, in vLLM's layouts."""
+    from dynts.kernels.paged import PagedKV
+    from dynts.vllm.layouts import geometry_paged
+    from eval.perf.vllm_hooks_bench import vllm_kv_caches
+
+    g = torch.Generator().manual_seed(0)
+    rows, per_row, block = 8, 64, 16
+    blocks = (torch.randperm(rows * per_row, generator=g) + 1).view(rows, per_row)
+    keeps = [600 + 37 * r for r in range(rows)]
+    kept = torch.arange(max(keeps)).repeat(rows, 1)
+    for r, k in enumerate(keeps):
+        kept[r, :k] = torch.cat([torch.arange(64), (torch.randperm(per_row * block - 64, generator=g)[: k - 64] + 64).sort().values])
+    caches = vllm_kv_caches(4, rows * per_row + 1, 4, block, 256, dtype, "cuda", layout)
+    for kv in caches:
+        kv.normal_()
+    expected = [kv.clone() for kv in caches]
+    PagedKV(expected, block, geometry_paged(expected[0])).move_torch_(kept.cuda(), blocks.cuda())
+    paged = PagedKV(caches, block, geometry_paged(caches[0]))
+    assert paged.triton
+    paged.move_(kept.cuda(), blocks.cuda())
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected))
+
+
 def test_bf16_bounded_cache_logits_within_tolerance_and_fp32_tokens_identical():
     """SDPA over the cache's strided views and over contiguous tensors may sum in another order, so
     bf16 is held to a tolerance (4 ulps of the largest logit, per decode step, vs one plain forward

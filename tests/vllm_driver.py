@@ -162,16 +162,17 @@ def watch_buffers(runner) -> dict:
         finally:
             state["in_forward"] = False
 
-    def watch_copy(copy):
-        def watched(kv, src, dst, block_size):
-            counts["copies"] += 1
-            counts["copies_in_forward"] += state["in_forward"]
-            return copy(kv, src, dst, block_size)
-        return watched
+    paged = runner._dynts.kv  # the eviction round's slot move (dynts.kernels.PagedKV)
+    move = paged.move_
+
+    def watched_move(kept, blocks):
+        counts["copies"] += 1
+        counts["copies_in_forward"] += state["in_forward"]
+        return move(kept, blocks)
 
     runner.prepare_attn = watched_prepare_attn
     model.forward = watched_forward
-    runner._dynts.layers = [(kv, watch_copy(copy)) for kv, copy in runner._dynts.layers]
+    paged.move_ = watched_move
     return counts
 
 

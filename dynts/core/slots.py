@@ -303,12 +303,14 @@ class SlotTable:
             self._resize(self.rows, max(needed, 2 * self.width))
 
     def write(self, rows: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
-              token_ids: torch.Tensor) -> None:
-        """Record the ``T`` new tokens of a forward: ``rows``/``slots``/... are ``[T]`` tensors."""
+              token_ids: torch.Tensor, keep_scores: bool = False) -> None:
+        """Record the ``T`` new tokens of a forward: ``rows``/``slots``/... are ``[T]`` tensors. Their scores are
+        cleared (NaN until the forward's output scores them) unless ``keep_scores`` (tokens scored already)."""
         self.positions[rows, slots] = positions
         self.segments[rows, slots] = segments
         self.token_ids[rows, slots] = token_ids
-        self.scores[rows, slots] = float("nan")
+        if not keep_scores:
+            self.scores[rows, slots] = float("nan")
 
     def relabel_answer(self, row: int, end: int, pieces: Sequence[int]) -> None:
         """Mark as answer the thinking slots among the last ``len(pieces)`` before column ``end`` of

@@ -124,14 +124,17 @@ class SlotTracker:
         entry.row = -1
 
     # ------------------------------------------------------------------ forwards
-    def record(self, forwards: Sequence[Forward], score: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def record(self, forwards: Sequence[Forward], score: bool = False,
+               keep_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the metadata of one forward's new tokens, request by request in batch order.
 
         Returns the ``(rows, slots)`` ``[T]`` index pairs of the ``T`` tokens; with ``score`` they are kept
-        for :meth:`write_scores` (the next final-norm output scores exactly these tokens)."""
+        for :meth:`write_scores` (the next final-norm output scores exactly these tokens). ``keep_scores``: the
+        tokens were scored already (ids that arrive after their forward), their scores stay."""
         if forwards and all(len(f.token_ids) == 1 for f in forwards):  # a decode step: the vectorised path
             return self.record_decode([f.entry for f in forwards], [f.start for f in forwards],
-                                      [f.stored for f in forwards], [f.token_ids[0] for f in forwards], score)
+                                      [f.stored for f in forwards], [f.token_ids[0] for f in forwards], score,
+                                      keep_scores)
         rows: list[int] = []
         slots: list[int] = []
         positions: list[int] = []
@@ -148,18 +151,19 @@ class SlotTracker:
         if slots:
             self.table.ensure_width(max(slots) + 1)
         row_t, slot_t, *columns = self.staging.columns((rows, slots, positions, segments, tokens))
-        self.table.write(row_t, slot_t, *columns)
+        self.table.write(row_t, slot_t, *columns, keep_scores=keep_scores)
         self.pending_scores = (row_t, slot_t, len(rows)) if score and rows else None
         return row_t, slot_t
 
     def record_decode(self, entries: Sequence[RequestRow], starts: Sequence[int], stored: Sequence[int],
-                      tokens: Sequence[int], score: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      tokens: Sequence[int], score: bool = False,
+                      keep_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`record` for a decode step: one token per request (``entries[i]`` computes ``tokens[i]`` at absolute
         index ``starts[i]`` into slot ``stored[i]``), the same table writes in one upload. The labelling rule runs
         one request at a time only where the delimiter can change something (a partial match, or a delimiter id);
         every other token is question, thinking or answer by its request's state alone."""
         if not entries:
-            return self.record([])
+            return self.record([], score, keep_scores)
         rows = list(map(_ROW, entries))
         states = list(map(_ANSWER, entries))
         start, slot, token = np.asarray(starts), np.asarray(stored), np.asarray(tokens)
@@ -173,7 +177,7 @@ class SlotTracker:
                 segments[i] = self.segments(entries[i], (int(token[i]),), int(start[i]), int(slot[i]))[0]
         self.table.ensure_width(int(slot.max()) + 1)
         row_t, slot_t, *columns = self.staging.upload(np.stack([rows, slot, start, segments, token])).unbind(0)
-        self.table.write(row_t, slot_t, *columns)
+        self.table.write(row_t, slot_t, *columns, keep_scores=keep_scores)
         self.pending_scores = (row_t, slot_t, len(rows)) if score else None
         return row_t, slot_t
 

@@ -109,12 +109,15 @@ def kv_spec_problem(spec: Any) -> str | None:
     sliding window or attention chunk (vLLM frees or nulls blocks behind a window by *logical* position,
     ``num_computed_tokens``, which after a compaction hold kept K/V), causal, one token per stored state. A
     ``UniformTypeKVCacheSpecs`` group is checked layer by layer."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    try:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+    except ImportError:  # a stand-in runner without vLLM (eval/perf's hook benches): its spec class says its kind
+        FullAttentionSpec = None
 
     layers = getattr(spec, "kv_cache_specs", None)
     for layer in (layers.values() if isinstance(layers, dict) and layers else [spec]):
         kind = type(layer).__name__
-        if type(layer) is not FullAttentionSpec:
+        if (type(layer) is not FullAttentionSpec) if FullAttentionSpec is not None else kind != "FullAttentionSpec":
             window = getattr(layer, "sliding_window", None) or getattr(layer, "attention_chunk_size", None)
             return f"{kind} layers" + (f" (window {window})" if window else "")
         if layer.sliding_window is not None:

@@ -153,27 +153,37 @@ class RunnerV2Hooks(WorkerHooks):
         scored now and labelled when its id comes with the next plan (:meth:`_label_late`)."""
         num_reqs, states = batch.num_reqs, self.runner.req_states
         scheduled = batch.num_scheduled_tokens[:num_reqs]
-        forwards, cached, shift_rows = [], [], np.zeros(num_reqs, dtype=np.int64)
+        req_ids = batch.req_ids[:num_reqs]
+        get_shift, get_entry, unlabelled = self.shifts.get, self.tracker.slots.get, self.unlabelled
+        shift_list = [get_shift(rid, 0) for rid in req_ids]
+        shift_rows = np.asarray(shift_list, dtype=np.int64)
+        forwards, cached = [], []
         score_rows: list[int] = []
         score_slots: list[int] = []
-        for i, rid in enumerate(batch.req_ids[:num_reqs]):
-            q, computed = int(scheduled[i]), int(batch.num_computed_tokens_np[i])
-            shift = self.shifts.get(rid, 0)
-            shift_rows[i] = shift
-            entry, opened = self.entry_of(rid, int(states.prompt_len.np[states.req_id_to_index[rid]]))
+        for rid, q, computed, shift in zip(req_ids, scheduled.tolist(), batch.num_computed_tokens_np[:num_reqs].tolist(),
+                                           shift_list):
+            entry, opened = get_entry(rid), False
             if entry is None:
-                continue
+                entry, opened = self.entry_of(rid, int(states.prompt_len.np[states.req_id_to_index[rid]]))
+                if entry is None:
+                    continue
             if opened and computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
                 cached.append(Forward(entry, 0, 0, self._take(rid, 0, computed, require=True)))
             stored = computed - shift
-            ids = [] if self.unlabelled.get(rid) else self._take(rid, computed, q)
+            waiting = unlabelled.get(rid)
+            ids = [] if waiting else self._take(rid, computed, q)
             if ids:
                 forwards.append(Forward(entry, computed, stored, ids))
             if len(ids) < q:
-                self.unlabelled.setdefault(rid, []).extend(
-                    (computed + j, stored + j) for j in range(len(ids), q))
-            score_rows += [entry.row] * q
-            score_slots += range(stored, stored + q)
+                if waiting is None:
+                    waiting = unlabelled[rid] = []
+                waiting.extend((computed + j, stored + j) for j in range(len(ids), q))
+            if q == 1:
+                score_rows.append(entry.row)
+                score_slots.append(stored)
+            else:
+                score_rows += [entry.row] * q
+                score_slots += range(stored, stored + q)
         if cached:
             self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
         if forwards:
@@ -220,8 +230,14 @@ class RunnerV2Hooks(WorkerHooks):
 
     def _label_late(self) -> None:
         """Record the metadata of scored tokens whose ids just arrived (their scores are kept)."""
-        forwards, table = [], self.tracker.table
+        forwards, known, slots = [], self.known, self.tracker.slots
         for rid, waiting in list(self.unlabelled.items()):
+            first, have = known.get(rid, (-1, ()))
+            if len(waiting) == 1 and have and first == waiting[0][0]:  # a decoded token's id: the common case
+                known[rid] = (first + 1, have[1:])
+                forwards.append(Forward(slots[rid], first, waiting[0][1], have[:1]))
+                del self.unlabelled[rid]
+                continue
             ids = self._take(rid, waiting[0][0], len(waiting))
             if not ids:
                 continue
@@ -230,13 +246,8 @@ class RunnerV2Hooks(WorkerHooks):
             del waiting[: len(ids)]
             if not waiting:
                 del self.unlabelled[rid]
-        if not forwards:
-            return
-        rows, slots = self.staging.columns(([f.entry.row for f in forwards for _ in f.token_ids],
-                                            [f.stored + j for f in forwards for j in range(len(f.token_ids))]))
-        scores = table.scores[rows, slots].clone()
-        self.tracker.record(forwards)  # writes positions, segments and ids (and clears the slots' scores)
-        table.scores[rows, slots] = scores
+        if forwards:
+            self.tracker.record(forwards, keep_scores=True)  # positions, segments and ids; their scores stay
 
     def after_execute(self) -> None:
         """Give ``seq_lens`` back its logical values (the sampler tells a finished prefill by ``seq_len >=
