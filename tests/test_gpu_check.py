@@ -55,7 +55,7 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
         assert engine["ok"]
     assert result["tests"]["returncode"] == 0 and "test_cuda.py" in result["tests"]["output_tail"]
     assert [(c["compile"], c["batch"], c.get("methods")) for c in result["bench"]] == [
-        (False, 1, None), (False, 2, None), (True, 1, None), (True, 1, ["h2o", "snapkv", "rkv"])]
+        (False, 1, None), (False, 2, None), (True, 1, ["h2o", "snapkv", "rkv"]), (True, 1, None)]
     for combo in result["bench"]:
         assert [row["position"] for row in combo["rows"]] == [256, 512]
         for row in combo["rows"]:

@@ -104,6 +104,24 @@ def test_graph_driver_eager_attention_over_the_stored_slots_matches_the_referenc
     json.dumps(out)
 
 
+def test_graph_driver_never_reads_unwritten_slots(monkeypatch):
+    """Slots past a row's stored ones (and never-written blocks) may hold anything, NaN included: the stand-in
+    forward, like an attention kernel, does not let them into its output."""
+    from eval.perf import vllm_standin
+
+    allocate = vllm_standin.vllm_kv_caches
+
+    def nan_filled(*args, **kwargs):
+        caches = allocate(*args, **kwargs)
+        for kv in caches:
+            kv.fill_(float("nan"))
+        return caches
+
+    monkeypatch.setattr(vllm_standin, "vllm_kv_caches", nan_filled)
+    out = run_graph_check(GraphCheckSettings(rows=4, shape="tiny", dtype="bfloat16", cycles=1, plain_steps=2))
+    assert out["ok"] and out["reference_max_abs_diff"] <= 1e-4
+
+
 def test_graph_driver_catches_seq_lens_left_logical(monkeypatch):
     """Attention that reads logical ``seq_lens`` (a hook that forgot to lower them) reads past the stored slots: the
     reference comparison fails."""

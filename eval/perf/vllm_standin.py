@@ -51,10 +51,10 @@ def vllm_kv_caches(layers: int, blocks: int, heads: int, block_size: int, conten
                    device: torch.device | str, layout: str = FLASH_ATTN_DEFAULT_LAYOUT) -> list[torch.Tensor]:
     """Per-layer KV caches as vLLM views its one allocation (``create_kv_cache_views``): logical
     ``[blocks, heads, block_size, content]`` views of ``[L, B, H, N, C]`` stored in ``layout``'s memory order
-    (uninitialised)."""
+    (zeroed, as vLLM allocates them: ``vllm.v1.worker.utils._allocate_kv_cache_buffer``)."""
     order = LAYOUT_ORDERS[layout]
     logical = (layers, blocks, heads, block_size, content)
-    physical = torch.empty([logical[d] for d in order], dtype=dtype, device=device)
+    physical = torch.zeros([logical[d] for d in order], dtype=dtype, device=device)
     view = physical.permute([order.index(d) for d in range(5)])  # logical axis d back in place d
     return [view[i] for i in range(layers)]
 

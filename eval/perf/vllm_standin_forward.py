@@ -73,8 +73,11 @@ class StandInForward:
         stored_at = seq_lens[row] - length + index  # the token's own stored slot
         hidden = (j[None, :] > stored_at[:, None])[:, None, :]  # [T, 1, width]: not yet stored, or another query's
         q = query_content(positions, row, self.heads, self.head)  # [T, heads, head]
+        unread = hidden[:, 0, :, None, None]  # [T, width, 1, 1]: slots an attention kernel never loads
         for layer, (key, value) in enumerate(self.views):
-            k, v = key[blocks, offsets].float(), value[blocks, offsets].float()  # [T, width, heads, head]
+            # [T, width, heads, head]; what was never written may hold NaN, and 0 * NaN is NaN
+            k = key[blocks, offsets].float().masked_fill(unread, 0.0)
+            v = value[blocks, offsets].float().masked_fill(unread, 0.0)
             scores = torch.einsum("thd,twhd->thw", q, k) / math.sqrt(self.head)
             p = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
             self.out[layer, : positions.shape[0]] = torch.einsum("thw,twhd->thd", p, v)
