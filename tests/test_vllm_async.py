@@ -9,6 +9,12 @@ before that plan's events. Runs on the CPU test bed (``make check-vllm-v2``); sk
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from packaging.version import Version
 
@@ -99,3 +105,20 @@ def test_a_fault_in_one_request_ends_that_request_only(tmp_path, testbed):
     assert len(lines) == 1 and f"request {victim}" in lines[0] and "token ids arrive from index" in lines[0], lines
     assert mismatches(result, testbed, 8, skip={victim}) == []
     assert result["free_blocks_at_end"] == result["num_blocks"] - 1
+
+
+def test_a_short_soak_passes(tmp_path):
+    """``scripts/vllm_soak.py`` at a small size (12 requests, mixed methods, shared questions, aborts while an
+    eviction is in flight, a tight pool that makes stock vLLM preempt, async scheduling): exit 0, every finished
+    request exact, no engine death, every block free, the plugin's RSS growth within the slack of stock's."""
+    soak = Path(__file__).resolve().parents[1] / "scripts" / "vllm_soak.py"
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, str(soak), "--requests", "12", "--max-tokens", "160", "--every-steps", "4",
+                           "--abort-every", "4", "--abort-after", "40", "--json", str(out)], capture_output=True,
+                          text=True, timeout=1500, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["ok"] and summary["mismatches"] == [] and summary["compared"] >= 6
+    # every abort of this run is an evicting request's, at its second event (one that finishes first just finishes)
+    assert summary["aborted"]["plugin"] == summary["aborted_in_event"] >= 1
+    assert summary["preemptions"]["stock"] > 0 and summary["engine_deaths"] == {"stock": None, "plugin": None}
