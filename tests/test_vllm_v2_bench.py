@@ -88,6 +88,17 @@ def test_a_broken_v2_slot_move_is_caught(monkeypatch):
                                            verify=True, count_syncs=False))
 
 
+def test_a_request_the_v2_worker_fails_stops_the_bench(monkeypatch):
+    """The V2 worker ends a request on a broken invariant instead of raising inside vLLM; the bench does not time
+    such a run: it stops with the worker's reason."""
+    from dynts.vllm.worker_v2 import RunnerV2Hooks
+
+    monkeypatch.setattr(RunnerV2Hooks, "_receive", lambda self, rid, start, ids: self._fail(rid, "ids out of step"))
+    with pytest.raises(AssertionError, match="ids out of step"):
+        run_hooks_bench(HooksBenchSettings(rows=2, shape="tiny", dtype="float32", runner="v2", reps=1, plain_steps=2,
+                                           count_syncs=False))
+
+
 def test_v2_streamingllm_runs_without_a_predictor():
     result = run_hooks_bench(HooksBenchSettings(rows=2, shape="tiny", dtype="bfloat16", runner="v2",
                                                 method="streamingllm", reps=1, plain_steps=2, verify=True,
