@@ -118,7 +118,8 @@ class V1Round:
         return self.runner.requests[rid].block_ids[0]
 
     def round(self, q: int, plan: Any, fill: bool) -> None:
-        """One round of ``q`` tokens per row (the scheduler's ``plan`` and the rows' ``new_blocks`` decided)."""
+        """One round of ``q`` tokens per row (the scheduler's ``plan`` and the rows' ``new_blocks`` decided).
+        ``fill`` changes nothing here: the V1 runner holds every token id on the host (``token_ids_cpu``)."""
         runner, hooks, bench = self.runner, self.hooks, self.bench
         batch, table = runner.input_batch, runner.input_batch.block_table[0]
         out = SimpleNamespace(finished_req_ids=set(), scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()),
