@@ -32,8 +32,27 @@ sys.path.insert(0, str(ROOT))
 from eval.perf.vllm_hooks_bench import SHAPES, HooksBenchSettings, format_table, run_hooks_bench  # noqa: E402
 
 
+def compare_table(named: list[tuple[str, dict]]) -> str:
+    """Markdown rows of several saved results side by side (``--compare``): per plain step the host time of the
+    hooks that record and point attention (all but the last, which runs the predictor) and of the predictor's hook,
+    per eviction round the host time of the whole round, the syncs of each, and the slots moved per ms of the
+    round's ``before_step``."""
+    lines = ["| run | runner | rows | plain: recording hooks us | plain: predictor hook us | plain syncs | "
+             "round: host ms | round syncs | moved slots / ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in named:
+        hooks = r["hooks"]
+        plain = r["plain"]
+        recording = sum(plain[h]["host_us"] for h in hooks[:-1])
+        lines.append(f"| {name} | {r['runner']} | {r['rows']} | {recording:.0f} | {plain[hooks[-1]]['host_us']:.0f} | "
+                     f"{r['syncs_per_plain_step']:g} | {r['event']['step']['host_us'] / 1e3:.1f} | "
+                     f"{r['syncs_per_event_round']:g} | {r['moved_slots_per_ms']:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", type=Path, nargs="+", default=None,
+                        help="print saved --json results side by side (markdown) instead of running")
     parser.add_argument("--runner", default="v1", choices=["v1", "v2"],
                         help="the stand-in model runner: v1 (vLLM 0.32) or v2 (vLLM 0.34)")
     parser.add_argument("--sync-scheduling", action="store_true", help="v2: token ids ship with their own round")
@@ -50,6 +69,9 @@ def main(argv=None) -> int:
     parser.add_argument("--verify", action="store_true", help="check every row's stored K/V after every round")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     args = parser.parse_args(argv)
+    if args.compare:
+        print(compare_table([(path.stem, json.loads(path.read_text())) for path in args.compare]))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = args.shape or ("r1-7b" if torch.device(args.device).type == "cuda" else "small")

@@ -47,3 +47,20 @@ def test_gpu_tables_in_performance_md_come_from_the_committed_run():
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("|---")]
     assert len(rows) >= 9
     assert [r for r in rows if r not in printed] == []
+
+
+def test_hook_bench_table_in_vllm_md_comes_from_the_committed_results():
+    """docs/vllm.md's before/after table of the worker hooks is ``bench_vllm_hooks.py --compare``'s output."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bench_vllm_hooks import compare_table
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    runs = [(name, json.loads((ROOT / "reports/vllm-hooks-cpu" / f"{name}.json").read_text()))
+            for name in ("before-v1", "after-v1", "before-v2", "after-v2")]
+    printed = compare_table(runs).splitlines()
+    text = (ROOT / "docs/vllm.md").read_text()
+    assert all(line in text.splitlines() for line in printed)
