@@ -33,9 +33,10 @@ Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finish
     (``full_capacity`` in each row; the table says so), so its t_full(L) does not grow with L.
 (9) ``vllm``: the vLLM plugin's worker side at the R1-7B attention shape (28 layers, 4 KV heads, head 128,
     block 16, bf16), without vLLM's engine (the GPU image lacks vLLM, whose wheel is far over what a call can
-    carry; ``engine`` says whether it was importable): the slot copy of one eviction round of 32 requests at
-    B = 4096 on FLASH_ATTN's KV cache as vLLM 0.32 allocates it (default layout ``LBNHC``; ``LBHNC`` beside it),
-    exact against a reference gather, median of 10 after a warm-up (CUDA events), its peak scratch; the worker
+    carry; ``engine`` says whether it was importable): the slot move of one eviction round of 32 requests at
+    B = 4096 (``PagedKV``: one Triton launch for all 28 layers) on FLASH_ATTN's KV cache as vLLM allocates it
+    (default layout ``LBNHC``; ``LBHNC`` beside it), exact against a reference gather, median of 10 after a
+    warm-up (CUDA events), GB/s and its share of the 4.3 TB/s bound, its peak scratch; the worker
     hooks (``scripts/bench_vllm_hooks.py``: DynTS + a random predictor, 256 rows decoding one token each) on the
     stand-in V1 runner (vLLM 0.32, ``WorkerHooks``) and V2 runner (vLLM 0.34, ``RunnerV2Hooks``):
     microseconds and host syncs per plain decode step and per eviction round (``hooks_by_runner``), each after a
@@ -558,11 +559,12 @@ def graph_replay_check(device: torch.device, dry_run: bool) -> dict:
 
 
 def vllm_check(device: torch.device, dry_run: bool) -> dict:
-    """The plugin's worker side without vLLM's engine: (a) the FlashAttention slot copy of one eviction round
-    (``requests`` evicting from ``B`` to ``n_keep``) on the KV cache as vLLM 0.32 allocates it (one allocation,
-    FLASH_ATTN's logical ``[blocks, kv_heads, block_size, 2 * head]`` views in its default physical layout
-    ``LBNHC``), exact against a reference gather, warmed median of ``repeats``, and the same on the contiguous
-    ``LBHNC`` views for comparison; (b) the worker hooks per plain decode step and per eviction round on the
+    """The plugin's worker side without vLLM's engine: (a) the slot move of one eviction round (``requests``
+    evicting from ``B`` to ``n_keep``; :class:`dynts.kernels.PagedKV`, one Triton launch for every layer on CUDA)
+    on the KV cache as vLLM allocates it (one allocation, FLASH_ATTN's logical ``[blocks, kv_heads, block_size,
+    2 * head]`` views in its default physical layout ``LBNHC``), exact against a reference gather, warmed median of
+    ``repeats``, its GB/s against the H200's 4.3 TB/s (``copy_of_bound``), and the same on the contiguous ``LBHNC``
+    views for comparison; (b) the worker hooks per plain decode step and per eviction round on the
     stand-in V1 and V2 runners (:func:`hooks_check`), with their host syncs, each after a small run that checks
     every row's stored K/V against the evictor's decisions; (c) the V2 hooks between CUDA graph replays
     (:func:`graph_replay_check`)."""
