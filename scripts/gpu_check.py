@@ -93,10 +93,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 # dynts, eval.perf.decode_bench and bench_serve are imported only after check_versions() accepted the release
 
-R1_DISTILL_7B = dict(
-    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-    num_key_value_heads=4, max_position_embeddings=131072, rope_theta=10000.0, tie_word_embeddings=False,
-)
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
@@ -655,6 +651,7 @@ def vllm_engine_check(dry_run: bool, seconds: float) -> dict:
     saying how to build the bundle."""
     import importlib.util
 
+    from eval.perf.random_models import R1_DISTILL_7B
     from eval.perf.vllm_gpu_bundle import BUILD, BUNDLE, find_bundle, run_bundle
 
     bundle = find_bundle()
@@ -716,6 +713,8 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run on CPU")
     device = torch.device("cpu" if args.dry_run else "cuda")
+    from eval.perf.random_models import R1_DISTILL_7B  # (after the version check, like every dynts import)
+
     dtype, shape = (torch.float32, TINY) if args.dry_run else (torch.bfloat16, R1_DISTILL_7B)
     if args.dry_run:
         torch.set_num_threads(1)

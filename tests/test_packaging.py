@@ -78,7 +78,7 @@ DISTRIBUTIONS = {
 FIRST_PARTY = {"dynts", "trainers", "eval", "data_pipeline", "scripts", "conftest"}
 # which requirement groups each package's code may rely on
 PATHS = {"dynts": ("core", "models", "kernels", "serve", "vllm"), "trainers": ("core", "train"),
-         "data_pipeline": ("core", "train", "vllm"), "eval": ("core", "eval")}
+         "data_pipeline": ("core", "train", "vllm"), "eval": ("core", "eval", "vllm")}  # eval/perf's vLLM engine runs
 
 
 def imported_modules(package: str) -> set[str]:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["random_llama"]
+__all__ = ["R1_DISTILL_7B", "random_llama"]
+
+# DeepSeek-R1-Distill-Qwen-7B's shape (a Qwen2): what every 7B timing of the GPU check and its vLLM bundle runs
+R1_DISTILL_7B = dict(
+    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+    num_key_value_heads=4, max_position_embeddings=131072, rope_theta=10000.0, tie_word_embeddings=False,
+)
 
 
 def random_llama(path: str | Path, *, seed: int = 0, **shape) -> Path:

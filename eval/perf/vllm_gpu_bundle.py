@@ -414,8 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if bundle is None:
         print(f"no bundle at {BUNDLE}: {BUILD}", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_check import R1_DISTILL_7B  # the shape every 7B timing of the GPU check uses
+    from .random_models import R1_DISTILL_7B
 
     result = run_bundle(bundle, args.dry_run, args.seconds - 30, R1_DISTILL_7B)
     args.out.mkdir(parents=True, exist_ok=True)
