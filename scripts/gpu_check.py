@@ -57,6 +57,10 @@ image has no install of this checkout, ``PYTHONPATH=$PWD`` puts its packages on 
 
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 scripts/gpu_check.py --out $OUT
 
+A call copies the working tree and the carried paths, 64 MiB at most, and the tree is ~128 MB (reports/, the
+testbed checkpoints): ``bash scripts/gpu_tree.sh stash`` before it moves out what the check does not read (it
+prints what travels, ~6 MiB + the bundle's 32), ``bash scripts/gpu_tree.sh restore`` after it puts it back.
+
 dynts supports transformers ``>=5.17,<5.25`` (``dynts/hf_compat.py``), so the image's own release
 runs every section but the serving ones; those need ``dynts.serving``'s ``>=5.24,<5.25``. To run them
 on an older image, carry wheels of transformers 5.24 and its huggingface-hub (``pip download --no-deps
