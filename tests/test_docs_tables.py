@@ -32,15 +32,19 @@ def test_sealed_tables_recompute_from_the_records(capsys):
     assert [r for r in rows if r not in recomputed] == []
 
 
+def script(name: str):
+    """The module ``scripts/<name>.py`` (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_gpu_tables_in_performance_md_come_from_the_committed_run():
     """docs/performance.md's tables of the first GPU run are ``scripts/report_gpu_run.py``'s output, row for row."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from report_gpu_run import report
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    report = script("report_gpu_run").report
     printed = set(report(ROOT / "reports/gpu-runs/2026-12-04").splitlines())
     text = (ROOT / "docs/performance.md").read_text()
     section = text.split("### The first run: one H200, 2026-12-04", 1)[1].split("\n## ", 1)[0]
@@ -52,13 +56,8 @@ def test_gpu_tables_in_performance_md_come_from_the_committed_run():
 def test_hook_bench_table_in_vllm_md_comes_from_the_committed_results():
     """docs/vllm.md's before/after table of the worker hooks is ``bench_vllm_hooks.py --compare``'s output."""
     import json
-    import sys
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from bench_vllm_hooks import compare_table
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    compare_table = script("bench_vllm_hooks").compare_table
     runs = [(name, json.loads((ROOT / "reports/vllm-hooks-cpu" / f"{name}.json").read_text()))
             for name in ("before-v1", "after-v1", "before-v2", "after-v2")]
     printed = compare_table(runs).splitlines()
