@@ -43,7 +43,7 @@ class HostStaging:
 
     Args:
         device: where the uploaded tensors go.
-        capacity: elements of the first buffer (it grows by doubling when a larger upload comes).
+        capacity: elements of the first buffer; a buffer added later holds the largest upload seen so far.
     """
 
     def __init__(self, device: torch.device | str, capacity: int = 4096) -> None:

@@ -211,17 +211,13 @@ class WorkerHooks:
         blocks = np.zeros((len(rids), max(math.ceil(group.stored / bs) for group in groups)), dtype=np.int64)
         row = 0
         for group in groups:
-            used = math.ceil(group.stored / bs)
+            used, keep = math.ceil(group.stored / bs), math.ceil(group.n_keep / bs)
             kept[row : row + len(group.entries), : group.n_keep] = group.kept
             for rid in rids[row : row + len(group.entries)]:
-                blocks[row, :used] = self.block_ids(rid)[:used]
+                blocks[row, :used] = self.block_ids(rid)[:used]  # read before the cut below
+                self._truncate_blocks(rid, keep)
                 row += 1
         self.kv.move_(kept, self.staging.upload(blocks))
-        row = 0
-        for group in groups:
-            for rid in rids[row : row + len(group.entries)]:
-                self._truncate_blocks(rid, math.ceil(group.n_keep / bs))
-            row += len(group.entries)
 
     def _truncate_blocks(self, rid: str, keep: int) -> None:
         """Cut the worker's block lists of a request to its first ``keep`` blocks (the scheduler freed the rest)."""

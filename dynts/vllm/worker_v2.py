@@ -178,12 +178,8 @@ class RunnerV2Hooks(WorkerHooks):
                 if waiting is None:
                     waiting = unlabelled[rid] = []
                 waiting.extend((computed + j, stored + j) for j in range(len(ids), q))
-            if q == 1:
-                score_rows.append(entry.row)
-                score_slots.append(stored)
-            else:
-                score_rows += [entry.row] * q
-                score_slots += range(stored, stored + q)
+            score_rows += [entry.row] * q
+            score_slots += range(stored, stored + q)
         if cached:
             self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
         if forwards:
@@ -230,14 +226,8 @@ class RunnerV2Hooks(WorkerHooks):
 
     def _label_late(self) -> None:
         """Record the metadata of scored tokens whose ids just arrived (their scores are kept)."""
-        forwards, known, slots = [], self.known, self.tracker.slots
+        forwards = []
         for rid, waiting in list(self.unlabelled.items()):
-            first, have = known.get(rid, (-1, ()))
-            if len(waiting) == 1 and have and first == waiting[0][0]:  # a decoded token's id: the common case
-                known[rid] = (first + 1, have[1:])
-                forwards.append(Forward(slots[rid], first, waiting[0][1], have[:1]))
-                del self.unlabelled[rid]
-                continue
             ids = self._take(rid, waiting[0][0], len(waiting))
             if not ids:
                 continue
