@@ -64,6 +64,25 @@ def test_triton_compact_matches_torch_on_gpu(dtype):
         assert torch.equal(got[:, :, :k].cpu(), ref[:, :, :k])
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_per_head_compact_matches_torch_on_gpu(dtype):
+    from dynts.kernels.triton_kernels import compact_triton_
+
+    g = torch.Generator().manual_seed(1)
+    b, layers, h, cap, d, length, k = 2, 3, 4, 700, 128, 650, 260
+    buffers = [torch.randn(b, h, cap, d, generator=g).to(dtype) for _ in range(2 * layers)]
+    kept = torch.stack([torch.randperm(length, generator=g)[:k].sort().values for _ in range(b * layers * h)])
+    kept = kept.view(b, layers, h, k)
+    owners = [i // 2 for i in range(2 * layers)]
+    expected = [t.clone() for t in buffers]
+    compact_torch_(expected, kept, length, owners)
+    on_gpu = [t.cuda() for t in buffers]
+    compact_triton_(on_gpu, kept.cuda(), length, owners)
+    for got, ref in zip(on_gpu, expected):
+        assert torch.equal(got[:, :, :k].cpu(), ref[:, :, :k])
+
+
 def _bf16_model(seed: int = 0) -> torch.nn.Module:
     return tiny_model("qwen2", seed=seed).to("cuda", torch.bfloat16)
 

@@ -75,6 +75,21 @@ def test_compact_torch_moves_kept_slots_to_front():
     assert torch.equal(buf[:, :, 4:], before[:, :, 4:])  # slots past k are left alone
 
 
+def test_compact_per_head_moves_each_heads_slots():
+    layers, heads = 2, 3
+    buffers = [torch.randn(2, heads, 10, 4) for _ in range(2 * layers)]
+    before = [t.clone() for t in buffers]
+    g = torch.Generator().manual_seed(1)
+    kept = torch.stack([torch.randperm(9, generator=g)[:5].sort().values for _ in range(2 * layers * heads)]).view(2, layers, heads, 5)
+    compact_(buffers, kept, 9, [0, 0, 1, 1])
+    for i, (t, old) in enumerate(zip(buffers, before)):
+        for row in range(2):
+            for head in range(heads):
+                assert torch.equal(t[row, head, :5], old[row, head, kept[row, i // 2, head]])
+    with pytest.raises(ValueError, match="layers="):
+        compact_(buffers, kept, 9)
+
+
 def interpreter_report() -> dict:
     """Run both paths on tiny random inputs (called in a subprocess with TRITON_INTERPRET=1)."""
     import triton  # noqa: F401  (imported after TRITON_INTERPRET was set by the parent)
@@ -95,6 +110,18 @@ def interpreter_report() -> dict:
         compact_(buffers, kept, length)
         error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref, buffers))
         report["compact"].append({"dtype": str(dtype), "length": length, "k": k, "max_abs_error": error})
+    # per-head kept sets [b, L, h, k]: each buffer moves with its layer's indices, each head with its own
+    for dtype, length, k in [(torch.float32, 20, 11), (torch.bfloat16, 70, 64)]:
+        layers, heads = 3, 2
+        buffers = [torch.randn(2, heads, 72, 16, generator=g).to(dtype) for _ in range(2 * layers)]
+        ref = [t.clone() for t in buffers]
+        kept = torch.stack([torch.randperm(length, generator=g)[:k].sort().values for _ in range(2 * layers * heads)])
+        kept = kept.view(2, layers, heads, k)
+        owners = [i // 2 for i in range(2 * layers)]
+        compact_torch_(ref, kept, length, owners)
+        compact_(buffers, kept, length, owners)
+        error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref, buffers))
+        report["compact"].append({"dtype": str(dtype), "length": length, "k": k, "per_head": True, "max_abs_error": error})
     # the fused path inside a real cache: a bounded decode with the Triton kernels equals the torch one
     from conftest import tiny_model
     from conftest import decode_with_cache
@@ -108,6 +135,12 @@ def interpreter_report() -> dict:
         os.environ[BACKEND_ENV] = backend
         seq, logits, *_ , cache = decode_with_cache(model, ids, mask, "dynts", 16, 24, predictor)
         runs[backend] = (seq, logits, cache.stats.evictions)
+        evictor = dynts.make_evictor("h2o", per_head=True)
+        out = dynts.generate(model, input_ids=ids, method=evictor, budget=16, local_window=4, max_new_tokens=24,
+                             do_sample=False, think_end=None)
+        runs[backend + "-per-head"] = (out.sequences, out.stats["evictions"])
+    report["per_head_decode"] = {"tokens_equal": torch.equal(runs["torch-per-head"][0], runs["triton-per-head"][0]),
+                                 "evictions": runs["triton-per-head"][1]}
     report["decode"] = {
         "tokens_equal": torch.equal(runs["torch"][0], runs["triton"][0]),
         "logits_max_abs_error": float((runs["torch"][1] - runs["triton"][1]).abs().max()),
@@ -129,6 +162,8 @@ def test_triton_interpreter_matches_torch():
         assert case["equal"], case
     for case in report["compact"]:
         assert case["max_abs_error"] == 0.0, case  # a gather moves values, it never rounds them
+    assert any(case.get("per_head") for case in report["compact"])
+    assert report["per_head_decode"]["evictions"] >= 2 and report["per_head_decode"]["tokens_equal"], report["per_head_decode"]
     assert report["decode"]["evictions"] >= 2
     assert report["decode"]["tokens_equal"], report["decode"]
     assert report["decode"]["logits_max_abs_error"] == 0.0, report["decode"]

@@ -30,8 +30,11 @@ def build_cache(
 ) -> BoundedCache:
     """A :class:`BoundedCache` sized for ``model``."""
     cache_options.setdefault("defer_scores", True)
+    config = model.config.get_text_config()
+    if evictor.per_head:
+        cache_options.setdefault("kv_heads", getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     return BoundedCache(
-        model.config.get_text_config().num_hidden_layers,
+        config.num_hidden_layers,
         evictor,
         budget if evictor.bounded else None,
         think_end_token_id=think_end_token_id,
@@ -65,6 +68,8 @@ def attach(
         if kwargs.get("cache", kwargs.get("past_key_values")) is cache:
             cache.end_forward()
 
+    if predictor is not None and cache.per_head:
+        raise ValueError(f"method={cache.evictor.name!r} with per_head=True reads no predictor scores; pass predictor=None")
     if "scores" in cache.requires and predictor is None:
         raise ValueError(f"method={cache.evictor.name!r} needs predictor=... (an ImportancePredictor or its directory)")
     with ExitStack() as stack:
@@ -83,7 +88,7 @@ def attach(
             # H2O sums every query row; the window statistics only need the last rows of a forward
             rows = None if "attention" in cache.requires else cache.observation_window
             stack.enter_context(recording_attention(
-                model, lambda module, probs, first_row: cache.record_attention(probs, first_row),
+                model, lambda module, probs, first_row: cache.record_attention(probs, first_row, module.layer_idx if cache.per_head else 0),
                 last_rows=rows, chunk_rows=RECORD_CHUNK_ROWS,
             ))
         yield cache

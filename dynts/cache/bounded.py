@@ -5,6 +5,13 @@ the cache keeps one table of per-slot metadata (absolute position, segment, toke
 score, attention statistics) shared by all layers. An eviction event picks one ``[b, n_keep]`` index
 tensor and compacts every layer's buffers and the table with it, in place.
 
+Per-head selection (a ``per_head`` evictor, ``kv_heads`` given): the table holds one row per (batch row,
+layer, KV head) -- ``G = layers x kv_heads`` rows per batch row, row ``r * G + l * kv_heads + h`` -- the
+attention statistics are gathered per head (summed over the query heads of its group), and an event
+compacts each head of each layer with its own ``n_keep`` slots. Every head keeps the same count, the
+question and local window at the same slots and padding first, so slot ``j`` is valid for every head
+at once and one mask serves all heads; the batch-row views (mask, labels) read each row's first head.
+
 Positions stay absolute and keys are never re-rotated: ``get_seq_length()`` is the number of tokens
 seen, and ``get_mask_sizes(q)`` is ``(stored + q, seen - stored)`` so the kept entries sit right before
 the query in the causal mask. Padding and evicted gaps are handled by a per-slot validity mask that
@@ -36,7 +43,7 @@ from transformers.cache_utils import Cache
 from ..core.budget import Budget
 from ..core.slots import EvictorCall, Selection, SlotTable, build_token_info, select_kept
 from ..evictors.base import Evictor, Segment, TokenInfo
-from ..kernels import compact_
+from ..kernels import compact_, compact_torch_
 from .layers import BoundedLayer, StaticBoundedLayer, incoming_tokens, mark_static
 from .layout import Layout
 from .parts import CacheConfig, CacheStats, Part, RowLabels
@@ -64,6 +71,8 @@ class BoundedCache(Cache):
             (or when :attr:`scores` is read through :meth:`flush_scores`), instead of a predictor
             call per step: the same scores from the same hidden states, without the per-step MLP.
         max_length: capacity of a static full (unbounded) cache: prompt + new tokens.
+        kv_heads: the model's KV heads per layer (``num_key_value_heads``); needed by a ``per_head``
+            evictor (:func:`dynts.build_cache` passes it).
 
     The cache is made of parts (each field of a part reads as an attribute of the cache): ``layout`` (its
     :class:`~dynts.cache.layout.Layout`, shared with its layers: ``length``, ``seen``, ``pending``,
@@ -85,11 +94,12 @@ class BoundedCache(Cache):
         static: bool = False,
         max_length: int | None = None,
         defer_scores: bool = False,
+        kv_heads: int | None = None,
     ):
         if observation_window is None:
             observation_window = getattr(evictor, "observation_window", 8)
         config = CacheConfig(evictor, budget, think_end_token_id, observation_window, keys_layer % num_layers,
-                             bool(static), max_length, bool(defer_scores))
+                             bool(static), max_length, bool(defer_scores), kv_heads)
         self._assemble(config, [None] * num_layers)
 
     @classmethod
@@ -150,12 +160,11 @@ class BoundedCache(Cache):
     def _record_incoming(self, positions: torch.Tensor, segments: torch.Tensor, input_ids: torch.Tensor) -> None:
         """Write the metadata of a forward's ``q`` new tokens (``[b, q]`` or broadcastable) into the
         slots after ``length``; they become pending until :meth:`end_forward`."""
-        q = input_ids.shape[1]
+        b, q = input_ids.shape
         self._ensure_capacity(self.length + q)
         sl = slice(self.length, self.length + q)
-        self.positions[:, sl] = positions
-        self.segments[:, sl] = segments
-        self.token_ids[:, sl] = input_ids
+        for name, value in (("positions", positions), ("segments", segments), ("token_ids", input_ids)):
+            self.head_rows(getattr(self, name))[:, :, sl] = value.expand(b, q)[:, None]
         self.scores[:, sl] = float("nan")
         if self.attention is not None:
             self.attention[:, sl] = 0.0
@@ -170,7 +179,7 @@ class BoundedCache(Cache):
         evicted prefix (those keys are gone; the model only sees ``length + pending`` of them), the
         slots' validity after it."""
         n = self.length + self.pending
-        valid = self.segments[:, :n] != Segment.PAD
+        valid = self.row_view(self.segments)[:, :n] != Segment.PAD
         mask = torch.ones(valid.shape[0], self.seen + self.pending, dtype=torch.bool, device=valid.device)
         mask[:, self.seen - self.length :] = valid
         return mask
@@ -206,20 +215,22 @@ class BoundedCache(Cache):
             self.scorer.flush(self.scores)
 
     # ------------------------------------------------------------------ statistics
-    def record_attention(self, probs: torch.Tensor, first_row: int = 0) -> None:
-        """Add one layer's attention ``[b, heads, c, stored + q]`` of the in-flight query rows
+    def record_attention(self, probs: torch.Tensor, first_row: int = 0, layer: int = 0) -> None:
+        """Add the attention ``[b, heads, c, stored + q]`` of layer ``layer`` for the in-flight query rows
         ``first_row .. first_row + c`` (of the forward's ``q``; all of them by default;
         ``[b, heads, 1, capacity]`` in a static decode step: masked slots carry probability 0).
 
-        The rows are reduced on the layer's device and only the ``[b, n]`` / ``[b, rows, n]`` sums
-        move to the table's device (layers of a sharded model live on several devices)."""
+        The rows are reduced on the layer's device and only the sums (``[b, n]`` / ``[b, rows, n]``,
+        per KV head with a ``per_head`` evictor) move to the table's device (layers of a sharded model
+        live on several devices)."""
+        probs = self._by_kv_head(probs)  # [b, H, group, c, n]: H = kv_heads per head, else 1
         if self.static_step:
-            self._record_static_step(probs)
+            self._record_static_step(probs, layer)
             return
         n = self.length + self.pending
         device = self.positions.device
         if self.attention is not None:
-            self.attention[:, :n] += probs.sum(dim=(1, 2)).to(device, torch.float32)
+            self._layer_rows(self.attention, layer)[..., :n] += probs.sum(dim=(2, 3)).to(device, torch.float32)
         if self.window_attention is not None:
             w, q = self.window_attention.shape[1], self.pending
             if self.window_fresh:
@@ -227,61 +238,118 @@ class BoundedCache(Cache):
                 self.window_attention[:, :keep] = self.window_attention[:, w - keep :].clone()
                 self.window_attention[:, keep:] = 0.0
                 self.window_fresh = False
-            lo, hi = max(first_row, q - w), first_row + probs.shape[2]  # forward rows inside the window
+            lo, hi = max(first_row, q - w), first_row + probs.shape[3]  # forward rows inside the window
             if lo < hi:
-                rows = probs[:, :, lo - first_row : hi - first_row].sum(dim=1).to(device, torch.float32)
-                self.window_attention[:, w - (q - lo) : w - (q - hi), :n] += rows
+                rows = probs[:, :, :, lo - first_row : hi - first_row].sum(dim=2).to(device, torch.float32)
+                self._layer_rows(self.window_attention, layer)[:, :, w - (q - lo) : w - (q - hi), :n] += rows
 
-    def _record_static_step(self, probs: torch.Tensor) -> None:
-        """:meth:`record_attention` of a decode step over the whole buffer (no host integer read)."""
+    def _record_static_step(self, probs: torch.Tensor, layer: int) -> None:
+        """:meth:`record_attention` of a decode step over the whole buffer (no host integer read);
+        ``probs`` ``[b, H, group, 1, capacity]``."""
         device = self.positions.device
         if self.attention is not None:
-            self.attention.add_(probs.sum(dim=(1, 2)).to(device, torch.float32))
+            self._layer_rows(self.attention, layer).add_(probs.sum(dim=(2, 3)).to(device, torch.float32))
         if self.window_attention is not None:
             if self.window_fresh:  # the first layer of the step shifts the window by one row
                 self.window_attention[:, :-1] = self.window_attention[:, 1:].clone()
                 self.window_attention[:, -1:] = 0.0
                 self.window_fresh = False
-            self.window_attention[:, -1:] += probs.sum(dim=1).to(device, torch.float32)
+            self._layer_rows(self.window_attention, layer)[:, :, -1:] += probs.sum(dim=2).to(device, torch.float32)
+
+    # ------------------------------------------------------------------ per-head rows
+    @property
+    def groups(self) -> int:
+        """Table rows per batch row: ``layers x kv_heads`` with a ``per_head`` evictor, else 1."""
+        return len(self.layers) * self.kv_heads if self.per_head else 1
+
+    @property
+    def batch_rows(self) -> int:
+        """Batch rows the cache holds (``0`` before the first forward)."""
+        return 0 if self.table is None else self.table.rows // self.groups
+
+    def head_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """A table column ``[b * G, ...]`` viewed as ``[b, G, ...]`` (``G`` = :attr:`groups`)."""
+        return t.unflatten(0, (-1, self.groups))
+
+    def row_view(self, t: torch.Tensor) -> torch.Tensor:
+        """A table column ``[b * G, ...]`` at each batch row's first table row, ``[b, ...]``: the slot
+        metadata every head shares (validity, labels; ``t`` itself without per-head selection)."""
+        return t[:: self.groups]
+
+    def _layer_rows(self, t: torch.Tensor, layer: int) -> torch.Tensor:
+        """The table rows layer ``layer``'s attention feeds, ``[b, H, ...]`` (``H`` = KV heads, or 1)."""
+        if not self.per_head:
+            return t[:, None]
+        return t.unflatten(0, (-1, len(self.layers), self.kv_heads))[:, layer]
+
+    def _by_kv_head(self, probs: torch.Tensor) -> torch.Tensor:
+        """``[b, h_q, c, n]`` -> ``[b, H, h_q / H, c, n]``: query heads grouped by the KV head they read
+        (transformers' ``repeat_kv`` order), ``H = kv_heads`` with per-head selection, else 1."""
+        heads = self.kv_heads if self.per_head else 1
+        return probs.unflatten(1, (heads, probs.shape[1] // heads))
 
     # ------------------------------------------------------------------ eviction
     def token_info(self) -> TokenInfo:
         """Metadata of the stored slots as an evictor sees it."""
         self.flush_scores()
         n = self.length
-        keys = self.layers[self.keys_layer].keys[:, :, :n].to(self.positions.device) if "keys" in self.requires else None
+        keys = None
+        if "keys" in self.requires and self.per_head:
+            keys = self.reference_keys(torch.arange(self.table.rows, device=self.positions.device), n)
+        elif "keys" in self.requires:
+            keys = self.layers[self.keys_layer].keys[:, :, :n].to(self.positions.device)
         return build_token_info(self.table, n, self.n_keep, self.budget.local_window, self.question_length, keys=keys)
 
     def reference_keys(self, rows: torch.Tensor, stored: int) -> torch.Tensor:
-        """The reference layer's keys ``[g, h_kv, stored, d]`` of ``rows`` ``[g]``, on the table's device (R-KV)."""
-        keys = self.layers[self.keys_layer].keys
-        return keys[rows.to(keys.device), :, :stored].to(self.positions.device)
+        """The keys of table ``rows`` ``[g]`` on the table's device (R-KV): the reference layer's
+        ``[g, h_kv, stored, d]``, or with per-head selection each row's own layer and head, ``[g, 1, stored, d]``."""
+        if not self.per_head:
+            keys = self.layers[self.keys_layer].keys
+            return keys[rows.to(keys.device), :, :stored].to(self.positions.device)
+        device = self.positions.device
+        every = torch.stack([layer.keys[:, :, :stored].to(device) for layer in self.layers], 1)  # [b, L, h, n, d]
+        return every.flatten(0, 2)[rows, None]
 
     def run_evictor(self, due: Sequence[tuple[int, int, int]], check: bool = True) -> list[Selection]:
         """The kept slots of the rows due: ``(row, question_length, n_keep)`` each, storing ``length`` slots
         (:func:`dynts.core.slots.select_kept`, one evictor call per group; pending scores flushed first)."""
         self.flush_scores()
-        evictor, window, n = self.evictor, self.budget.local_window, self.length
-        calls = [(row, row, EvictorCall(evictor, window, question, n, keep)) for row, question, keep in due]
+        evictor, window, n, groups = self.evictor, self.budget.local_window, self.length, self.groups
+        calls = [(row, row * groups + g, EvictorCall(evictor, window, question, n, keep))
+                 for row, question, keep in due for g in range(groups)]
         return select_kept(self.table, calls, self.reference_keys if "keys" in self.requires else None, check)
 
     def evict(self) -> None:
         """Run one eviction event now: every row keeps its ``n_keep`` slots."""
-        (selection,) = self.run_evictor([(row, self.question_length, self.n_keep) for row in range(self.table.rows)])
+        (selection,) = self.run_evictor([(row, self.question_length, self.n_keep) for row in range(self.batch_rows)])
         self.apply_kept(selection.kept)
 
+    def compact_kv(self, kept: torch.Tensor, length: int, ascending: bool = True) -> None:
+        """Gather the ``kept`` slots ``[b * G, k]`` (one row per table row) of every layer's K/V buffers to
+        their front. ``ascending=False``: a gather list that is not ascending (the ragged cache's), which
+        only the torch reference path moves correctly in place."""
+        buffers, layers = [], []
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                buffers += [layer.keys, layer.values]
+                layers += [i, i]
+        if self.per_head:
+            kept = kept.view(-1, len(self.layers), self.kv_heads, kept.shape[1])
+        (compact_ if ascending else compact_torch_)(buffers, kept, length, layers if self.per_head else None)
+
     def apply_kept(self, kept: torch.Tensor) -> None:
-        """Compact every layer's buffers and the slot table to ``kept`` ``[b, k]`` (ascending)."""
+        """Compact every layer's buffers and the slot table to ``kept`` ``[b * G, k]`` (ascending; one row per
+        table row, :attr:`groups`)."""
         self.flush_scores()
         k = kept.shape[1]
-        buffers = [t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)]
-        compact_(buffers, kept, self.length)
+        self.compact_kv(kept, self.length)
         self.table.compact(slice(None), kept)
+        valid = self.row_view(self.segments)[:, :k] != Segment.PAD
         if self.slot_mask is not None:
-            self.slot_mask[:, :k] = self.segments[:, :k] != Segment.PAD
+            self.slot_mask[:, :k] = valid
             self.slot_mask[:, k:] = False
         if self.holds_pads:  # pads are evicted first; re-check once per event, not per step
-            self.holds_pads = bool((self.segments[:, :k] == Segment.PAD).any())
+            self.holds_pads = not bool(valid.all())
         self.stats.event(self.length - k, self.seen)
         self.length = k
 
@@ -302,7 +370,7 @@ class BoundedCache(Cache):
             self.write_index = torch.zeros(1, dtype=torch.long, device=device)
             self.seen_tensor = torch.zeros((), dtype=torch.long, device=device)
             self.slot_mask = torch.zeros(b, cap, dtype=torch.bool, device=device)
-        self.table = SlotTable(device, rows=b, width=cap, statistics=self.requires & {"attention", "window_attention"},
+        self.table = SlotTable(device, rows=b * self.groups, width=cap, statistics=self.requires & {"attention", "window_attention"},
                                window=self.observation_window)
         self.labels.allocate(b, device)
         self.window_fresh = True
@@ -323,7 +391,11 @@ class BoundedCache(Cache):
     def _generated_segments(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Segments of generated tokens by the one rule (:func:`dynts.core.segments.label_rows`)."""
         n = self.length
-        return self.labels.label(input_ids, valid, self.segments[:, :n], self.token_ids[:, :n])
+        segments = self.labels.label(input_ids, valid, self.row_view(self.segments)[:, :n], self.row_view(self.token_ids)[:, :n])
+        if self.per_head and self.labels.delimiter is not None and n:  # a relabelled delimiter: every head's slots
+            tail = self.head_rows(self.segments)[:, :, max(0, n - self.labels.delimiter.length) : n]
+            tail[:, 1:] = tail[:, :1]
+        return segments
 
     # ------------------------------------------------------------------ info
     @property
@@ -345,15 +417,17 @@ class BoundedCache(Cache):
             if layer.is_initialized
         )
 
-    def kept_positions(self, row: int = 0) -> torch.Tensor:
-        """Absolute positions of the real tokens stored for ``row`` (after the last forward)."""
+    def kept_positions(self, row: int = 0, layer: int = 0, kv_head: int = 0) -> torch.Tensor:
+        """Absolute positions of the real tokens stored for ``row`` (after the last forward); with per-head
+        selection those of ``layer``'s KV head ``kv_head``."""
         n = self.length
-        valid = self.segments[row, :n] != Segment.PAD
-        return self.positions[row, :n][valid]
+        index = row * self.groups + (layer * self.kv_heads + kv_head if self.per_head else 0)
+        valid = self.segments[index, :n] != Segment.PAD
+        return self.positions[index, :n][valid]
 
 
 for _part, _names in (("layout", [f.name for f in fields(Layout)]), ("table", list(SlotTable.FILL)),
-                      ("config", [f.name for f in fields(CacheConfig)] + ["bounded", "requires"]),
+                      ("config", [f.name for f in fields(CacheConfig)] + ["bounded", "requires", "per_head"]),
                       ("labels", ["delimiter", "in_answer", "think_match"])):
     for _name in _names:
         setattr(BoundedCache, _name, Part(_part, _name))

@@ -31,6 +31,8 @@ class CacheConfig:
         static: fixed-capacity buffers and static-shape decode steps.
         max_length: capacity of a static full cache.
         defer_scores: score eager decode steps in one batched predictor call.
+        kv_heads: the model's KV heads per layer; needed by a ``per_head`` evictor (one selection per
+            layer and KV head).
     """
 
     evictor: Evictor
@@ -41,6 +43,7 @@ class CacheConfig:
     static: bool = False
     max_length: int | None = None
     defer_scores: bool = False
+    kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         if self.bounded and self.budget is None:
@@ -49,6 +52,19 @@ class CacheConfig:
             raise ValueError(f"observation_window={self.observation_window!r} must be a positive int")
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
             raise ValueError(f"max_length={self.max_length!r} must be a positive int (prompt + new tokens)")
+        if self.kv_heads is not None and (isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int)
+                                          or self.kv_heads < 1):
+            raise ValueError(f"kv_heads={self.kv_heads!r} must be a positive int (the model's num_key_value_heads)")
+        if self.per_head and self.kv_heads is None:
+            raise ValueError(
+                f"method={self.evictor.name!r} with per_head=True selects per KV head and needs kv_heads=... "
+                "(the model's num_key_value_heads; dynts.build_cache passes it)"
+            )
+
+    @property
+    def per_head(self) -> bool:
+        """One selection per (batch row, layer, KV head) instead of one per batch row."""
+        return self.bounded and bool(self.evictor.per_head)
 
     @property
     def bounded(self) -> bool:

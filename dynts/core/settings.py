@@ -116,6 +116,12 @@ class EvictionSettings:
     def check_served(self) -> "EvictionSettings":
         """Raise ``ValueError`` unless a paged engine can run these settings (budget-only or scored
         methods; ``fixed`` with one row for every request); returns ``self``."""
+        if self.evictor.per_head:
+            raise ValueError(
+                f"method={self.evictor.name!r} with per_head=True keeps a different set per KV head, but a paged "
+                "engine's blocks hold every head of a token: pass per_head=False (one set for all heads) "
+                "or use dynts.generate for per-head selection"
+            )
         unsupported = set(self.evictor.requires) - SERVED_STATISTICS
         if unsupported:
             raise ValueError(

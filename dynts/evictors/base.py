@@ -2,8 +2,11 @@
 
 A cache asks its evictor which of the stored entries to keep whenever the budget is reached. The
 evictor sees per-slot metadata (:class:`TokenInfo`) and returns the kept slot indices per row.
-Selection is per token and shared by all layers and heads (as in the DynTS reference code), so one
-index tensor per eviction event serves every layer.
+By default selection is per token and shared by all layers and heads (as in the DynTS reference code),
+so one index tensor per eviction event serves every layer. An evictor with ``per_head = True`` (H2O,
+SnapKV and R-KV as their papers select) is called on one row per (batch row, layer, KV head) instead:
+the cache gathers each head's own statistics into that row and compacts each head with its own kept
+slots, under the same ``n_keep``. The evictor's code is the same for both.
 
 Adding a method = one file with an ``@register("name")`` dataclass + an import in ``__init__``.
 """
@@ -66,6 +69,10 @@ class TokenInfo:
         window_attention: ``[b, w, n]`` attention of the last ``w`` queries, summed over layers
             and heads (SnapKV's observation window); slots newer than a query get 0.
         keys: ``[b, h_kv, n, d]`` key states of one reference layer (R-KV redundancy).
+
+    For a ``per_head`` evictor each of the ``b`` rows is one (batch row, layer, KV head): ``attention``
+    and ``window_attention`` are that head's (summed over the query heads of its group), ``keys`` is
+    ``[b, 1, n, d]``, that head's keys.
     """
 
     positions: torch.Tensor
@@ -101,6 +108,7 @@ class Evictor(ABC):
     name: ClassVar[str] = ""
     requires: ClassVar[frozenset[str]] = frozenset()
     bounded: ClassVar[bool] = True  # False: the full cache (no budget, never evicts)
+    per_head = False  # True: one selection per (batch row, layer, KV head); a dataclass field where a method offers it
 
     @abstractmethod
     def select(self, info: TokenInfo) -> torch.Tensor:

@@ -16,15 +16,17 @@ from typing import ClassVar
 import torch
 
 from .base import Evictor, TokenInfo, keep_top, local_and_question_mask, register
-from .options import KeepsQuestion, check_flag
+from .options import KeepsQuestion, SelectsPerHead, check_flag
 
 
 @register("h2o")
 @dataclass
-class H2O(KeepsQuestion, Evictor):
+class H2O(KeepsQuestion, SelectsPerHead, Evictor):
     """Keep the local window + the tokens with the largest accumulated attention.
 
     Args:
+        per_head: each KV head of each layer keeps its own top ``n_keep`` from its own statistics
+            (the paper's granularity); ``False``: one set for all layers and heads.
         keep_question: also protect the prompt (off in H2O; an option for ablations).
 
     Uses ``info.attention`` ``[b, n]``: attention received by each slot, summed over layers, heads
@@ -34,9 +36,11 @@ class H2O(KeepsQuestion, Evictor):
     requires: ClassVar[frozenset[str]] = frozenset({"attention"})
 
     keep_question: bool = False
+    per_head: bool = False
 
     def __post_init__(self) -> None:
         check_flag("keep_question", self.keep_question)
+        check_flag("per_head", self.per_head)
 
     def select(self, info: TokenInfo) -> torch.Tensor:
         if info.attention is None:

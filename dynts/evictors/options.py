@@ -31,3 +31,12 @@ class KeepsQuestion:
 
     def protected_prefix(self, question_length: int) -> int:
         return question_length if self.keep_question else 0
+
+
+class SelectsPerHead:
+    """The ``per_head`` option of the attention-scored methods: ``True`` selects each KV head's own top
+    ``n_keep`` of every layer, from that head's attention (and keys), as H2O, SnapKV and R-KV do in their
+    papers; ``False`` selects one set for all layers and heads (the statistics summed over them), the only
+    granularity a paged engine (vLLM, continuous batching) can apply: its blocks hold every head of a token."""
+
+    per_head: bool

@@ -19,9 +19,10 @@ similar keys the most recent copy is spared). A token scores high when the windo
 few other cached keys repeat it. The local window ``W_l`` is always kept and ``n_keep`` is shared by
 every method (DynTS paper C.3); R-KV's "buffer" is the eviction volume ``K = B - n_keep``.
 
-Differences from the reference code, forced by one selection serving all layers and heads (as in
-the DynTS reference code): R-KV selects per layer and per KV head with that layer's attention; here
-importance is averaged over layers and heads and redundancy over the KV heads of one layer. Rows
+R-KV selects per layer and per KV head with that layer's attention and keys: ``per_head=True`` does
+the same (each row is one layer's KV head, ``keys`` ``[g, 1, n, d]`` its own). With ``per_head=False``
+one selection serves all layers and heads (as in the DynTS reference code): importance is averaged over
+layers and heads and redundancy over the KV heads of one reference layer. Rows
 with no similar key do not zero their similarity to slot 0 (an artefact of R-KV's ``argmax``).
 R-KV's code softmaxes the window's attention logits over the keys before the window only; ours
 normalises over all keys (the distribution the model attended with). ``normalize="non_window"``
@@ -37,7 +38,7 @@ from typing import ClassVar
 import torch
 
 from .base import Evictor, TokenInfo, keep_top, local_and_question_mask, register
-from .options import KeepsQuestion, check_flag, check_pooling, check_window
+from .options import KeepsQuestion, SelectsPerHead, check_flag, check_pooling, check_window
 from .snapkv import pooled_outside_window
 
 NORMALIZATIONS = ("all", "non_window")
@@ -98,7 +99,7 @@ def key_redundancy(
 
 @register("rkv")
 @dataclass
-class RKV(KeepsQuestion, Evictor):
+class RKV(KeepsQuestion, SelectsPerHead, Evictor):
     """Keep the local window + the slots of highest ``lambda * importance - (1 - lambda) * redundancy``.
 
     Args:
@@ -107,6 +108,8 @@ class RKV(KeepsQuestion, Evictor):
         kernel_size: odd pooling kernel of the importance (R-KV: 7).
         pooling: ``"max"`` (R-KV) or ``"avg"``.
         similarity_threshold: cosine above which two keys count as copies (R-KV: 0.5), in [-1, 1].
+        per_head: each KV head of each layer keeps its own top ``n_keep`` from its own statistics
+            (the paper's granularity); ``False``: one set for all layers and heads.
         keep_question: also protect the prompt (off in R-KV; an option for ablations).
         normalize: the keys each window query's attention is normalised over: ``"all"`` (default:
             the distribution the model used) or ``"non_window"`` (R-KV's code: the softmax over the
@@ -123,6 +126,7 @@ class RKV(KeepsQuestion, Evictor):
     pooling: str = "max"
     similarity_threshold: float = 0.5
     keep_question: bool = False
+    per_head: bool = False
     normalize: str = "all"
 
     def __post_init__(self) -> None:
@@ -134,6 +138,7 @@ class RKV(KeepsQuestion, Evictor):
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not -1.0 <= t <= 1.0:
             raise ValueError(f"similarity_threshold={t!r} must lie in [-1, 1] (R-KV uses 0.5)")
         check_flag("keep_question", self.keep_question)
+        check_flag("per_head", self.per_head)
         if self.normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize={self.normalize!r} must be one of {NORMALIZATIONS} ('non_window' = R-KV's code)")
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Evictor, TokenInfo, keep_top, local_and_question_mask, register
-from .options import KeepsQuestion, check_flag, check_pooling, check_window
+from .options import KeepsQuestion, SelectsPerHead, check_flag, check_pooling, check_window
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
@@ -47,7 +47,7 @@ def pooled_outside_window(scores: torch.Tensor, info: TokenInfo, kernel_size: in
 
 @register("snapkv")
 @dataclass
-class SnapKV(KeepsQuestion, Evictor):
+class SnapKV(KeepsQuestion, SelectsPerHead, Evictor):
     """Keep the local window + the tokens the observation window attends to most (pooled).
 
     Args:
@@ -56,6 +56,8 @@ class SnapKV(KeepsQuestion, Evictor):
         kernel_size: odd pooling kernel along the sequence (default 7, as in the R-KV code base;
             SnapKV's prompt setting uses 5-7).
         pooling: ``"max"`` (default) or ``"avg"``.
+        per_head: each KV head of each layer keeps its own top ``n_keep`` from its own statistics
+            (the paper's granularity); ``False``: one set for all layers and heads.
         keep_question: also protect the prompt (off in SnapKV; an option for ablations).
 
     Uses ``info.window_attention`` ``[b, W, n]`` (the last ``W >= w`` query rows, summed over
@@ -68,11 +70,13 @@ class SnapKV(KeepsQuestion, Evictor):
     kernel_size: int = 7
     pooling: str = "max"
     keep_question: bool = False
+    per_head: bool = False
 
     def __post_init__(self) -> None:
         check_window(self.observation_window)
         check_pooling(self.kernel_size, self.pooling)
         check_flag("keep_question", self.keep_question)
+        check_flag("per_head", self.per_head)
 
     def select(self, info: TokenInfo) -> torch.Tensor:
         if info.window_attention is None:

@@ -89,7 +89,9 @@ class StepDecoder:
         self.think_end_token_id = think_end_token_id
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
-        self.num_layers = model.config.get_text_config().num_hidden_layers
+        text_config = model.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self._cache_kw = cache_keyword(model)
         self.forwards = 0
         self.decode_steps = 0  # iterations of the decode loop (one sampled token per live row)
@@ -100,7 +102,8 @@ class StepDecoder:
         return not self.bounded
 
     def new_cache(self) -> RaggedCache:
-        return RaggedCache(self.num_layers, self.evictor, self.budget, think_end_token_id=self.think_end_token_id)
+        return RaggedCache(self.num_layers, self.evictor, self.budget, think_end_token_id=self.think_end_token_id,
+                           kv_heads=self.kv_heads)
 
     @torch.no_grad()
     def forward(self, cache: RaggedCache, ids: torch.Tensor, valid: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:

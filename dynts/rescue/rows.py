@@ -38,7 +38,6 @@ from ..cache.layout import Layout
 from ..cache.parts import CacheConfig, RowLabels
 from ..core.slots import SlotTable
 from ..evictors.base import Segment
-from ..kernels import compact_torch_
 
 __all__ = ["RaggedCache", "Row"]
 
@@ -82,12 +81,12 @@ class RaggedCache(BoundedCache):
     # ------------------------------------------------------------------ per-row views
     @property
     def batch_size(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[0]
+        return self.batch_rows
 
     def real_counts(self) -> torch.Tensor:
         """``[b]`` real (non-padding) tokens stored per row, counted on the device (for checks; the
         cache itself uses the host counts ``Row.real``)."""
-        return (self.segments[:, : self.length] != Segment.PAD).sum(1)
+        return (self.row_view(self.segments)[:, : self.length] != Segment.PAD).sum(1)
 
     def position_ids(self, valid: torch.Tensor) -> torch.Tensor:
         """Position ids ``[b, q]`` of the next forward's tokens; ``valid`` ``[b, q]`` marks real ones
@@ -124,7 +123,7 @@ class RaggedCache(BoundedCache):
         causal among the ``q`` new ones), built on the device. A 4-D mask reaches attention as it is,
         so the model never inspects it on the host (a 2-D one is checked with ``.all()``)."""
         n = self.length + q
-        mask = (self.segments[:, :n] != Segment.PAD)[:, None, None, :]
+        mask = (self.row_view(self.segments)[:, :n] != Segment.PAD)[:, None, None, :]
         causal = torch.arange(n, device=mask.device)[None, :] <= torch.arange(n - q, n, device=mask.device)[:, None]
         return mask & causal
 
@@ -179,13 +178,14 @@ class RaggedCache(BoundedCache):
         same ``k`` slots; here rows keep different counts, so each row's gather list is its
         non-kept slots (fillers, marked PAD) followed by its kept ones. That list is not ascending,
         so the K/V gather uses the torch reference :func:`dynts.kernels.compact_torch_` (the Triton
-        kernel needs ascending indices to compact in place).
+        kernel needs ascending indices to compact in place). ``keep`` has one row per table row
+        (per layer and KV head with per-head selection).
         """
         n = self.length
-        counts = keep.sum(1)  # [b] on the device; ``width`` (their max) comes from the host
+        counts = keep.sum(1)  # [b * G] on the device; ``width`` (their max) comes from the host
         order = torch.sort(keep.long(), dim=1, stable=True).indices[:, n - width :]  # fillers, then kept (ascending)
         filler = torch.arange(width, device=keep.device)[None, :] < (width - counts)[:, None]
-        compact_torch_([t for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)], order, n)
+        self.compact_kv(order, n, ascending=False)
         self.table.compact(slice(None), order, filler)
         self.length = width
 
@@ -221,7 +221,9 @@ class RaggedCache(BoundedCache):
         total = sum(len(rows) for _, rows in parts)
         capacity = max(max(c.capacity for c, _ in parts), width + 1)
 
-        table = SlotTable(device, rows=total, width=capacity, statistics=first.table.statistics, window=first.table.window)
+        groups = first.groups  # table rows per batch row (layers x KV heads with per-head selection)
+        table = SlotTable(device, rows=total * groups, width=capacity, statistics=first.table.statistics,
+                          window=first.table.window)
         kv = [None if not src.is_initialized else
               (src.keys.new_zeros(total, src.keys.shape[1], capacity, src.keys.shape[3]),
                src.values.new_zeros(total, src.values.shape[1], capacity, src.values.shape[3])) for src in first.layers]
@@ -229,22 +231,25 @@ class RaggedCache(BoundedCache):
         for (c, rows), count in zip(parts, counts):
             n, g = c.length, len(rows)
             w = min(width, n)
-            valid = c.segments[rows, :n] != Segment.PAD
-            order = torch.sort(valid.long(), dim=1, stable=True).indices[:, n - w :]  # [g, w]
-            count = torch.tensor(count, dtype=torch.long).to(device, non_blocking=True)
+            table_rows = (rows[:, None] * groups + torch.arange(groups, device=device)).flatten()  # [g * G]
+            valid = c.segments[table_rows, :n] != Segment.PAD
+            order = torch.sort(valid.long(), dim=1, stable=True).indices[:, n - w :]  # [g * G, w]
+            count = torch.tensor(count, dtype=torch.long).to(device, non_blocking=True).repeat_interleave(groups)
             filler = torch.arange(w, device=device)[None, :] < (w - count)[:, None]
-            out = slice(start, start + g)
-            for name, block in c.table.gathered(rows, order, filler):
+            out = slice(start * groups, (start + g) * groups)
+            for name, block in c.table.gathered(table_rows, order, filler):
                 getattr(table, name)[out, ..., width - w : width] = block
-            for dst, src in zip(kv, c.layers):
+            for index, (dst, src) in enumerate(zip(kv, c.layers)):
                 if src.is_initialized:
+                    heads = order.view(g, len(c.layers), -1, w)[:, index] if c.per_head else order[:, None]  # [g, h or 1, w]
                     for buffer, t in zip(dst, (src.keys[rows, :, :n], src.values[rows, :, :n])):
-                        idx = order[:, None, :, None].expand(g, t.shape[1], w, t.shape[3])
-                        buffer[out, :, width - w : width] = t.gather(2, idx)
+                        idx = heads[..., None].expand(g, t.shape[1], w, t.shape[3])
+                        buffer[start : start + g, :, width - w : width] = t.gather(2, idx)
             start += g
 
         new_rows = [replace(c.rows[r]) for c, rows in hosts for r in rows]  # copies: a fork never changes its source
-        config = CacheConfig(first.evictor, first.budget, first.think_end_token_id, first.observation_window, first.keys_layer)
+        config = CacheConfig(first.evictor, first.budget, first.think_end_token_id, first.observation_window, first.keys_layer,
+                             kv_heads=first.kv_heads)
         labels = RowLabels.for_delimiter(first.think_end_token_id, torch.cat([c.in_answer[rows] for c, rows in parts]),
                                          torch.cat([c.think_match[rows] for c, rows in parts]))
         layout = Layout(length=width, seen=max(width, max(r.seen for r in new_rows)), capacity=capacity)

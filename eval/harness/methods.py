@@ -17,7 +17,7 @@ import dynts
 from dynts.cli_options import parse_option_value
 from dynts.evictors.base import EVICTORS, Evictor
 
-__all__ = ["ABLATIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods"]
+__all__ = ["ABLATIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PER_HEAD", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods"]
 
 # Paper Table 2 under the equal-n_keep contract of C.3 (every method keeps the same count, so
 # "without X" gives X's slots to the next candidates instead of shrinking the cache).
@@ -35,6 +35,13 @@ CONTROLS: dict[str, str] = {
     "h2o+q": "h2o:keep_question=true",
     "snapkv+q": "snapkv:keep_question=true",
     "rkv+q": "rkv:keep_question=true",
+    # the attention scorers at their papers' granularity: each KV head of each layer keeps its own top-k
+    "h2o-head": "h2o:per_head=true",
+    "h2o-head+q": "h2o:per_head=true,keep_question=true",
+    "snapkv-head": "snapkv:per_head=true",
+    "snapkv-head+q": "snapkv:per_head=true,keep_question=true",
+    "rkv-head": "rkv:per_head=true",
+    "rkv-head+q": "rkv:per_head=true,keep_question=true",
     "oracle-step": "testbed-oracle:keep_step=true",  # question + the asked step (9 tokens) + recent
     "oracle-value": "testbed-oracle",  # question + the asked key and its value + recent
     "oracle-token": "testbed-oracle:keep_key=false",  # question + the asked value token alone + recent
@@ -44,7 +51,8 @@ CONTROLS: dict[str, str] = {
 }
 
 PRESETS: dict[str, str] = {**ABLATIONS, **CONTROLS}
-QUESTION_PROTECTED = [name for name in CONTROLS if name.endswith("+q")]
+PER_HEAD = [name for name in CONTROLS if "-head" in name]
+QUESTION_PROTECTED = [name for name in CONTROLS if name.endswith("+q") and name not in PER_HEAD]
 ORACLES = [name for name in CONTROLS if name.startswith("oracle-")]
 CHAIN_ORACLES = [name for name in CONTROLS if name.startswith("chain-oracle-")]
 
