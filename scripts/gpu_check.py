@@ -294,13 +294,24 @@ def kernel_check(device: torch.device, dry_run: bool) -> dict:
     compact_torch_(expected, kept, n)
     compact_(buffers, kept, n)
     compact_equal = all(torch.equal(a[:, :, :k], e[:, :, :k]) for a, e in zip(buffers, expected))
+    # per-head selection: each layer's KV head its own kept set [b, L, h, k]
+    per_head = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(b * 2 * h)]).view(b, 2, h, k)
+    per_head, owners = per_head.to(device), [0, 0, 1, 1]
+    heads = [t.clone() for t in expected]
+    heads_expected = [t.clone() for t in expected]
+    compact_torch_(heads_expected, per_head, n, owners)
+    compact_(heads, per_head, n, owners)
+    per_head_equal = all(torch.equal(a[:, :, :k], e[:, :, :k]) for a, e in zip(heads, heads_expected))
     scratch = [t.clone() for t in buffers]
     times = dict(compact_ms=_cuda_ms(lambda: compact_(scratch, kept, n), 5, device),
                  compact_torch_ms=_cuda_ms(lambda: compact_torch_(scratch, kept, n), 5, device),
+                 compact_per_head_ms=_cuda_ms(lambda: compact_(scratch, per_head, n, owners), 5, device),
+                 compact_per_head_torch_ms=_cuda_ms(lambda: compact_torch_(scratch, per_head, n, owners), 5, device),
                  select_ms=_cuda_ms(lambda: keep_top_indices(priority, valid, k), 5, device),
                  select_torch_ms=_cuda_ms(lambda: keep_top_torch(priority, valid, k), 5, device))
     return dict(layout=[b, h, n, d], dtype=str(dtype), n_keep=k, backend=backend_for(buffers[0]),
-                select_equal=select_equal, compact_equal=compact_equal, ok=select_equal and compact_equal, **times)
+                select_equal=select_equal, compact_equal=compact_equal, per_head_equal=per_head_equal,
+                ok=select_equal and compact_equal and per_head_equal, **times)
 
 
 def attention_stats_check(device: torch.device, dry_run: bool) -> dict:

@@ -29,6 +29,9 @@ def kernels(run: dict) -> list[str]:
             "x torch | bitwise equal |", "|---|---|---|---|---|",
             f"| compaction | {k['compact_ms']:.3f} | {k['compact_torch_ms']:.3f} | {k['compact_torch_ms'] / k['compact_ms']:.2f} "
             f"| {k['compact_equal']} |",
+            *([f"| compaction, per-head indices | {k['compact_per_head_ms']:.3f} | {k['compact_per_head_torch_ms']:.3f} | "
+               f"{k['compact_per_head_torch_ms'] / k['compact_per_head_ms']:.2f} | {k['per_head_equal']} |"]
+              if "compact_per_head_ms" in k else []),
             f"| keep-top selection | {k['select_ms']:.3f} | {k['select_torch_ms']:.3f} | "
             f"{k['select_torch_ms'] / k['select_ms']:.2f} | {k['select_equal']} |"]
 
