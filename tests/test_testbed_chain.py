@@ -118,8 +118,14 @@ def test_chain_critical_positions_are_the_answers_chain():
 def test_chain_namespaces_are_disjoint():
     sets = {name: _chain(40, name) for name in ("dev", "test", "val")}
     sets["gate"] = _chain(40, task.GATE)
-    with task.final_tables():
+    sets["ptest"] = _chain(40, task.PREDICTOR_TEST)
+    from eval.harness.ledger import final_run
+
+    with final_run("pytest", [], enabled=True):  # the final-only sets open only through the ledger (a tmp file here)
         sets["confirm"] = _chain(40, task.CONFIRM)
+        sets["final"] = _chain(40, task.FINAL)
+        copy_final = task.problem_set(task.FINAL, 40, min_think=150, max_think=700)  # each family its own stream
+    sets["sealed"] = [task.make_problem(f"sealed:150-700:{i}", 150, 700, family="chain") for i in range(40)]  # retired: its seeds
     texts = {name: {p.text for p in probs} for name, probs in sets.items()}
     names = list(texts)
     for i, a in enumerate(names):
@@ -128,8 +134,12 @@ def test_chain_namespaces_are_disjoint():
     # ... and from the copy family's sets of the same names.
     for name in ("dev", "test"):
         assert not {p.text for p in task.problem_set(name, 40, min_think=150, max_think=700)} & texts[name]
-    with pytest.raises(ValueError, match="final tables"):
-        _chain(2, task.CONFIRM)
+    assert not {p.text for p in copy_final} & texts["final"]
+    for space in (task.CONFIRM, task.FINAL):
+        with pytest.raises(ValueError, match="final tables"):
+            _chain(2, space)
+    with pytest.raises(ValueError, match="retired"):
+        _chain(2, task.SEALED)
     with pytest.raises(ValueError, match="reserved"):
         _chain(2, "train:x")
     # gate and confirm seed by the length range, as for copy

@@ -312,39 +312,89 @@ def make_drill(
 #   ``ptest``                     the predictor's held-out metrics and the on-policy retention measure
 #                                 (``PREDICTOR_TEST``, eval/analyses/predictor_heldout.py): no epoch,
 #                                 recipe or setting is chosen on it;
-#   ``confirm``                   the final tables only (``CONFIRM``): refused outside
-#                                 :func:`final_tables`, which only the table commands enter;
-#   ``sealed``                    final-only too (``SEALED``), fresh: read only by the ranking run
-#                                 (k samples per problem); guarded as
-#                                 ``confirm`` is, and every read is logged (:func:`final_tables`);
+#   ``confirm``                   final-only (``CONFIRM``): served only inside :func:`final_tables`,
+#                                 which only the final-set ledger opens (eval.harness.ledger.final_run);
+#   ``final``                     final-only and read once (``FINAL``, :data:`READ_ONCE`): the final
+#                                 tables run after the baselines are tuned and the seeds trained; the
+#                                 ledger refuses a second run over the same (set, family, length range)
+#                                 unless it says why (``--reread``);
+#   ``sealed``                    retired (:data:`RETIRED`): refused everywhere, with the reason; its
+#                                 committed records stay readable (``--from-records`` draws no problem);
 #   ``train...``                  refused: training draws its own ``"train:..."`` seeds.
-# ``gate``, ``confirm`` and ``sealed`` seed problem ``i`` by ``"{set}:{min_think}-{max_think}:{i}"``, so other
-# length ranges give other problems (``dev``/``test`` share them across ranges:
-# :func:`shared_questions` measures it).
+# ``gate``, ``confirm``, ``final``, ``sealed`` and ``ptest`` seed problem ``i`` by
+# ``"{set}:{min_think}-{max_think}:{i}"``, so other length ranges give other problems (``dev``/``test``
+# share them across ranges: :func:`shared_questions` measures it). Each family draws its own stream
+# (:func:`make_problem`), so every family's sets are disjoint as the copy sets are.
 GATE = "gate"
 CONFIRM = "confirm"
+FINAL = "final"
 SEALED = "sealed"
 PREDICTOR_TEST = "ptest"
-FRESH_NAMESPACES: tuple[str, ...] = (GATE, CONFIRM, SEALED, PREDICTOR_TEST)
-FINAL_ONLY: tuple[str, ...] = (CONFIRM, SEALED)
-_FINAL_TABLES: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar("final_tables", default=None)
+FRESH_NAMESPACES: tuple[str, ...] = (GATE, CONFIRM, FINAL, SEALED, PREDICTOR_TEST)
+FINAL_ONLY: tuple[str, ...] = (CONFIRM, FINAL)
+READ_ONCE: tuple[str, ...] = (FINAL,)
+RETIRED: dict[str, str] = {
+    SEALED: (
+        "the 'sealed' namespace is retired: its final tables ranked untuned, token-level baselines against "
+        "LRMs and predictors trained with one seed each, so it cannot serve as the final read; the final "
+        f"tables now read the fresh '{FINAL}' namespace once, after the baselines are "
+        f"tuned and the seeds trained (set={FINAL} with --final; reports/final-ledger.jsonl holds the "
+        "retirement line). Its committed records stay readable with --from-records, which draws no problem"),
+}
+
+
+class FinalSetError(ValueError):
+    """A final-only or retired set was asked for outside what the final-set ledger admits."""
+
+
+class LedgerHandle:
+    """The one key to :func:`final_tables`: the run handle of :func:`eval.harness.ledger.final_run`,
+    which writes the run's ledger line. Only that module may define a concrete handle (a subclass
+    elsewhere is refused when it is defined) and this base is not instantiable, so the final-only
+    sets cannot be opened without the ledger. :meth:`admit` sees every final read before any
+    problem is drawn: it records it in the run's line, and refuses a second read of a
+    :data:`READ_ONCE` cell."""
+
+    _DOOR_MODULE = "eval.harness.ledger"
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.__module__ != LedgerHandle._DOOR_MODULE:
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__}: only {LedgerHandle._DOOR_MODULE} defines the "
+                            "final-set ledger's handle (final_run creates it and writes the ledger line)")
+
+    def __new__(cls, *args: Any, **kw: Any) -> "LedgerHandle":
+        if cls is LedgerHandle:
+            raise TypeError("LedgerHandle is abstract: eval.harness.ledger.final_run creates the handle")
+        return super().__new__(cls)
+
+    def admit(self, read: dict[str, Any]) -> None:  # pragma: no cover - the ledger's handle overrides it
+        raise NotImplementedError
+
+
+_FINAL_DOOR: contextvars.ContextVar[LedgerHandle | None] = contextvars.ContextVar("final_tables", default=None)
+_NO_DOOR = ("the final-only sets ({sets}) open only through the final-set ledger, which writes the run's line "
+            "to reports/final-ledger.jsonl: run the work inside eval.harness.ledger.final_run(command, argv, "
+            "enabled=True) (what dynts eval/demo/rescue bench/analyze traces --final do; tests pass "
+            "their own ledger file through $DYNTS_FINAL_LEDGER)")
 
 
 @contextlib.contextmanager
-def final_tables() -> Iterator[list[dict[str, Any]]]:
+def final_tables(handle: LedgerHandle | None = None) -> Iterator[LedgerHandle]:
     """Inside this block (and only there) :func:`problem_set` serves the final-only namespaces
-    (:data:`FINAL_ONLY`: ``confirm``, ``sealed``). It yields the list of the final sets read inside
-    it (``{"set", "n", "family", "min_think", "max_think"}`` per :func:`problem_set` call), which
-    :func:`eval.harness.ledger.final_run` writes to the ledger. Only the ledger enters it, for the commands
-    that produce final tables on their explicit ``--final`` (``dynts eval --final``, ``dynts demo
-    --final``, ``dynts rescue bench --final``, ``dynts analyze traces --final``);
-    ``tests/test_namespaces.py`` checks that no other module does."""
-    reads: list[dict[str, Any]] = []
-    token = _FINAL_TABLES.set(reads)
+    (:data:`FINAL_ONLY`), each read first passed to ``handle.admit``. ``handle`` must be the
+    final-set ledger's run handle (:class:`LedgerHandle`), which only
+    :func:`eval.harness.ledger.final_run` creates: entering without it raises :class:`FinalSetError`.
+    The commands that produce final tables enter through the ledger on their explicit ``--final``
+    (``dynts eval``, ``dynts demo``, ``dynts rescue bench``, ``dynts analyze traces``);
+    ``tests/test_namespaces.py`` checks that no other module names this function or a final-only set."""
+    if not isinstance(handle, LedgerHandle):
+        raise FinalSetError("task.final_tables() refused: " + _NO_DOOR.format(sets=", ".join(FINAL_ONLY)))
+    token = _FINAL_DOOR.set(handle)
     try:
-        yield reads
+        yield handle
     finally:
-        _FINAL_TABLES.reset(token)
+        _FINAL_DOOR.reset(token)
 
 
 def namespace(name_or_seed: str | int) -> str:
@@ -356,12 +406,13 @@ def problem_set(
     name_or_seed: str | int, n: int, min_think: int = 150, max_think: int = 900, family: str = "copy", **kw: object
 ) -> list[Problem]:
     """``n`` fixed problems; problem ``i`` of set ``s`` is seeded by the string ``"{s}:{i}"``
-    (``gate`` and ``confirm``: ``"{s}:{min_think}-{max_think}:{i}"``, the namespaces above).
+    (the fresh namespaces, ``gate``, ``confirm``, ``final``, ...: ``"{s}:{min_think}-{max_think}:{i}"``,
+    the namespaces above). Problem ``i`` is the same whatever ``n`` is.
 
     Training draws from the ``"train:..."`` namespace, so named sets stay fresh. ``family``
     (:data:`FAMILIES`) chooses the task; each family's sets are disjoint as the copy sets are (the
     same seeds, each family its own stream: :func:`make_problem`), and the rules above hold per
-    family (``confirm`` is final-only in every family).
+    family (``confirm`` and ``final`` are final-only in every family, ``sealed`` retired in every family).
     """
     check_family(family)
     if family != "copy":
@@ -370,20 +421,23 @@ def problem_set(
     if base.startswith("train"):
         raise ValueError("the 'train' namespace is reserved for training data")
     space = namespace(base)
+    if space in RETIRED:
+        raise FinalSetError(f"problem_set({base!r}): {RETIRED[space]}")
     if space in FINAL_ONLY:
-        reads = _FINAL_TABLES.get()
-        if reads is None:
-            raise ValueError(
+        door = _FINAL_DOOR.get()
+        if door is None:
+            raise FinalSetError(
                 f"problem_set({base!r}): the {space!r} namespace is read only by the final tables; "
                 f"choose, gate and tune on set=dev, set=test or set={GATE}, or produce a final table with "
-                "dynts eval --final / dynts demo --final")
-        reads.append({"set": base, "n": n, "family": family, "min_think": min_think, "max_think": max_think})
+                "dynts eval --final / dynts demo --final (through the final-set ledger)")
+        door.admit({"set": base, "n": n, "family": family, "min_think": min_think, "max_think": max_think})
     if space in FRESH_NAMESPACES:
         extra = "".join(f",{k}={v}" for k, v in sorted(kw.items()) if k != "family")
         seeds = [f"{base}:{min_think}-{max_think}{extra}:{i}" for i in range(n)]
     else:
         seeds = [f"{base}:{i}" for i in range(n)]
-    return [make_problem(s, min_think=min_think, max_think=max_think, name=s, **kw) for s in seeds]  # type: ignore[arg-type]
+    return [make_problem(s, min_think=min_think, max_think=max_think, name=s, **kw)  # type: ignore[arg-type]
+            for s in seeds]
 
 
 def shared_questions(problems: Sequence[Problem], others: Sequence[Problem]) -> list[str]:

@@ -70,7 +70,8 @@ def cmd_traces(args: argparse.Namespace) -> int:
 
         from eval.harness.ledger import final_run
 
-        with final_run("dynts analyze", getattr(args, "argv", None), args.final, args.out) as ledger:
+        with final_run("dynts analyze", getattr(args, "argv", None), args.final, args.out,
+                       reread=getattr(args, "reread", None)) as ledger:
             ledger["cells"] = [f"traces:{args.set}:{args.family}:n={args.n}"]
             problems = task.problem_set(args.set, args.n, min_think=args.min_think, max_think=args.max_think, family=args.family)
     torch.manual_seed(args.seed)
@@ -200,10 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="dataset directory to write (save_to_disk)")
     p.add_argument("--samples", type=int, default=1, help="testbed: sampled responses per problem")
     p.add_argument("--reference", action="store_true", help="testbed: the generator's reference traces, not samples")
-    p.add_argument("--set", default="analysis", help="testbed: problem set name (confirm needs --final)")
+    p.add_argument("--set", default="analysis", help="testbed: problem set name (final and confirm need --final)")
     p.add_argument("--family", default="copy", help="testbed: the task family, copy or chain")
     p.add_argument("--final", action="store_true",
-                   help="these traces feed a final table (Pareto on confirm): only then may --set be confirm")
+                   help="these traces feed a final table (Pareto on a final set): only then may --set be final or confirm")
+    p.add_argument("--reread", metavar="WHY", default=None,
+                   help="with --final: read a read-once final set (--set final) that the final-set ledger says was "
+                        "read before; WHY is written to reports/final-ledger.jsonl")
     p.add_argument("--min-think", type=int, default=150)
     p.add_argument("--max-think", type=int, default=900)
     p.add_argument("--max-reasoning-tokens", type=int, default=128, help="chat models: reasoning length cap")

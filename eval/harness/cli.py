@@ -106,8 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list benchmarks, methods and ablation presets, then exit")
     p.add_argument("--final", action="store_true",
-                   help="this run produces a final table: only then may a testbed benchmark read set=confirm "
-                        "(choose and tune on set=dev/test, never on confirm)")
+                   help="this run produces a final table: only then may a testbed benchmark read set=final or "
+                        "set=confirm (choose and tune on set=dev/test, never on a final set)")
+    p.add_argument("--reread", metavar="WHY", default=None,
+                   help="with --final: read a read-once final set (set=final) that the final-set ledger says was "
+                        "read before; WHY is written to reports/final-ledger.jsonl")
     add_load_arguments(p)
     return p
 
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dynts eval: run dir {config.run_dir}", file=sys.stderr)
         from eval.harness.ledger import final_run
 
-        with final_run("dynts eval", argv, args.final, config.run_dir) as ledger:
+        with final_run("dynts eval", argv, args.final, config.run_dir, reread=args.reread) as ledger:
             results = run(config, after_cell=lambda cell: ledger["cells"].append(cell["key"]),
                           load_options=load_kwargs(args, given_only=True))
             ledger["cells"] = [r["key"] for r in results]

@@ -73,8 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.harness.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="copy,chain", help="testbed task families, comma-separated: copy, chain")
     parser.add_argument("--n", type=int, default=100, help="testbed problems per family")
-    parser.add_argument("--set", default="test", help="testbed problem set (set=confirm needs --final)")
-    parser.add_argument("--final", action="store_true", help="this demo produces a final table: only then may --set be confirm")
+    parser.add_argument("--set", default="test", help="testbed problem set (final and confirm need --final)")
+    parser.add_argument("--final", action="store_true",
+                        help="this demo produces a final table: only then may --set be final or confirm")
+    parser.add_argument("--reread", metavar="WHY", default=None,
+                        help="with --final: read a read-once final set (--set final) that the final-set ledger says "
+                             "was read before; WHY is written to reports/final-ledger.jsonl")
     parser.add_argument("--budget", type=int, default=96, help="cache budget B (~ a quarter of the copy family's ~440-token mean trace)")
     parser.add_argument("--local-window", type=int, default=32)
     parser.add_argument("--retention", type=float, default=0.4)
@@ -146,7 +150,7 @@ def run_family(family: str, args: argparse.Namespace, load_options: dict) -> int
         config = make()
         from eval.harness.ledger import final_run
 
-        with final_run("dynts demo", args.argv, args.final, run_dir) as ledger:
+        with final_run("dynts demo", args.argv, args.final, run_dir, reread=args.reread) as ledger:
             try:
                 results = run(config, after_cell=lambda cell: ledger["cells"].append(cell["key"]), load_options=load_options)
             except ValueError as err:

@@ -1,25 +1,41 @@
-"""The final-set ledger: every run that reads a final-only namespace (``confirm``, ``sealed``:
-:data:`data_pipeline.testbed.task.FINAL_ONLY`) appends one JSON line to ``reports/final-ledger.jsonl``
-(committed), so "read once" can be checked rather than claimed.
+"""The final-set ledger: every run that reads a final-only namespace (``confirm``, ``final``:
+:data:`data_pipeline.testbed.task.FINAL_ONLY`) has one JSON line in ``reports/final-ledger.jsonl``
+(committed), so "read once" is checked rather than claimed.
 
 One line per run::
 
-    {"utc": "2026-12-03T08:01:02Z", "command": "dynts eval --final ...", "git": "4ee0831...", "dirty": false,
-     "status": "finished", "sets": [{"set": "sealed", "n": 500, "family": "chain", ...}], "out": "runs/...",
-     "cells": ["<cell key>", ...]}
+    {"run": "20261203T080102Z-4021-9f3c1a", "utc": "2026-12-03T08:01:02Z", "command": "dynts eval --final ...",
+     "git": "4ee0831...", "dirty": false, "status": "finished",
+     "sets": [{"set": "final", "n": 500, "family": "chain", "min_think": 150, "max_think": 900}],
+     "out": "runs/...", "cells": ["<cell key>", ...]}
 
 The commands that produce final tables (``dynts eval``, ``dynts demo``, ``dynts rescue bench``,
 ``dynts analyze traces``) run their ``--final`` work inside :func:`final_run`, the only way into
-:func:`data_pipeline.testbed.task.final_tables`; a run that reads no final set writes nothing, a run
-that fails after reading one is logged with ``"status": "failed"``, and so is one stopped by SIGINT or
-SIGTERM (``kill``; the block turns SIGTERM into ``SystemExit`` so the line is written; only SIGKILL
-leaves no line). The append rewrites the file
-atomically (:func:`dynts.io.write_atomic`) under an exclusive lock, so concurrent runs lose no line.
-``DYNTS_FINAL_LEDGER`` names another file (the tests use it).
+:func:`data_pipeline.testbed.task.final_tables`: that block takes the run handle only this module
+creates (:class:`data_pipeline.testbed.task.LedgerHandle`), and the handle sees every final read
+before a problem is drawn. The first read writes the run's line (``"status": "running"``), so a run
+killed by SIGKILL still leaves its line; on exit the line becomes ``finished`` or ``failed`` (an
+exception, SIGINT or SIGTERM: the block turns SIGTERM into ``SystemExit`` so the line is updated). A run
+that reads no final set writes nothing.
+
+**Read once** (:data:`data_pipeline.testbed.task.READ_ONCE`: ``final``): a read of a cell (set name,
+family and length range; any ``n``, since problem ``i`` is the same whatever ``n`` is) that an earlier
+line already read is refused, under the ledger's lock so two concurrent runs cannot both pass, unless
+the run says why with ``--reread WHY`` (``final_run(..., reread=WHY)``); the line then carries
+``"reread"`` (the reason) and ``"reread_of"`` (the earlier lines' ``run`` ids). ``confirm`` is final-only
+but not read-once: six runs read it before the ledger existed.
+
+**Retired namespaces** (:data:`data_pipeline.testbed.task.RETIRED`: ``sealed``) have one line each,
+``"status": "retired"`` with the reason and the namespace that replaces it, written by :func:`retire`
+(``python -m eval.harness.ledger retire sealed --why ... --replaced-by final``).
+
+Every write rewrites the file atomically (:func:`dynts.io.write_atomic`) under an exclusive lock, so
+concurrent runs lose no line. ``DYNTS_FINAL_LEDGER`` names another file (the tests use it).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import fcntl
@@ -30,13 +46,14 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from data_pipeline.testbed import task
 from dynts.io import write_atomic
 
-__all__ = ["LEDGER", "append", "final_run", "ledger_path", "read_ledger", "revision"]
+__all__ = ["LEDGER", "append", "final_run", "ledger_path", "read_ledger", "retire", "revision"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LEDGER = ROOT / "reports" / "final-ledger.jsonl"
@@ -60,17 +77,34 @@ def revision() -> tuple[str, bool | None]:
         return "unknown", None
 
 
-def append(entry: dict[str, Any], path: str | Path | None = None) -> Path:
-    """Append ``entry`` as one JSON line to the ledger (atomic rewrite under an exclusive lock)."""
-    path = Path(path) if path is not None else ledger_path()
+def _utc() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _rewrite(path: Path, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> Path:
+    """Under the ledger's exclusive lock: read every line, ``change`` them (it may raise: nothing is
+    written), write the result atomically. Lines ``change`` leaves as they were are written back byte
+    for byte."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         old = path.read_text(encoding="utf-8") if path.is_file() else ""
-        if old and not old.endswith("\n"):
-            old += "\n"
-        write_atomic(path, old + json.dumps(entry, sort_keys=True) + "\n")
+        raw = [line for line in old.splitlines() if line.strip()]
+        lines = [json.loads(line) for line in raw]
+        new = change([dict(line) for line in lines])
+        out = [raw[i] if i < len(lines) and line == lines[i] else json.dumps(line, sort_keys=True)
+               for i, line in enumerate(new)]
+        write_atomic(path, "".join(line + "\n" for line in out))
     return path
+
+
+def append(entry: dict[str, Any], path: str | Path | None = None) -> Path:
+    """Append ``entry`` as one JSON line to the ledger (atomic rewrite under an exclusive lock)."""
+    return _rewrite(Path(path) if path is not None else ledger_path(), lambda lines: lines + [entry])
 
 
 def read_ledger(path: str | Path | None = None) -> list[dict[str, Any]]:
@@ -78,7 +112,47 @@ def read_ledger(path: str | Path | None = None) -> list[dict[str, Any]]:
     path = Path(path) if path is not None else ledger_path()
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return _parse(path.read_text(encoding="utf-8"))
+
+
+def _same_cell(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two reads draw the same problems (up to the smaller ``n``): same set name, family and length range."""
+    return all(a.get(k) == b.get(k) for k in ("set", "family", "min_think", "max_think"))
+
+
+def earlier_reads(read: dict[str, Any], lines: Sequence[dict[str, Any]], run: str | None = None) -> list[dict[str, Any]]:
+    """The ledger lines (other than run ``run``) that read ``read``'s cell."""
+    return [line for line in lines if (run is None or line.get("run") != run)
+            and any(_same_cell(read, s) for s in line.get("sets") or ())]
+
+
+def retire(namespace: str, why: str, replaced_by: str, path: str | Path | None = None,
+           command: str | None = None) -> dict[str, Any]:
+    """Write the retirement line of final-only ``namespace`` (``"status": "retired"``, ``why``, the
+    namespace that replaces it); :data:`data_pipeline.testbed.task.RETIRED` is what refuses its reads.
+    Refused if the namespace is not retired there, the reason is empty, or it already has its line."""
+    if namespace not in task.RETIRED:
+        raise ValueError(f"{namespace!r} is not retired in data_pipeline.testbed.task.RETIRED ({sorted(task.RETIRED)})")
+    if not why.strip():
+        raise ValueError("say why the namespace is retired")
+    if replaced_by not in task.FINAL_ONLY:
+        raise ValueError(f"{replaced_by!r} is not a final-only namespace ({', '.join(task.FINAL_ONLY)})")
+    head, dirty = revision()
+    entry = {"run": _run_id(), "utc": _utc(), "command": command or f"retire {namespace}", "git": head, "dirty": dirty,
+             "status": "retired", "namespace": namespace, "why": why.strip(), "replaced_by": replaced_by,
+             "sets": [], "out": None, "cells": []}
+
+    def add(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if any(line.get("status") == "retired" and line.get("namespace") == namespace for line in lines):
+            raise ValueError(f"{namespace!r} already has its retirement line in the ledger")
+        return lines + [entry]
+
+    _rewrite(Path(path) if path is not None else ledger_path(), add)
+    return entry
+
+
+def _run_id() -> str:
+    return f"{_utc().replace('-', '').replace(':', '')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 @contextlib.contextmanager
@@ -98,27 +172,105 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+class _FinalRun(task.LedgerHandle):
+    """One final run's ledger line; the handle :func:`final_run` gives
+    :func:`~data_pipeline.testbed.task.final_tables`."""
+
+    def __init__(self, command: str, argv: Sequence[str] | None, out: str | Path | None, reread: str | None) -> None:
+        head, dirty = revision()  # the checkout the run started from (a commit made while it runs does not move it)
+        args = list(sys.argv[1:] if argv is None else argv)
+        self.path = ledger_path()
+        self.reread = reread
+        self.entry: dict[str, Any] = {
+            "run": _run_id(), "utc": _utc(), "command": " ".join([command, *map(shlex.quote, args)]), "git": head,
+            "dirty": dirty, "status": "running", "sets": [], "out": None if out is None else str(out), "cells": []}
+        if reread is not None:
+            self.entry.update(reread=reread, reread_of=[])
+
+    def _put(self, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        line = {**self.entry, "cells": list(self.entry.get("cells") or [])}
+        at = [i for i, old in enumerate(lines) if old.get("run") == self.entry["run"]]
+        if at:
+            lines[at[0]] = line
+            return lines
+        return lines + [line]
+
+    def admit(self, read: dict[str, Any]) -> None:
+        """Record ``read`` in this run's line before its problems are drawn; a :data:`~data_pipeline.testbed.task.READ_ONCE`
+        cell an earlier line read is refused unless this run passed ``reread``."""
+        if read in self.entry["sets"]:
+            return
+
+        def add(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            if task.namespace(read["set"]) in task.READ_ONCE:
+                earlier = earlier_reads(read, lines, self.entry["run"])
+                if earlier and self.reread is None:
+                    seen = "; ".join(f"{line.get('utc')} {line.get('status')} `{line.get('command')}`" for line in earlier)
+                    raise task.FinalSetError(
+                        f"{read['set']} ({read['family']}, {read['min_think']}-{read['max_think']} thinking tokens) is "
+                        f"read once and the final-set ledger {self.path} already has a run that read it: {seen}. "
+                        "Its numbers are those runs' records; to read it again anyway, say why with --reread WHY "
+                        "(written to the ledger)")
+                for line in earlier:  # each earlier line by its run id (the reconstructed lines: their utc)
+                    if (line.get("run") or line.get("utc")) not in self.entry["reread_of"]:
+                        self.entry["reread_of"].append(line.get("run") or line.get("utc"))
+            self.entry["sets"].append(read)
+            return self._put(lines)
+
+        _rewrite(self.path, add)
+
+    def close(self, status: str) -> None:
+        self.entry["status"] = status
+        if self.entry["sets"]:
+            _rewrite(self.path, self._put)
+
+
 @contextlib.contextmanager
-def final_run(command: str, argv: Sequence[str] | None, enabled: bool, out: str | Path | None = None) -> Iterator[dict[str, Any]]:
+def final_run(command: str, argv: Sequence[str] | None, enabled: bool, out: str | Path | None = None,
+              reread: str | None = None) -> Iterator[dict[str, Any]]:
     """Run a block as a final-table run when ``enabled`` (the command's ``--final``): inside
-    :func:`~data_pipeline.testbed.task.final_tables`, and on exit, if it read a final-only set, one
-    ledger line (UTC time, ``command`` + ``argv``, git revision, the sets read, ``out``, and the cells
-    the block put in the yielded dict's ``"cells"`` list). Not enabled: a plain block (final sets stay
-    refused)."""
-    entry: dict[str, Any] = {"cells": []}
+    :func:`~data_pipeline.testbed.task.final_tables` with this run's ledger handle. Its first final
+    read writes the run's ledger line (UTC time, ``command`` + ``argv``, git revision, the sets read,
+    ``out``; ``"status": "running"``); on exit the line gets the cells the block put in the yielded
+    dict's ``"cells"`` list and ``finished`` or ``failed``. A second read of a read-once cell is
+    refused unless ``reread`` says why (the command's ``--reread WHY``). Not enabled: a plain block
+    (final sets stay refused, and ``reread`` is refused)."""
+    if reread is not None and not reread.strip():
+        raise ValueError("--reread needs the reason the final set is read again (it goes to the ledger)")
     if not enabled:
-        yield entry
+        if reread is not None:
+            raise ValueError("--reread applies to a --final run only")
+        yield {"cells": []}
         return
+    handle = _FinalRun(command, argv, out, None if reread is None else reread.strip())
     status = "failed"
-    head, dirty = revision()  # the checkout the run started from (a commit made while it runs does not move it)
-    with task.final_tables() as reads, _sigterm_exits():
+    with task.final_tables(handle), _sigterm_exits():
         try:
-            yield entry
+            yield handle.entry
             status = "finished"
         finally:
-            if reads:
-                args = list(sys.argv[1:] if argv is None else argv)
-                append({"utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                        "command": " ".join([command, *map(shlex.quote, args)]), "git": head, "dirty": dirty,
-                        "status": status, "sets": reads, "out": None if out is None else str(out),
-                        "cells": list(entry.get("cells") or [])})
+            handle.close(status)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m eval.harness.ledger retire NAMESPACE --why WHY --replaced-by NEW``: the retirement line."""
+    parser = argparse.ArgumentParser(prog="python -m eval.harness.ledger", description=main.__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("retire", help="write a retired namespace's ledger line")
+    r.add_argument("namespace")
+    r.add_argument("--why", required=True)
+    r.add_argument("--replaced-by", default=task.FINAL)
+    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        entry = retire(args.namespace, args.why, args.replaced_by,
+                       command=" ".join(["python -m eval.harness.ledger", *map(shlex.quote, words)]))
+    except ValueError as err:
+        print(f"ledger: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{ledger_path()}: {json.dumps(entry, sort_keys=True)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -119,7 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-rows", type=int, default=64, help="candidate rows per batched forward")
     bench.add_argument("--out", required=True, help="run directory (re-run to resume)")
     bench.add_argument("--final", action="store_true",
-                       help="this run produces a final table: only then may a testbed benchmark read set=confirm")
+                       help="this run produces a final table: only then may a testbed benchmark read set=final or "
+                            "set=confirm")
+    bench.add_argument("--reread", metavar="WHY", default=None,
+                       help="with --final: read a read-once final set (set=final) that the final-set ledger says "
+                            "was read before; WHY is written to reports/final-ledger.jsonl")
     _common(bench)
     cal = sub.add_parser("calibrate", help="detector statistics of best-of-N base candidates (paper Fig. 3), to pick thresholds")
     cal.add_argument("--benchmark", required=True)
@@ -200,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     from eval.harness.ledger import final_run
 
-    with final_run("dynts rescue", sys.argv[1:] if argv is None else argv, args.final, config.out) as ledger:
+    with final_run("dynts rescue", sys.argv[1:] if argv is None else argv, args.final, config.out,
+                   reread=args.reread) as ledger:
         summary = evaluate(config)
         ledger["cells"] = sorted(p.stem for p in (Path(config.out) / "cells").glob("*.json"))
     print(summary_table(summary))
