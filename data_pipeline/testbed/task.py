@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -359,7 +360,9 @@ class LedgerHandle:
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        if cls.__module__ != LedgerHandle._DOOR_MODULE:
+        module = sys.modules.get(cls.__module__)
+        spec = getattr(module, "__spec__", None)  # ``python -m eval.harness.ledger`` runs it as __main__
+        if LedgerHandle._DOOR_MODULE not in (cls.__module__, getattr(spec, "name", None)):
             raise TypeError(f"{cls.__module__}.{cls.__qualname__}: only {LedgerHandle._DOOR_MODULE} defines the "
                             "final-set ledger's handle (final_run creates it and writes the ledger line)")
 
