@@ -116,6 +116,12 @@ def test_retire_writes_one_line(final_ledger):
     with pytest.raises(ValueError, match="why"):
         ledger.retire("sealed", "  ", "final", path=final_ledger.with_name("other.jsonl"))
     assert len(read_ledger()) == 1
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "eval.harness.ledger", "retire", "sealed", "--why", "again"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # the module as __main__ defines its handle
+    assert run.returncode == 2 and "already has its retirement line" in run.stderr, run.stderr
 
 
 def test_final_tables_cannot_be_entered_without_the_ledger():
