@@ -17,13 +17,16 @@ and force-keep the asked key and its value:
   ranked in the training step itself (:func:`add_attention_ranked`).
 
 Forcing the answer's value favours a method that always keeps it (DynTS keeps a fixed set chosen at
-write time). Two further shapes are made by a method's own mechanism (:data:`MECHANISM_SHAPES`,
+write time). Three further shapes are made by a method's own mechanism (:data:`MECHANISM_SHAPES`,
 :mod:`trainers.eviction_mechanisms`): per-query visibility ``[T, T]`` that evolves over time, with
 permanent eviction, from the attention of the model being trained:
 
 - ``h2o``: H2O's cache, token by token: ``C`` heavy hitters by causal accumulated attention + ``W``;
 - ``snapkv``: SnapKV at decode: every ``data.evict_every`` tokens the top ``C`` by the attention of
-  the last ``data.evict_observe`` queries survive + ``W``.
+  the last ``data.evict_observe`` queries survive + ``W``;
+- ``rkv``: R-KV at decode: the events of ``snapkv``, the top ``C`` by ``lambda * importance - (1 -
+  lambda) * redundancy`` (``lambda = data.evict_rkv_lambda``; redundancy from the keys of the model's
+  last layer, ``dynts.evictors.rkv.key_redundancy``) survive + ``W``.
 
 ``C = ceil(p * L)`` (``L`` thinking tokens, ``p`` as above). They force nothing but the question.
 
@@ -40,7 +43,8 @@ drawn-shape row forces none of them (they stay visible only if the shape keeps t
 ``keep_reads=False``). The mechanism shapes keep only what their scores keep. Copy traces read no results.
 
 No shape is taken from a method under test's code (no predictor, no evictor call): the mechanism
-shapes re-implement H2O's and SnapKV's rules on the training model's own attention. With
+shapes re-implement H2O's, SnapKV's and R-KV's rules on the training model's own attention (``rkv``
+reuses R-KV's redundancy function, ``dynts.evictors.rkv.key_redundancy``, on the training model's keys). With
 ``evict_shapes = {steps: 1}`` (the default) and ``evict_lose_asked = 0`` the random stream is the one
 of the original recipe, so older configs reproduce their checkpoints.
 """
@@ -54,7 +58,14 @@ from typing import Sequence, Union
 import torch
 
 from data_pipeline.testbed import task
-from trainers.eviction_mechanisms import MECHANISM_SHAPES, h2o_until, received_attention, snapkv_until, until_visibility
+from trainers.eviction_mechanisms import (
+    MECHANISM_SHAPES,
+    h2o_until,
+    received_attention_and_keys,
+    rkv_until,
+    snapkv_until,
+    until_visibility,
+)
 
 __all__ = [
     "FORCED_SHAPES", "MECHANISM_SHAPES", "SHAPES", "Visibility", "add_attention_ranked", "attention_mask", "check_shapes",
@@ -186,7 +197,8 @@ def add_attention_ranked(model: torch.nn.Module, batch: dict[str, torch.Tensor])
       slots by the attention they receive (summed over queries);
     - mechanism rows (``mech_rows`` ``[M]``, ``mech_kind`` ``[M]`` index in ``MECHANISM_SHAPES``,
       ``mech_count`` ``[M]`` = C, ``mech_window`` ``[M]`` = W, scalars ``mech_every``,
-      ``mech_observe``): their mask becomes the simulated cache's per-query visibility.
+      ``mech_observe``; with ``rkv`` rows also ``mech_lambda``): their mask becomes the simulated
+      cache's per-query visibility (``rkv`` also reads the forward's last-layer keys).
 
     ``batch`` also holds ``input_ids`` ``[B, T]``, ``attention_mask`` ``[B, 1, T, T]`` bool and
     ``lengths`` ``[B]``.
@@ -197,7 +209,9 @@ def add_attention_ranked(model: torch.nn.Module, batch: dict[str, torch.Tensor])
     if not len(rows):
         return
     lengths = batch["lengths"][rows]
-    attention = received_attention(model, batch["input_ids"][rows], lengths)  # [R + M, T, T]
+    with_keys = "mech_lambda" in batch and bool((batch["mech_kind"] == MECHANISM_SHAPES.index("rkv")).any())
+    # [R + M, T, T], and the last layer's keys [R + M, h, T, d] when an rkv row needs them
+    attention, keys = received_attention_and_keys(model, batch["input_ids"][rows], lengths, keys_layer=-1 if with_keys else None)
     mask = batch["attention_mask"]
     T = mask.shape[-1]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -212,6 +226,7 @@ def add_attention_ranked(model: torch.nn.Module, batch: dict[str, torch.Tensor])
     if not len(mech):
         return
     attention, lengths = attention[len(rank) :], lengths[len(rank) :]
+    keys = None if keys is None else keys[len(rank) :]
     until = torch.empty(len(mech), T, dtype=torch.long)
     for kind, name in enumerate(MECHANISM_SHAPES):
         of = (batch["mech_kind"] == kind).nonzero().flatten()
@@ -220,6 +235,9 @@ def add_attention_ranked(model: torch.nn.Module, batch: dict[str, torch.Tensor])
         args = (attention[of], lengths[of], batch["mech_window"][of], batch["mech_count"][of])
         if name == "h2o":
             until[of] = h2o_until(*args)
+        elif name == "rkv":
+            until[of] = rkv_until(attention[of], keys[of], *args[1:], every=int(batch["mech_every"]), observe=int(batch["mech_observe"]),
+                                  mix_lambda=float(batch["mech_lambda"]))
         else:
             until[of] = snapkv_until(*args, every=int(batch["mech_every"]), observe=int(batch["mech_observe"]))
     for m, row in enumerate(mech.tolist()):

@@ -15,7 +15,7 @@ Two fine-tuning options start from a trained model (``init_from``):
   stay absolute in dynts). The model learns to keep counting steps and to stop on time with most of
   its context gone, so an evictor that keeps the right tokens loses little. ``evict_shapes`` mixes
   other kept-set shapes in (single tokens, values only, windows, attention-ranked subsets, and the
-  caches H2O and SnapKV would keep, simulated on the model's own attention;
+  caches H2O, SnapKV and R-KV would keep, simulated on the model's own attention (and keys);
   :mod:`trainers.eviction_masks`), so the model does not favour one shape of kept set;
   ``evict_lose_asked`` drops the forced asked value from some rows, ``evict_lose_reads`` (chain) the
   forced results later steps read.
@@ -79,6 +79,7 @@ class DataConfig:
     evict_shapes: dict[str, float] = field(default_factory=lambda: {"steps": 1.0})  # kept-set shape -> weight
     evict_every: int = 32  # snapkv shape: tokens between two eviction events
     evict_observe: int = 8  # snapkv shape: the observation window (the last queries that vote)
+    evict_rkv_lambda: float = 0.1  # rkv shape: lambda of lambda * importance - (1 - lambda) * redundancy (dynts.evictors.rkv's default)
     evict_lose_asked: float = 0.0  # drawn shapes: probability a row does not force-keep the asked key and value
     evict_lose_reads: float = 0.0  # drawn shapes, chain: probability a row does not force-keep the results later steps read
 
@@ -98,6 +99,9 @@ class DataConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"data.{name}={value!r}: give an int >= 1 ({what}), e.g. {name}: {type(self).__dataclass_fields__[name].default}")
+        lam = self.evict_rkv_lambda
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0.0 <= lam <= 1.0:
+            raise ValueError(f"data.evict_rkv_lambda={lam!r}: give a weight in [0, 1] (rkv's importance share), e.g. evict_rkv_lambda: 0.1")
         for name, what in (("evict_lose_asked", "the asked value"), ("evict_lose_reads", "the results later chain steps read")):
             lose = getattr(self, name)
             if isinstance(lose, bool) or not isinstance(lose, (int, float)) or not 0.0 <= lose <= 1.0:
@@ -282,6 +286,8 @@ class TraceStream(IterableDataset):
             for i, key in enumerate(("mech_rows", "mech_kind", "mech_count", "mech_window")):
                 batch[key] = torch.tensor([m[i] for m in mech])
             batch["mech_every"], batch["mech_observe"] = torch.tensor(d.evict_every), torch.tensor(d.evict_observe)
+            if any(kind == MECHANISM_SHAPES.index("rkv") for _, kind, _, _ in mech):  # no new key in older configs' batches
+                batch["mech_lambda"] = torch.tensor(float(d.evict_rkv_lambda))
         return batch
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
