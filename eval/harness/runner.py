@@ -352,12 +352,13 @@ def load_model(name_or_path: str, **load_options: Any):
 
 
 def _contexts(
-    config: EvalConfig, benches: dict[str, Benchmark], todo: Sequence[Cell], load_options: dict[str, Any] | None = None
+    config: EvalConfig, benches: dict[str, Benchmark], todo: Sequence[Cell], load_options: dict[str, Any] | None = None,
+    loaded: tuple[Any, Any] | None = None,
 ) -> dict[str, _Context]:
-    """Load the model once and tokenize the prompts of every benchmark that has work left."""
+    """Load the model once (or take ``loaded``) and tokenize the prompts of every benchmark that has work left."""
     from dynts.predictor import load_predictor
 
-    model, tokenizer = load_model(config.model, **(load_options or {}))
+    model, tokenizer = loaded if loaded is not None else load_model(config.model, **(load_options or {}))
     predictor = load_predictor(config.predictor, model) if config.predictor is not None else None
     contexts = {}
     for spec in dict.fromkeys(c.benchmark for c in todo):
@@ -379,11 +380,14 @@ def _contexts(
 
 
 def run(
-    config: EvalConfig, after_cell: Callable[[dict], None] | None = None, load_options: dict[str, Any] | None = None
+    config: EvalConfig, after_cell: Callable[[dict], None] | None = None, load_options: dict[str, Any] | None = None,
+    loaded: tuple[Any, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run (or resume) every cell of ``config``; returns the cell results in plan order. Tables are
     rendered into the run dir after each finished cell (``after_cell`` is called too), plots at the end.
     ``load_options`` go to :func:`dynts.load` (``dtype``, ``device``, ``device_map``, ...).
+    ``loaded``: ``(model, tokenizer)`` of ``config.model`` already loaded (with those ``load_options``), used
+    instead of loading it again (a caller running several configs in one process, e.g. ``scripts/tune_baselines.py``).
     With ``config.budget_fractions`` the unbounded cells run first and the full cache's mean
     sequence sizes the fraction budgets (:func:`fraction_budgets`)."""
     from .report import write_reports
@@ -394,17 +398,18 @@ def run(
     cells = plan_cells(config)
     if config.budget_fractions:  # the full cache first: its mean trace sizes the fraction budgets
         first = [c for c in cells if c.budget is None]
-        done = _run_cells(config, benches, first, results, load_options, after_cell)
+        done = _run_cells(config, benches, first, results, load_options, after_cell, loaded)
         full = {c.benchmark: done[c.key] for c in first if c.method.name == "full"}
         cells = plan_cells(config, fraction_budgets(config, full))
-    _run_cells(config, benches, cells, results, load_options, after_cell)
+    _run_cells(config, benches, cells, results, load_options, after_cell, loaded)
     ordered = [results[c.key] for c in cells]
     write_reports(config.run_dir, ordered)
     return ordered
 
 
 def _run_cells(config: EvalConfig, benches: dict[str, Benchmark], cells: Sequence[Cell], results: dict[str, dict],
-               load_options: dict[str, Any] | None, after_cell: Callable[[dict], None] | None) -> dict[str, dict]:
+               load_options: dict[str, Any] | None, after_cell: Callable[[dict], None] | None,
+               loaded: tuple[Any, Any] | None = None) -> dict[str, dict]:
     """Run (or read back) ``cells`` into ``results`` (by key), rendering the tables after each."""
     from tqdm.auto import tqdm
 
@@ -415,7 +420,7 @@ def _run_cells(config: EvalConfig, benches: dict[str, Benchmark], cells: Sequenc
         if cell.key not in results and path.is_file():
             results[cell.key] = json.loads(path.read_text())
     todo = [c for c in cells if c.key not in results]
-    contexts = _contexts(config, benches, todo, load_options) if todo else {}
+    contexts = _contexts(config, benches, todo, load_options, loaded) if todo else {}
     bar = tqdm if config.progress else None
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc="cells", disable=not config.progress) as outer:
         for cell in todo:
