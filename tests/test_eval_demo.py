@@ -24,7 +24,20 @@ def test_demo_without_checkpoints_says_what_to_do(tmp_path, monkeypatch, capsys)
     assert "dynts testbed train" in capsys.readouterr().err
     make_checkpoints(tmp_path, False, families=("copy",))  # the chain model is still missing: named, nothing runs
     assert demo.main(["--run-dir", str(tmp_path / "run")]) == 1
-    assert "chain-lrm.yaml" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert "chain-lrm-fair.yaml" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_demo_runs_the_fair_lrms():
+    """The demo's tables are the fair LRMs' (trained on the mechanisms' own kept sets), each with its own
+    predictor; ``dynts.load`` knows their names."""
+    from dynts.models import checkpoints_dir, resolve_path
+
+    assert {f: (spec.model, spec.predictor) for f, spec in demo.FAMILIES.items()} == {
+        "copy": ("testbed-fair", "testbed-fair-predictor"), "chain": ("testbed-chain-fair", "testbed-chain-fair-predictor")}
+    assert TESTBED["testbed-fair"] == "testbed-fair-lrm" and TESTBED["testbed-chain-fair"] == "testbed-chain-fair-lrm"
+    for spec in demo.FAMILIES.values():
+        assert resolve_path(spec.model) == checkpoints_dir() / TESTBED[spec.model]
+        assert (checkpoints_dir() / spec.predictor / "predictor_config.json").is_file()
 
 
 def test_demo_refuses_an_unknown_family(tmp_path, capsys):
@@ -50,7 +63,9 @@ def test_demo_runs_every_method(tmp_path, monkeypatch, capsys, one_thread, predi
         assert not ({"oracle-step", "oracle-value", "oracle-token", "chain-oracle-step", "testbed-oracle"} - family_oracles) & set(labels)
         assert all(r.get("loop_rate") is not None and r.get("evictions_per_sample") is not None for r in results)
         assert ("dynts" in methods) == predictor
-        assert f"{family} family" in captured.out
+        assert f"{family} family: testbed toy LRM `{demo.FAMILIES[family].model}`" in captured.out
+        full = next(r for r in results if r["method"]["name"] == "full")
+        assert f"full cache (no eviction): pass@1 {100 * full['pass@1']:.1f} %" in captured.out
     if not predictor:
         assert "skipping dynts on copy" in captured.err and "skipping dynts on chain" in captured.err
     assert "| full |" in captured.out and "accuracy_vs_budget.png" in captured.out

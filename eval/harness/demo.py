@@ -1,13 +1,14 @@
 """The demo: every eviction method at one tight budget on 100 testbed problems of each task family,
-with the bundled toy reasoning models and their trained importance predictors: ``copy``
-(``checkpoints/testbed-lrm``, ``testbed-predictor``: a step reads only the question) and ``chain``
-(``checkpoints/testbed-chain-lrm``, ``testbed-chain-predictor``: steps read earlier results, the
-regime attention-based scorers were designed for). Prints accuracy, tokens/s and peak KV per method
-and family, and the plots.
+with the bundled fair toy reasoning models (trained on the eviction mechanisms' own kept sets, the
+final tables' models) and their trained importance predictors: ``copy`` (``testbed-fair``:
+``checkpoints/testbed-fair-lrm``, ``testbed-fair-predictor``: a step reads only the question) and
+``chain`` (``testbed-chain-fair``: ``checkpoints/testbed-chain-fair-lrm``, ``testbed-chain-fair-predictor``:
+steps read earlier results, the regime attention-based scorers were designed for). Prints, per
+family, the LRM's full-cache score and accuracy, tokens/s and peak KV per method, and the plots.
 
-Run: ``python -m eval.harness.demo`` (a few minutes per family on 2 CPU cores). It is one ``dynts eval``
-run per family underneath (``runs/demo/<family>``, resumable); ``dynts eval --model testbed --benchmark
-testbed ...`` gives every knob.
+Run: ``python -m eval.harness.demo`` (about 3 min for copy and 8 for chain on 2 shared CPU cores). It
+is one ``dynts eval`` run per family underneath (``runs/demo/<family>``, resumable); ``dynts eval --model
+testbed-fair --benchmark testbed ...`` gives every knob.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class Family(NamedTuple):
 
 
 FAMILIES: dict[str, Family] = {
-    "copy": Family("testbed", "testbed-predictor", "", "ORACLES", "lrm.yaml"),
-    "chain": Family("testbed-chain", "testbed-chain-predictor", ",family=chain", "CHAIN_ORACLES", "chain-lrm.yaml"),
+    "copy": Family("testbed-fair", "testbed-fair-predictor", "", "ORACLES", "lrm-fair.yaml"),
+    "chain": Family("testbed-chain-fair", "testbed-chain-fair-predictor", ",family=chain", "CHAIN_ORACLES",
+                    "chain-lrm-fair.yaml"),
 }
 
 
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reread", metavar="WHY", default=None,
                         help="with --final: read a read-once final set (--set final) that the final-set ledger says "
                              "was read before; WHY is written to reports/final-ledger.jsonl")
-    parser.add_argument("--budget", type=int, default=96, help="cache budget B (~ a quarter of the copy family's ~440-token mean trace)")
+    parser.add_argument("--budget", type=int, default=96, help="cache budget B (about a quarter of the fair copy LRM's 379-token mean sequence, a fifth of the fair chain LRM's 467)")
     parser.add_argument("--local-window", type=int, default=32)
     parser.add_argument("--retention", type=float, default=0.4)
     parser.add_argument("--batch-size", type=int, default=100)
@@ -163,8 +165,11 @@ def run_family(family: str, args: argparse.Namespace, load_options: dict) -> int
     except ValueError as err:
         print(f"demo: error: {err}", file=sys.stderr)
         return 2
+    full = next((r for r in results if r["method"]["name"] == "full"), None)
     print(f"\n{family} family: testbed toy LRM `{model}`, {args.n} problems, budget B={args.budget} (local window "
           f"{args.local_window}, retention {args.retention}), sampling T=0.6 top-p 0.95 top-k 20, k=1")
+    if full is not None:
+        print(f"full cache (no eviction): pass@1 {100 * full['pass@1']:.1f} %, the ceiling the other rows are read against")
     print(markdown_table(results, TABLE))
     if not have_predictor:
         print(f"(dynts not shown: its trained predictor checkpoints/{predictor_name} is not there yet)")
