@@ -5,10 +5,18 @@ Spec syntax: ``name`` or ``name:key=value,key=value`` (values: ``true``/``false`
 strings), e.g. ``dynts:selection=random``. A comma list of specs is split so that ``key=value``
 items stay with the spec before them: ``full,window,dynts:selection=random,keep_local=false,h2o``.
 Any name in :func:`dynts.available_methods` works, so new evictors need no change here.
+
+Per-method cache settings: ``local_window=`` and ``retention=`` in a spec are the harness's, not the
+evictor's (no evictor has fields of those names): they are taken out of the options before the evictor
+is built and set that method's :class:`dynts.Budget` (the run's budget ``B``, this ``W_l`` / retention)
+in place of ``--local-window`` / ``--retention``, e.g. ``rkv:per_head=true,mix_lambda=0.05,retention=0.6``.
+They stay in the label (so in cell keys, tables and records). A preset takes further options too:
+``h2o+q:local_window=16`` is ``h2o:keep_question=true`` at ``W_l = 16``, labelled as written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -17,7 +25,7 @@ import dynts
 from dynts.cli_options import parse_option_value
 from dynts.evictors.base import EVICTORS, Evictor
 
-__all__ = ["ABLATIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PER_HEAD", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods"]
+__all__ = ["ABLATIONS", "CACHE_OPTIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PER_HEAD", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods"]
 
 # Paper Table 2 under the equal-n_keep contract of C.3 (every method keeps the same count, so
 # "without X" gives X's slots to the next candidates instead of shrinking the cache).
@@ -56,23 +64,32 @@ QUESTION_PROTECTED = [name for name in CONTROLS if name.endswith("+q") and name 
 ORACLES = [name for name in CONTROLS if name.startswith("oracle-")]
 CHAIN_ORACLES = [name for name in CONTROLS if name.startswith("chain-oracle-")]
 
+# Spec options the harness consumes (this method's cache settings), never passed to the evictor.
+CACHE_OPTIONS = ("local_window", "retention")
+
 # Methods registered by a module outside the library (imported on first use).
 PLUGINS: dict[str, str] = {"testbed-oracle": "data_pipeline.testbed.oracle"}
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method to evaluate: registry ``name`` + dataclass ``options``; ``label`` names it in tables."""
+    """A method to evaluate: registry ``name`` + dataclass ``options``; ``label`` names it in tables;
+    ``cache``: this method's own ``local_window`` / ``retention`` (:data:`CACHE_OPTIONS`), overriding the run's."""
 
     name: str
     options: tuple[tuple[str, Any], ...] = ()
     label: str = ""
+    cache: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.label:
-            opts = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.options)
-            object.__setattr__(self, "label", f"{self.name}:{opts}" if opts else self.name)
-        self.evictor()  # validates name and options now, before any generation
+            object.__setattr__(self, "label", _label(self.name, [*self.options, *self.cache]))
+        evictor = self.evictor()  # validates name and options now, before any generation
+        _check_cache(self.label, self.cache, evictor.bounded)
+        clash = sorted({k for k, _ in self.cache} & {f.name for f in dataclasses.fields(evictor)})
+        if clash:  # the harness takes these: an evictor field of that name could never be set
+            raise ValueError(f"method {self.label!r}: {self.name} has its own option {clash[0]!r}, which the harness "
+                             "reads as this method's cache setting; rename the evictor's field")
 
     def evictor(self) -> Evictor:
         if self.name not in EVICTORS and self.name in PLUGINS:
@@ -88,31 +105,75 @@ class MethodSpec:
     def requires(self) -> frozenset[str]:
         return frozenset(type(self.evictor()).requires)
 
+    @property
+    def local_window(self) -> int | None:
+        """This method's ``W_l`` (``None``: the run's)."""
+        return dict(self.cache).get("local_window")
+
+    @property
+    def retention(self) -> float | None:
+        """This method's retention (``None``: the run's)."""
+        return dict(self.cache).get("retention")
+
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "options": dict(self.options), "label": self.label}
+        out = {"name": self.name, "options": dict(self.options), "label": self.label}
+        if self.cache:  # only then (cells without overrides keep their keys)
+            out["cache"] = dict(self.cache)
+        return out
+
+
+def _fmt(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _label(name: str, items: Iterable[tuple[str, Any]]) -> str:
+    opts = ",".join(f"{k}={_fmt(v)}" for k, v in items)
+    return f"{name}:{opts}" if opts else name
+
+
+def _check_cache(label: str, cache: tuple[tuple[str, Any], ...], bounded: bool) -> None:
+    """Raise ``ValueError`` naming the option unless ``cache`` holds valid per-method cache settings."""
+    for key, value in cache:
+        if key not in CACHE_OPTIONS:
+            raise ValueError(f"method {label!r}: {key!r} is not a cache option ({', '.join(CACHE_OPTIONS)})")
+        if not bounded:
+            raise ValueError(f"method {label!r}: {key}= does not apply: this method keeps every entry (no budget)")
+        if key == "local_window" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"method {label!r}: local_window={value!r} must be an integer >= 0 (this method's W_l, "
+                             "in place of --local-window)")
+        if key == "retention" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+            raise ValueError(f"method {label!r}: retention={value!r} must lie in (0, 1] (this method's retention, "
+                             "in place of --retention)")
 
 
 def parse_method(spec: str) -> MethodSpec:
-    """One spec (``name`` or ``name:key=value,...``, or a preset from :data:`PRESETS`)."""
+    """One spec (``name`` or ``name:key=value,...``, or a preset from :data:`PRESETS`, optionally with
+    more options: ``h2o+q:local_window=16``); ``local_window=`` / ``retention=`` become the spec's ``cache``."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"method spec {spec!r} must be a non-empty string like 'dynts' or 'dynts:selection=random'")
     spec = spec.strip()
-    if spec in PRESETS:
-        parsed = parse_method(PRESETS[spec])
-        return MethodSpec(parsed.name, parsed.options, label=spec)
     name, _, rest = spec.partition(":")
-    options = []
+    items: list[tuple[str, Any]] = []
     for item in filter(None, (i.strip() for i in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"method {spec!r}: option {item!r} must look like key=value (e.g. dynts:selection=random)")
-        options.append((key.strip(), parse_option_value(value.strip())))
+        if key.strip() in dict(items):
+            raise ValueError(f"method {spec!r}: option {key.strip()!r} is given twice")
+        items.append((key.strip(), parse_option_value(value.strip())))
+    cache = tuple((k, float(v) if k == "retention" and isinstance(v, int) and not isinstance(v, bool) else v)
+                  for k, v in items if k in CACHE_OPTIONS)
+    options = [(k, v) for k, v in items if k not in CACHE_OPTIONS]
+    if name in PRESETS:  # the preset's options, then these (which override them)
+        base = parse_method(PRESETS[name])
+        merged = {**dict(base.options), **dict(options)}
+        return MethodSpec(base.name, tuple(merged.items()), label=_label(name, [*options, *cache]), cache=cache)
     if name not in EVICTORS and name not in PLUGINS:
         raise ValueError(
             f"method {name!r} is unknown; choose one of {dynts.available_methods()}, "
             f"a plugin {sorted(PLUGINS)} or a preset {sorted(PRESETS)}"
         )
-    return MethodSpec(name, tuple(options))
+    return MethodSpec(name, tuple(options), cache=cache)
 
 
 def split_specs(text: str) -> list[str]:
