@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dynts.cli_options import add_load_arguments, load_kwargs, set_threads
 
-from .methods import ABLATIONS, CONTROLS, QUESTION_PROTECTED
+from .methods import ABLATIONS, CONTROLS, PER_HEAD, QUESTION_PROTECTED
 
 __all__ = ["main", "parse_float_list", "parse_int_list"]
 
@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of gsm8k, math500, aime24, amc23, gaokao2023en, olympiadbench, "
                         "testbed[:n=100,set=test] or path.jsonl (repeatable)")
     p.add_argument("--method", action="append", default=None,
-                   help="comma list of method specs, e.g. full,window,dynts:selection=random (repeatable); "
-                        "'all' = every registered method and the +q variants (default)")
+                   help="comma list of method specs, e.g. full,window,dynts:selection=random (repeatable); a spec may "
+                        "set its own cache settings, e.g. rkv+q:mix_lambda=0.05,retention=0.6 (same budget); "
+                        "'all' = every registered method, the +q variants and the per-head ones (-head) (default)")
     p.add_argument("--ablations", action="store_true",
                    help="add DynTS's Table 2 ablations: " + ", ".join(ABLATIONS))
     p.add_argument("--budget", default=None, help="comma list of cache budgets B, e.g. 1024,2048")
@@ -141,6 +142,7 @@ def _methods(args: argparse.Namespace) -> tuple[list[str], list[str]]:
                     continue
                 specs.append(name)
             specs += QUESTION_PROTECTED  # each attention baseline also with DynTS's question protection
+            specs += PER_HEAD  # and at its paper's granularity: a kept set per layer and KV head
     if args.ablations:
         specs += ["dynts", *ABLATIONS]
     return specs, notes
