@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dynts.cli_options import add_load_arguments, load_kwargs, set_threads
+from eval.harness.ledger import add_final_arguments
 
 __all__ = ["main"]
 
@@ -203,11 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", action="store_true", help="testbed: the generator's reference traces, not samples")
     p.add_argument("--set", default="analysis", help="testbed: problem set name (final and confirm need --final)")
     p.add_argument("--family", default="copy", help="testbed: the task family, copy or chain")
-    p.add_argument("--final", action="store_true",
-                   help="these traces feed a final table (Pareto on a final set): only then may --set be final or confirm")
-    p.add_argument("--reread", metavar="WHY", default=None,
-                   help="with --final: read a read-once final set (--set final) that the final-set ledger says was "
-                        "read before; WHY is written to reports/final-ledger.jsonl")
+    add_final_arguments(p, "traces for a final table (Pareto on --set final or confirm)")
     p.add_argument("--min-think", type=int, default=150)
     p.add_argument("--max-think", type=int, default=900)
     p.add_argument("--max-reasoning-tokens", type=int, default=128, help="chat models: reasoning length cap")

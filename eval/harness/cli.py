@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dynts.cli_options import add_load_arguments, load_kwargs, set_threads
 
+from .ledger import add_final_arguments
 from .methods import ABLATIONS, CONTROLS, PER_HEAD, QUESTION_PROTECTED
 
 __all__ = ["main", "parse_float_list", "parse_int_list"]
@@ -106,12 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads (default: torch's choice; 1 is much faster for tiny models on a busy machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list benchmarks, methods and ablation presets, then exit")
-    p.add_argument("--final", action="store_true",
-                   help="this run produces a final table: only then may a testbed benchmark read set=final or "
-                        "set=confirm (choose and tune on set=dev/test, never on a final set)")
-    p.add_argument("--reread", metavar="WHY", default=None,
-                   help="with --final: read a read-once final set (set=final) that the final-set ledger says was "
-                        "read before; WHY is written to reports/final-ledger.jsonl")
+    add_final_arguments(p, "a final table")
     add_load_arguments(p)
     return p
 

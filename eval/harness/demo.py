@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dynts.cli_options import add_load_arguments, load_kwargs
+from eval.harness.ledger import add_final_arguments
 
 __all__ = ["main"]
 
@@ -76,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", default="copy,chain", help="testbed task families, comma-separated: copy, chain")
     parser.add_argument("--n", type=int, default=100, help="testbed problems per family")
     parser.add_argument("--set", default="test", help="testbed problem set (final and confirm need --final)")
-    parser.add_argument("--final", action="store_true",
-                        help="this demo produces a final table: only then may --set be final or confirm")
-    parser.add_argument("--reread", metavar="WHY", default=None,
-                        help="with --final: read a read-once final set (--set final) that the final-set ledger says "
-                             "was read before; WHY is written to reports/final-ledger.jsonl")
+    add_final_arguments(parser, "a final table (--set final or confirm)")
     parser.add_argument("--budget", type=int, default=96, help="cache budget B (about a quarter of the fair copy LRM's 379-token mean sequence, a fifth of the fair chain LRM's 467)")
     parser.add_argument("--local-window", type=int, default=32)
     parser.add_argument("--retention", type=float, default=0.4)

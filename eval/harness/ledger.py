@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator, Sequence
 from data_pipeline.testbed import task
 from dynts.io import write_atomic
 
-__all__ = ["LEDGER", "append", "final_run", "ledger_path", "read_ledger", "retire", "revision"]
+__all__ = ["LEDGER", "add_final_arguments", "append", "final_run", "ledger_path", "read_ledger", "retire", "revision"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LEDGER = ROOT / "reports" / "final-ledger.jsonl"
@@ -226,6 +226,17 @@ class _FinalRun(task.LedgerHandle):
 
 
 @contextlib.contextmanager
+def add_final_arguments(parser: "argparse.ArgumentParser", produces: str) -> None:
+    """The ``--final`` / ``--reread WHY`` options of every command that may produce a final table
+    (``produces``: what such a run makes, e.g. "a final table"); :func:`final_run` takes their values."""
+    parser.add_argument("--final", action="store_true",
+                        help=f"this run produces {produces}: only then may it read a final-only set (final, confirm); "
+                             "choose and tune on dev/test, never on a final set")
+    parser.add_argument("--reread", metavar="WHY", default=None,
+                        help="with --final: read a read-once final set (final) that the final-set ledger says was "
+                             "read before; WHY is written to reports/final-ledger.jsonl")
+
+
 def final_run(command: str, argv: Sequence[str] | None, enabled: bool, out: str | Path | None = None,
               reread: str | None = None) -> Iterator[dict[str, Any]]:
     """Run a block as a final-table run when ``enabled`` (the command's ``--final``): inside

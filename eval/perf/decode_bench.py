@@ -49,8 +49,8 @@ import torch
 import dynts
 from dynts.compiled import compiled_decode
 from dynts.cost import ModelShape, decode_flops, predictor_flops, selection_flops
+from dynts.cli_options import parse_options
 from dynts.hf_compat import cache_keyword
-from eval.harness.methods import parse_method
 
 
 @dataclass(frozen=True)
@@ -185,11 +185,12 @@ def method_options(name: str, vocab: int) -> dict:
 
 
 def make_lane(model, name: str, budget: dynts.Budget | None, batch: int, max_length: int | None = None) -> Lane:
-    """A lane of method spec or preset ``name`` (e.g. ``h2o-head``, ``rkv:mix_lambda=0.07``); ``max_length``
+    """A lane of method ``name`` with its options (e.g. ``h2o:per_head=true``, ``rkv:mix_lambda=0.07``); ``max_length``
     (a static full cache's capacity) turns on the static layout."""
-    spec = parse_method("full" if name.startswith("full") else name)
-    options = {**method_options(spec.name, model.config.get_text_config().vocab_size), **dict(spec.options)}
-    evictor = dynts.make_evictor(spec.name, **options)
+    method, _, rest = ("full" if name.startswith("full") else name).partition(":")
+    options = {**method_options(method, model.config.get_text_config().vocab_size),
+               **parse_options(rest.split(",") if rest else [], flag=f"lane {name!r}:")}
+    evictor = dynts.make_evictor(method, **options)
     static = {} if max_length is None else {"static": True, "max_length": max_length}
     cache = dynts.build_cache(model, evictor, budget, **static)
     predictor = None

@@ -15,6 +15,7 @@ from dynts.core.budget import Budget
 from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
 from dynts.rescue import RescueConfig
+from eval.harness.ledger import add_final_arguments
 from eval.rescue.bench import evaluate, helper_options, load_model
 from eval.rescue.calibrate import calibrate
 from eval.rescue.config import SETTINGS, RescueEvalConfig, check_settings
@@ -118,12 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--degen-steps", type=int, default=None, help="steps that make an incorrect trajectory degenerate")
     bench.add_argument("--max-rows", type=int, default=64, help="candidate rows per batched forward")
     bench.add_argument("--out", required=True, help="run directory (re-run to resume)")
-    bench.add_argument("--final", action="store_true",
-                       help="this run produces a final table: only then may a testbed benchmark read set=final or "
-                            "set=confirm")
-    bench.add_argument("--reread", metavar="WHY", default=None,
-                       help="with --final: read a read-once final set (set=final) that the final-set ledger says "
-                            "was read before; WHY is written to reports/final-ledger.jsonl")
+    add_final_arguments(bench, "a final table")
     _common(bench)
     cal = sub.add_parser("calibrate", help="detector statistics of best-of-N base candidates (paper Fig. 3), to pick thresholds")
     cal.add_argument("--benchmark", required=True)
