@@ -60,7 +60,7 @@ def reference_attention_rows(query, key, attention_mask, scaling):
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
-def reference_record_attention(self, probs, first_row=0):
+def reference_record_attention(self, probs, first_row=0, layer=0):  # token-level: every layer sums into one row
     assert first_row == 0
     n = self.length + self.pending
     if self.attention is not None:

@@ -225,7 +225,6 @@ class _FinalRun(task.LedgerHandle):
             _rewrite(self.path, self._put)
 
 
-@contextlib.contextmanager
 def add_final_arguments(parser: "argparse.ArgumentParser", produces: str) -> None:
     """The ``--final`` / ``--reread WHY`` options of every command that may produce a final table
     (``produces``: what such a run makes, e.g. "a final table"); :func:`final_run` takes their values."""
@@ -237,6 +236,7 @@ def add_final_arguments(parser: "argparse.ArgumentParser", produces: str) -> Non
                              "read before; WHY is written to reports/final-ledger.jsonl")
 
 
+@contextlib.contextmanager
 def final_run(command: str, argv: Sequence[str] | None, enabled: bool, out: str | Path | None = None,
               reread: str | None = None) -> Iterator[dict[str, Any]]:
     """Run a block as a final-table run when ``enabled`` (the command's ``--final``): inside

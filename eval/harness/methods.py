@@ -25,7 +25,7 @@ import dynts
 from dynts.cli_options import parse_option_value
 from dynts.evictors.base import EVICTORS, Evictor
 
-__all__ = ["ABLATIONS", "CACHE_OPTIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PER_HEAD", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods"]
+__all__ = ["ABLATIONS", "CACHE_OPTIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PER_HEAD", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods", "spec_label"]
 
 # Paper Table 2 under the equal-n_keep contract of C.3 (every method keeps the same count, so
 # "without X" gives X's slots to the next candidates instead of shrinking the cache).
@@ -83,7 +83,7 @@ class MethodSpec:
 
     def __post_init__(self) -> None:
         if not self.label:
-            object.__setattr__(self, "label", _label(self.name, [*self.options, *self.cache]))
+            object.__setattr__(self, "label", spec_label(self.name, [*self.options, *self.cache]))
         evictor = self.evictor()  # validates name and options now, before any generation
         _check_cache(self.label, self.cache, evictor.bounded)
         clash = sorted({k for k, _ in self.cache} & {f.name for f in dataclasses.fields(evictor)})
@@ -126,7 +126,8 @@ def _fmt(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _label(name: str, items: Iterable[tuple[str, Any]]) -> str:
+def spec_label(name: str, items: Iterable[tuple[str, Any]]) -> str:
+    """The spec text of ``name`` with ``items`` (``name:key=value,...``; booleans lower-case), the label of tables."""
     opts = ",".join(f"{k}={_fmt(v)}" for k, v in items)
     return f"{name}:{opts}" if opts else name
 
@@ -167,7 +168,7 @@ def parse_method(spec: str) -> MethodSpec:
     if name in PRESETS:  # the preset's options, then these (which override them)
         base = parse_method(PRESETS[name])
         merged = {**dict(base.options), **dict(options)}
-        return MethodSpec(base.name, tuple(merged.items()), label=_label(name, [*options, *cache]), cache=cache)
+        return MethodSpec(base.name, tuple(merged.items()), label=spec_label(name, [*options, *cache]), cache=cache)
     if name not in EVICTORS and name not in PLUGINS:
         raise ValueError(
             f"method {name!r} is unknown; choose one of {dynts.available_methods()}, "

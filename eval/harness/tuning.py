@@ -420,7 +420,7 @@ def short_spec(method: str, setting: dict[str, Any], local_window: int | None = 
     """``setting`` as the shortest spec naming it for a run at ``local_window`` / ``retention``: the preset
     fixing most of its options (``h2o-head+q``), the options off their evictor defaults, the cache settings
     that differ from the run's (``h2o-head+q:local_window=16``)."""
-    from .methods import PRESETS, _label, parse_method
+    from .methods import PRESETS, parse_method, spec_label
 
     fields = _fields(method)
     options = {k: v for k, v in setting.items() if k not in CACHE}
@@ -432,7 +432,7 @@ def short_spec(method: str, setting: dict[str, Any], local_window: int | None = 
             name, fixed = preset, dict(parsed.options)
     extra = [(k, v) for k, v in options.items() if k not in fixed and not (k in fields and fields[k].default == v)]
     cache = [(k, setting[k]) for k, run in zip(CACHE, (local_window, retention)) if k in setting and setting[k] != run]
-    return parse_method(_label(name, extra + cache)).label
+    return parse_method(spec_label(name, extra + cache)).label
 
 
 def choices(grid: Grid, finished: dict[TuneCell, dict], stage2: Sequence[TuneCell]) -> dict[str, Any]:
