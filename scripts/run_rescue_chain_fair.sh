@@ -39,7 +39,7 @@ for step in ${*:-answers rescue}; do
       $RESCUE --prm "$CHOSEN" --settings evict,bon,kvr --out $OUT
       wait
       $RESCUE --prm "$CHOSEN" --settings full,helper,evict,bon,kvr,helper-search,full-search --out $OUT  # cells on disk: writes results
-      .venv/bin/python -m eval.rescue.table $OUT --write reports/rescue/table-dev-chain-fair.md ;;
+      .venv/bin/python -m eval.rescue.table $OUT --from-records --write reports/rescue/table-dev-chain-fair.md ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -1,0 +1,38 @@
+"""docs/rescue.md's section on the fair chain models: its rescue tables are what ``eval.rescue.table
+--from-records`` prints from the committed records, and its AUROC table is the committed JSON's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION = "## The fair chain models on `dev`"
+
+
+def section() -> str:
+    text = (ROOT / "docs/rescue.md").read_text()
+    return text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+
+
+def test_fair_rescue_tables_recompute_from_the_records(capsys):
+    from eval.rescue.table import main as table
+
+    table([str(ROOT / "reports/rescue/dev-chain-fair-B72-N4"), "--from-records"])
+    printed = set(capsys.readouterr().out.splitlines())
+    rows = [line for line in section().splitlines() if line.startswith("| B = 72 |")]
+    assert len(rows) == 2
+    assert [r for r in rows if r not in printed] == []
+
+
+def test_fair_answer_auroc_table_is_the_committed_json():
+    dev = json.loads((ROOT / "reports/prm-chain-fair-answers.json").read_text())["samples"]["auroc"]
+    gate = json.loads((ROOT / "reports/prm-chain-fair-answers-gate.json").read_text())["gate"]["auroc"]
+    fmt = lambda r: f"{r['auroc']:.3f}"  # noqa: E731
+    rows = {line.split("|")[1].strip().strip("*`"): line for line in section().splitlines() if line.startswith("| `") or line.startswith("| **`")}
+    assert set(rows) == set(dev) == set(gate)
+    for name, line in rows.items():
+        cells = [c.strip() for c in line.split("|")[3:5]]
+        ci = lambda r: f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"  # noqa: E731
+        assert cells[0].replace("*", "") == f"{fmt(dev[name])} {ci(dev[name])}", name
+        assert cells[1] == f"{fmt(gate[name])} {ci(gate[name])}", name
