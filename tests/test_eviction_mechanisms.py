@@ -17,6 +17,7 @@ from dynts.evictors.base import Segment, TokenInfo
 from dynts.evictors.rkv import RKV
 from trainers.eviction_masks import MECHANISM_SHAPES, SHAPES, add_attention_ranked, attention_mask
 from trainers.eviction_mechanisms import (
+    PER_HEAD_SHAPES,
     h2o_until,
     received_attention,
     received_attention_and_keys,
@@ -24,11 +25,13 @@ from trainers.eviction_mechanisms import (
     snapkv_until,
     until_visibility,
 )
-from trainers.testbed_lm import LMConfig, TraceStream, build_model
+from trainers.layer_head_masks import ATTENTION, layer_head_masks
+from trainers.testbed_lm import LMConfig, LMModule, TraceStream, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 32}
 Q = 3  # a short "question" for the hand-made matrices
+TOKEN_SHAPES = [s for s in MECHANISM_SHAPES if s not in PER_HEAD_SHAPES]
 
 
 def _attention(R: int, T: int, seed: int = 0) -> torch.Tensor:
@@ -131,7 +134,7 @@ def test_h2o_keeps_the_heavy_hitters_of_a_hand_made_matrix():
     assert torch.equal(vis, _h2o_reference(A, T, 2, 1, question=1))
 
 
-@pytest.mark.parametrize("kind", MECHANISM_SHAPES)
+@pytest.mark.parametrize("kind", TOKEN_SHAPES)
 def test_the_simulations_match_explicit_reference_loops(kind):
     A = _attention(4, 40)
     until = _until(kind, A)
@@ -176,7 +179,7 @@ def test_rkv_evicts_the_older_copies_of_a_repeated_key():
     assert torch.equal(until_visibility(until, T, question=1), _rkv_reference(A, keys[0], T, W=1, C=6, K=8, w=8, lam=0.1, question=1))
 
 
-@pytest.mark.parametrize("kind", MECHANISM_SHAPES)
+@pytest.mark.parametrize("kind", TOKEN_SHAPES)
 def test_budget_window_and_permanent_eviction(kind):
     A = _attention(4, 40, seed=1)
     until = _until(kind, A)
@@ -349,3 +352,107 @@ def test_default_configs_add_no_mechanism_rows():
 def test_bad_mechanism_options_name_the_field_and_the_fix(field, value, match):
     with pytest.raises(ValueError, match=match):
         LMConfig.from_dict({"model": TINY, "data": {field: value}, "stages": []})
+
+
+GQA = {**TINY, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # 2 query heads per KV head
+
+
+def test_per_head_rows_run_each_layer_and_heads_own_cache():
+    # Every per-head row's mask holds, per (layer, KV head), the token-level simulation on that pair's own
+    # attention (its group's query heads summed) and, for rkv-head, its own keys; other rows are the same in
+    # every slice; the pairs really differ.
+    torch.manual_seed(0)
+    model = build_model(GQA).eval()
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    stream = _stream({"evict_shapes": {"attention": 1, "rkv": 1, "h2o-head": 1, "snapkv-head": 1, "rkv-head": 1},
+                      "evict_window": [4, 16], "evict_every": 8, "evict_observe": 4, "evict_keep": 0.5}, size=12)
+    batch = stream.batch(0)
+    kinds = [MECHANISM_SHAPES[k] for k in batch["mech_kind"].tolist()]
+    assert set(PER_HEAD_SHAPES) <= set(kinds) and "rkv" in kinds and "mech_lambda" in batch
+    add_attention_ranked(model, batch)
+    assert len(calls) == 1 and model.config._attn_implementation == "sdpa"
+    mask, T = batch["attention_mask"], batch["input_ids"].shape[1]
+    assert mask.shape == (12, 2 * 2, T, T) and mask.dtype == torch.bool
+    rows = batch["mech_rows"]
+    real = (torch.arange(T)[None, :] < batch["lengths"][rows][:, None]).long()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"][rows], attention_mask=real, output_attentions=True, use_cache=True)
+    model.set_attn_implementation("sdpa")
+    differ = 0
+    for m, row in enumerate(rows.tolist()):
+        n = int(batch["lengths"][row])
+        if kinds[m] not in PER_HEAD_SHAPES:
+            assert all(torch.equal(mask[row, g], mask[row, 0]) for g in range(4)), kinds[m]
+            continue
+        args = (batch["lengths"][row : row + 1], batch["mech_window"][m : m + 1], batch["mech_count"][m : m + 1])
+        for layer in range(2):
+            for head in range(2):
+                A = out.attentions[layer][m : m + 1, 2 * head : 2 * head + 2].float().sum(1) * real[m : m + 1, :, None]
+                if kinds[m] == "h2o-head":
+                    until = h2o_until(A, *args)
+                elif kinds[m] == "snapkv-head":
+                    until = snapkv_until(A, *args, every=8, observe=4)
+                else:
+                    keys = out.past_key_values.layers[layer].keys[m : m + 1, head : head + 1].float()
+                    until = rkv_until(A, keys, *args, every=8, observe=4, mix_lambda=0.1)
+                assert torch.equal(mask[row, 2 * layer + head, :n, :n], until_visibility(until[0], n)), (kinds[m], layer, head)
+                assert not mask[row, 2 * layer + head, :n, n:].any()
+        differ += any(not torch.equal(mask[row, g], mask[row, 0]) for g in range(1, 4))
+    assert differ >= 2  # the pairs keep different sets
+
+
+def _layer_reference(model, ids, mask):
+    """Logits with layer l's attention under ``mask[:, l * h_kv : (l + 1) * h_kv]`` (repeated over each
+    group's query heads), swapped into each attention call by a hook, under plain SDPA."""
+    h_kv = model.config.num_key_value_heads
+    rep = model.config.num_attention_heads // h_kv
+    hooks = []
+    for layer in model.model.layers:
+        part = mask[:, layer.self_attn.layer_idx * h_kv : (layer.self_attn.layer_idx + 1) * h_kv].repeat_interleave(rep, 1)
+        hooks.append(layer.self_attn.register_forward_pre_hook(
+            lambda module, args, kwargs, part=part: (args, {**kwargs, "attention_mask": part}), with_kwargs=True))
+    try:
+        return model(input_ids=ids, attention_mask=mask[:, :1]).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_layer_head_masks_give_each_layer_and_head_its_own_slice():
+    torch.manual_seed(1)
+    model = build_model(GQA).eval()
+    B, T = 3, 14
+    ids = torch.randint(0, model.config.vocab_size, (B, T))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = causal & (torch.rand(B, 4, T, T) < 0.6) | torch.eye(T, dtype=torch.bool)  # [B, L * h_kv, T, T], each query sees itself
+    with torch.no_grad():
+        with layer_head_masks(model, mask):
+            assert model.config._attn_implementation == ATTENTION
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        assert model.config._attn_implementation == "sdpa"
+        reference = _layer_reference(model, ids, mask)
+        uniform = model(input_ids=ids, attention_mask=mask[:, :1]).logits
+        with layer_head_masks(model, mask[:, :1]):  # one mask for every layer: nothing changes
+            assert model.config._attn_implementation == "sdpa"
+    assert torch.allclose(logits, reference, atol=1e-5)
+    assert not torch.allclose(logits, uniform, atol=1e-3)  # the slices matter
+    with pytest.raises(ValueError, match=r"num_hidden_layers x num_key_value_heads = 1 x 2 .*layer 1"):
+        with torch.no_grad(), layer_head_masks(model, mask[:, :2]):
+            model(input_ids=ids, attention_mask=mask[:, :2])
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_training_step_with_per_head_rows_learns_under_their_masks():
+    cfg = {"model": GQA, "seed": 3, "data": {"min_think": 40, "max_think": 80, "long_batch": 6, "short_steps": 0, "drill_frac": 0.0,
+                                             "evict_frac": 1.0, "evict_shapes": {"h2o-head": 1, "rkv-head": 1}, "evict_window": [4, 16],
+                                             "evict_every": 8, "evict_observe": 4},
+           "stages": [{"steps": 5, "lr": 1e-3, "lr_end": 1e-4, "long_frac": 1.0}]}
+    module = LMModule(cfg)
+    batch = TraceStream(LMConfig.from_dict(cfg), 0).batch(0)
+    loss, _, _ = module._loss(batch)
+    loss.backward()
+    assert torch.isfinite(loss) and batch["attention_mask"].shape[1] == 4
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in module.model.parameters() if p.requires_grad)
+    assert module.model.config._attn_implementation == "sdpa"

@@ -201,6 +201,25 @@ def test_per_head_compacts_each_heads_own_slots(model64):
             assert torch.allclose(stored, keys[row, head, positions], atol=1e-12)
 
 
+def test_per_head_reference_keys_copy_only_the_rows_asked(model64):
+    """R-KV's per-head keys: table row ``r * G + l * h + i`` reads layer ``l``'s head ``i`` of batch row ``r``,
+    for a partial event (one batch row) as for all; rows not in whole batch-row blocks are refused."""
+    ids, mask = padded_batch([9, 5, 7])
+    cache = dynts.build_cache(model64, dynts.make_evictor("rkv", per_head=True), dynts.Budget(64, local_window=4))
+    with torch.no_grad(), dynts.attach(model64, cache):
+        model64(input_ids=ids, attention_mask=mask, cache=cache)
+    n, G, h = cache.length, cache.groups, model64.config.num_key_value_heads
+    for batch_rows in ([1], [0, 2], [0, 1, 2]):
+        rows = torch.tensor([r * G + g for r in batch_rows for g in range(G)])
+        keys = cache.reference_keys(rows, n)
+        assert keys.shape == (len(rows), 1, n, cache.layers[0].keys.shape[-1])
+        for i, row in enumerate(rows.tolist()):
+            r, layer, head = row // G, row % G // h, row % h
+            assert torch.equal(keys[i, 0], cache.layers[layer].keys[r, head, :n])
+    with pytest.raises(ValueError, match="whole batch rows"):
+        cache.reference_keys(torch.arange(G - 1), n)
+
+
 @pytest.mark.parametrize("method", ["h2o", "snapkv", "rkv"])
 def test_per_head_no_eviction_is_exact(family_model, method):
     ids, mask = padded_batch([5, 12, 3, 8])

@@ -48,9 +48,28 @@ def write(tmp_path, values: dict, name: str = "grid.yaml") -> Path:
 # ------------------------------------------------------------------ the grid
 
 
-def test_the_committed_grids_load_and_treat_every_method_alike():
+SEED1 = {"chain-fair": ("testbed-chain-fair-s1-lrm", "testbed-chain-fair-s1-predictor", "testbed-chain-fair-lrm", "testbed-chain-fair-predictor"),
+         "copy-fair": ("testbed-fair-scratch-s1-lrm", "testbed-fair-scratch-s1-predictor", "testbed-fair-lrm", "testbed-fair-predictor")}
+
+
+def _committed_grid(name: str, tmp_path: Path) -> Path:
+    """The committed grid; it tunes on the seed-1 LRM and predictor, and until the seeds' queue has exported
+    them, a copy that loads the committed fair pair in their place (the grid's structure is the same)."""
+    path = ROOT / "configs" / "tuning" / f"{name}.yaml"
+    model, predictor, stand_model, stand_predictor = SEED1[name]
+    raw = yaml.safe_load(path.read_text())
+    assert (raw["model"], raw["predictor"]) == (f"checkpoints/{model}", f"checkpoints/{predictor}")
+    if (ROOT / "checkpoints" / predictor / "predictor_config.json").is_file():
+        return path
+    copy = tmp_path / path.name
+    copy.write_text(path.read_text().replace(f"checkpoints/{model}", f"{ROOT}/checkpoints/{stand_model}")
+                    .replace(f"checkpoints/{predictor}", f"{ROOT}/checkpoints/{stand_predictor}"))
+    return copy
+
+
+def test_the_committed_grids_load_and_treat_every_method_alike(tmp_path):
     for name in ("chain-fair", "copy-fair"):
-        grid = tune.load_grid(ROOT / "configs" / "tuning" / f"{name}.yaml")
+        grid = tune.load_grid(_committed_grid(name, tmp_path))
         counts = {m: sum(c.method == m for c in grid.cells) for m in grid.methods}
         assert counts == {"h2o": 4, "snapkv": 60, "rkv": 32, "dynts": 2}, name
         assert {(c.local_window, c.retention) for c in grid.cells} == {(32, 0.4)}  # stage own: the shared cache only
@@ -138,8 +157,8 @@ def test_choose_takes_the_highest_then_the_default_then_grid_order():
     assert tune.choose(rows, default)["chosen"]["order"] == 1  # equal in counts: a tie
 
 
-def test_defaults_are_the_evictors_own_and_the_shared_cache():
-    grid = tune.load_grid(ROOT / "configs" / "tuning" / "chain-fair.yaml")
+def test_defaults_are_the_evictors_own_and_the_shared_cache(tmp_path):
+    grid = tune.load_grid(_committed_grid("chain-fair", tmp_path))
     assert grid.defaults("rkv") == {"mix_lambda": 0.1, "normalize": "all", "keep_question": False, "per_head": False,
                                     "local_window": 32, "retention": 0.4}
     assert grid.defaults("dynts") == {"keep_question": True, "local_window": 32, "retention": 0.4}

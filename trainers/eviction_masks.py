@@ -28,6 +28,11 @@ permanent eviction, from the attention of the model being trained:
   lambda) * redundancy`` (``lambda = data.evict_rkv_lambda``; redundancy from the keys of the model's
   last layer, ``dynts.evictors.rkv.key_redundancy``) survive + ``W``.
 
+Their per-head forms ``h2o-head``, ``snapkv-head``, ``rkv-head`` run the same cache once per (layer,
+KV head) on that pair's own attention (and keys), as the evictors with ``per_head=true`` do; a batch
+holding such a row carries an ``attention_mask`` ``[B, L * h_kv, T, T]`` (one slice per pair, every
+other row repeated over them) that :mod:`trainers.layer_head_masks` hands to each layer.
+
 ``C = ceil(p * L)`` (``L`` thinking tokens, ``p`` as above). They force nothing but the question.
 
 ``data.evict_lose_asked`` (default 0): with that probability a drawn-shape row does not force the
@@ -60,10 +65,13 @@ import torch
 from data_pipeline.testbed import task
 from trainers.eviction_mechanisms import (
     MECHANISM_SHAPES,
+    PER_HEAD_SHAPES,
+    attention_and_keys_by_head,
     h2o_until,
     received_attention_and_keys,
     rkv_until,
     snapkv_until,
+    token_level,
     until_visibility,
 )
 
@@ -198,7 +206,10 @@ def add_attention_ranked(model: torch.nn.Module, batch: dict[str, torch.Tensor])
     - mechanism rows (``mech_rows`` ``[M]``, ``mech_kind`` ``[M]`` index in ``MECHANISM_SHAPES``,
       ``mech_count`` ``[M]`` = C, ``mech_window`` ``[M]`` = W, scalars ``mech_every``,
       ``mech_observe``; with ``rkv`` rows also ``mech_lambda``): their mask becomes the simulated
-      cache's per-query visibility (``rkv`` also reads the forward's last-layer keys).
+      cache's per-query visibility (``rkv`` also reads the forward's last-layer keys); a per-head
+      row (``h2o-head``, ...) gets one per (layer, KV head), and then the whole batch's mask becomes
+      ``[B, L * h_kv, T, T]`` (``batch["attention_mask"]`` is replaced; train it under
+      :func:`trainers.layer_head_masks.layer_head_masks`).
 
     ``batch`` also holds ``input_ids`` ``[B, T]``, ``attention_mask`` ``[B, 1, T, T]`` bool and
     ``lengths`` ``[B]``.
@@ -209,9 +220,18 @@ def add_attention_ranked(model: torch.nn.Module, batch: dict[str, torch.Tensor])
     if not len(rows):
         return
     lengths = batch["lengths"][rows]
-    with_keys = "mech_lambda" in batch and bool((batch["mech_kind"] == MECHANISM_SHAPES.index("rkv")).any())
-    # [R + M, T, T], and the last layer's keys [R + M, h, T, d] when an rkv row needs them
-    attention, keys = received_attention_and_keys(model, batch["input_ids"][rows], lengths, keys_layer=-1 if with_keys else None)
+    kinds = [MECHANISM_SHAPES[k] for k in batch.get("mech_kind", empty).tolist()]
+    ids = batch["input_ids"][rows]
+    if any(kind in PER_HEAD_SHAPES for kind in kinds):
+        # [R + M, L, h_kv, T, T] and every layer's keys [R + M, L, h_kv, T, d] when an rkv row needs them
+        by_head, head_keys = attention_and_keys_by_head(model, ids, lengths, with_keys=bool({"rkv", "rkv-head"} & set(kinds)))
+        attention, keys = token_level(by_head), None if head_keys is None else head_keys[:, -1]
+        groups = by_head.shape[1] * by_head.shape[2]
+        batch["attention_mask"] = batch["attention_mask"].expand(-1, groups, -1, -1).clone()  # one slice per (layer, head)
+    else:
+        # [R + M, T, T], and the last layer's keys [R + M, h, T, d] when an rkv row needs them
+        attention, keys = received_attention_and_keys(model, ids, lengths, keys_layer=-1 if "rkv" in kinds else None)
+        by_head = head_keys = None
     mask = batch["attention_mask"]
     T = mask.shape[-1]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -222,24 +242,35 @@ def add_attention_ranked(model: torch.nn.Module, batch: dict[str, torch.Tensor])
         if count == 0:
             continue
         top = received[r].masked_fill(~candidates, float("-inf")).topk(count).indices
-        mask[row, 0][:, top] = causal[:, top]
+        mask[row][:, :, top] = causal[:, top]
     if not len(mech):
         return
     attention, lengths = attention[len(rank) :], lengths[len(rank) :]
     keys = None if keys is None else keys[len(rank) :]
-    until = torch.empty(len(mech), T, dtype=torch.long)
-    for kind, name in enumerate(MECHANISM_SHAPES):
-        of = (batch["mech_kind"] == kind).nonzero().flatten()
+    for name in MECHANISM_SHAPES:
+        of = torch.tensor([m for m, kind in enumerate(kinds) if kind == name], dtype=torch.long)
         if not len(of):
             continue
-        args = (attention[of], lengths[of], batch["mech_window"][of], batch["mech_count"][of])
-        if name == "h2o":
-            until[of] = h2o_until(*args)
-        elif name == "rkv":
-            until[of] = rkv_until(attention[of], keys[of], *args[1:], every=int(batch["mech_every"]), observe=int(batch["mech_observe"]),
-                                  mix_lambda=float(batch["mech_lambda"]))
+        window, count = batch["mech_window"][of], batch["mech_count"][of]
+        if name in PER_HEAD_SHAPES:  # each (layer, head) pair's own cache: the token-level simulation on R * G rows
+            G = by_head.shape[1] * by_head.shape[2]
+            pair_attention = by_head[len(rank) :][of].flatten(0, 2)  # [n * G, T, T]
+            pair_keys = None if head_keys is None else head_keys[len(rank) :][of].flatten(0, 2)[:, None]  # [n * G, 1, T, d]
+            until = _simulate(name.removesuffix("-head"), pair_attention, pair_keys, lengths[of].repeat_interleave(G),
+                              window.repeat_interleave(G), count.repeat_interleave(G), batch).view(len(of), G, T)
         else:
-            until[of] = snapkv_until(*args, every=int(batch["mech_every"]), observe=int(batch["mech_observe"]))
-    for m, row in enumerate(mech.tolist()):
-        n = int(lengths[m])
-        mask[row, 0] = attention_mask([n], T, [until_visibility(until[m], n)])[0, 0]
+            until = _simulate(name, attention[of], None if keys is None else keys[of], lengths[of], window, count, batch)[:, None]
+        for m, pairs in zip(of.tolist(), until):
+            n, row = int(lengths[m]), int(mech[m])
+            mask[row] = torch.stack([attention_mask([n], T, [until_visibility(u, n)])[0, 0] for u in pairs])
+
+
+def _simulate(name: str, attention: torch.Tensor, keys: torch.Tensor | None, lengths: torch.Tensor, windows: torch.Tensor,
+              counts: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``until`` ``[R, T]`` of the token-level cache ``name`` over ``attention`` ``[R, T, T]`` (``rkv``: and ``keys``)."""
+    every, observe = int(batch["mech_every"]), int(batch["mech_observe"])
+    if name == "h2o":
+        return h2o_until(attention, lengths, windows, counts)
+    if name == "rkv":
+        return rkv_until(attention, keys, lengths, windows, counts, every=every, observe=observe, mix_lambda=float(batch["mech_lambda"]))
+    return snapkv_until(attention, lengths, windows, counts, every=every, observe=observe)

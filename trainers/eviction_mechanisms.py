@@ -42,6 +42,14 @@ or ``q < until[k]`` (:func:`until_visibility`); ``until[k] >= k + W`` always, so
   QUESTION_TOKENS + C + W - 1`` (``tests/test_eviction_mechanisms.py`` checks it event by event).
   No max pooling along the sequence (the evictor's ``kernel_size`` 7), as for ``snapkv``.
 
+``h2o-head``, ``snapkv-head``, ``rkv-head`` (the evictors with ``per_head=true``): the same three caches
+run once per (layer, KV head) pair on that pair's own statistics, as a per-head evictor keeps its own
+slots there: the attention of the pair's KV group (its query heads summed) and, for ``rkv-head``, the
+pair's own keys (redundancy over one head). Every pair keeps ``C`` of its candidates with the same
+question, window and events, so ``until`` is ``[R, L * h_kv, T]`` and the training mask one ``[T, T]``
+per pair (:mod:`trainers.layer_head_masks`). Given a pair's attention and keys, a pair's cache is the
+token-level simulation of that one pair, run by the same functions on the ``R * L * h_kv`` rows.
+
 Not simulated: a real cache scores with attention renormalised over what it kept, here every query
 attends to the full context (one forward, not ``T``; ``rkv`` renormalises the summed rows over the
 cached keys, which is exact for one layer and head only). ``C`` is drawn per row by the batch builder.
@@ -65,11 +73,12 @@ from data_pipeline.testbed import task
 from dynts.evictors.rkv import key_redundancy
 
 __all__ = [
-    "MECHANISM_SHAPES", "RKV_THRESHOLD", "h2o_until", "received_attention", "received_attention_and_keys", "rkv_until",
-    "snapkv_until", "until_visibility",
+    "MECHANISM_SHAPES", "PER_HEAD_SHAPES", "RKV_THRESHOLD", "attention_and_keys_by_head", "h2o_until", "received_attention",
+    "received_attention_and_keys", "rkv_until", "snapkv_until", "token_level", "until_visibility",
 ]
 
-MECHANISM_SHAPES = ("h2o", "snapkv", "rkv")  # appended only: a shape's index is recorded in batches
+MECHANISM_SHAPES = ("h2o", "snapkv", "rkv", "h2o-head", "snapkv-head", "rkv-head")  # appended only: indices are in batches
+PER_HEAD_SHAPES = MECHANISM_SHAPES[3:]  # one simulated cache per (layer, KV head), as the evictors' per_head=true
 RKV_THRESHOLD = 0.5  # R-KV's cosine threshold for two keys to count as copies (dynts.evictors.rkv's default)
 
 
@@ -87,22 +96,54 @@ def received_attention_and_keys(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`received_attention` and, from the same forward, the key states ``[R, h_kv, T, d]`` of
     layer ``keys_layer`` as the model's cache holds them (after RoPE; ``None``: no keys, no cache)."""
+    out, real = _eager_forward(model, ids, lengths, with_cache=keys_layer is not None)
+    attention = sum(a.float().sum(1) for a in out.attentions) * real[:, :, None]
+    if keys_layer is None:
+        return attention, None
+    return attention, _cache(out).layers[keys_layer].keys.float()
+
+
+@torch.no_grad()
+def attention_and_keys_by_head(
+    model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor, with_keys: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-head form of :func:`received_attention_and_keys`, from one eager forward: the attention
+    ``[R, L, h_kv, T, T]`` each real query of each layer's KV group pays each key (the group's query
+    heads summed, as ``record_attention`` sums them for a per-head evictor) and, with ``with_keys``,
+    every layer's keys ``[R, L, h_kv, T, d]`` as the cache holds them."""
+    out, real = _eager_forward(model, ids, lengths, with_cache=with_keys)
+    R, T = ids.shape
+    h_kv = model.config.num_key_value_heads
+    attention = torch.stack([a.float().view(R, h_kv, -1, T, T).sum(2) for a in out.attentions], 1) * real[:, None, None, :, None]
+    if not with_keys:
+        return attention, None
+    return attention, torch.stack([layer.keys.float() for layer in _cache(out).layers], 1)
+
+
+def token_level(by_head: torch.Tensor) -> torch.Tensor:
+    """``[R, T, T]``: attention ``[R, L, h_kv, T, T]`` summed over layers and heads (an H2O-style total)."""
+    return by_head.sum((1, 2))
+
+
+def _eager_forward(model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor, with_cache: bool):
+    """One full-context forward with attention weights (eager), and the real-token mask ``[R, T]``.
+    The model's attention implementation is restored afterwards."""
     T = ids.shape[1]
     real = torch.arange(T)[None, :] < lengths[:, None]  # [R, T]
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        if keys_layer is None:
-            out = model(input_ids=ids, attention_mask=real.long(), output_attentions=True)
-        else:
+        if with_cache:
             out = model(input_ids=ids, attention_mask=real.long(), output_attentions=True, use_cache=True)
+        else:
+            out = model(input_ids=ids, attention_mask=real.long(), output_attentions=True)
     finally:
         model.set_attn_implementation(previous)
-    attention = sum(a.float().sum(1) for a in out.attentions) * real[:, :, None]
-    if keys_layer is None:
-        return attention, None
-    cache = out["cache"] if "cache" in out else out.past_key_values  # renamed in transformers 5.2x
-    return attention, cache.layers[keys_layer].keys.float()
+    return out, real
+
+
+def _cache(out):
+    return out["cache"] if "cache" in out else out.past_key_values  # renamed in transformers 5.2x
 
 
 def _rows(*values: torch.Tensor | int, R: int) -> list[np.ndarray]:

@@ -51,6 +51,7 @@ from trainers.eviction_masks import (
     eviction_visibility,
     needs_attention,
 )
+from trainers.layer_head_masks import layer_head_masks
 from trainers.schedules import cosine, linear_warmup
 
 TOKEN_ID = {t: i for i, t in enumerate(task.VOCAB)}
@@ -286,7 +287,7 @@ class TraceStream(IterableDataset):
             for i, key in enumerate(("mech_rows", "mech_kind", "mech_count", "mech_window")):
                 batch[key] = torch.tensor([m[i] for m in mech])
             batch["mech_every"], batch["mech_observe"] = torch.tensor(d.evict_every), torch.tensor(d.evict_observe)
-            if any(kind == MECHANISM_SHAPES.index("rkv") for _, kind, _, _ in mech):  # no new key in older configs' batches
+            if any(MECHANISM_SHAPES[kind] in ("rkv", "rkv-head") for _, kind, _, _ in mech):  # no new key in older configs' batches
                 batch["mech_lambda"] = torch.tensor(float(d.evict_rkv_lambda))
         return batch
 
@@ -337,7 +338,9 @@ class LMModule(L.LightningModule):
             self.model.eval()
             add_attention_ranked(self.model, batch)
             self.model.train(was_training)
-        logits = self.model(input_ids=ids, attention_mask=batch.get("attention_mask")).logits[:, :-1].float()
+        mask = batch.get("attention_mask")
+        with layer_head_masks(self.model, mask):  # a batch with a per-head row has one mask per (layer, KV head)
+            logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         ce = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (ce * w[:, :-1]).sum() / w[:, :-1].sum()
         pos = batch["probe_pos"]

@@ -302,13 +302,19 @@ class BoundedCache(Cache):
 
     def reference_keys(self, rows: torch.Tensor, stored: int) -> torch.Tensor:
         """The keys of table ``rows`` ``[g]`` on the table's device (R-KV): the reference layer's
-        ``[g, h_kv, stored, d]``, or with per-head selection each row's own layer and head, ``[g, 1, stored, d]``."""
+        ``[g, h_kv, stored, d]``, or with per-head selection each row's own layer and head, ``[g, 1, stored, d]``.
+
+        Per head, ``rows`` come in whole blocks of ``G`` (every layer and KV head of one batch row, in
+        table order), as :meth:`run_evictor` and :meth:`token_info` pass them: only those batch rows'
+        keys are copied, so a partial event (a ragged cache's few rows) moves only its own."""
         if not self.per_head:
             keys = self.layers[self.keys_layer].keys
             return keys[rows.to(keys.device), :, :stored].to(self.positions.device)
-        device = self.positions.device
-        every = torch.stack([layer.keys[:, :, :stored].to(device) for layer in self.layers], 1)  # [b, L, h, n, d]
-        return every.flatten(0, 2)[rows, None]
+        if rows.numel() % self.groups:
+            raise ValueError(f"per-head reference keys take whole batch rows: {rows.numel()} table rows is not a multiple of {self.groups}")
+        device, batch_rows = self.positions.device, rows.view(-1, self.groups)[:, 0] // self.groups
+        every = [layer.keys[batch_rows.to(layer.keys.device), :, :stored].to(device) for layer in self.layers]
+        return torch.stack(every, 1).flatten(0, 2)[:, None]  # [g / G, L, h, n, d] -> [g, 1, n, d]
 
     def run_evictor(self, due: Sequence[tuple[int, int, int]], check: bool = True) -> list[Selection]:
         """The kept slots of the rows due: ``(row, question_length, n_keep)`` each, storing ``length`` slots
