@@ -7,10 +7,11 @@
 #   train-sN: the fair chain LRM of seed N, its predictor, the fair copy LRM (from scratch), its predictor, in that order
 #             (configs/testbed/chain-lrm-fair-sN.yaml, configs/testbed/lrm-fair-scratch-sN.yaml);
 #   dev-sN:   the dev table of each: 200 dev problems x k = 5, budgets 0.15 / 0.25 / 0.35 of that LRM's own mean full
-#             sequence, W_l 32, retention 0.4; the methods: full, random, window, streamingllm, sepllm and the family's
-#             oracles untuned, and the tuned ones from reports/tuning/<family>-fair/choices.json: DynTS's winner and each
-#             baseline's winners in $TUNED_SUBSETS (each with its own W_l / retention where tuning moved them); a dev
-#             table is refused until its family's tuning is complete -> reports/{chain-dev-fair,copy-dev-fair-scratch}-sN/.
+#             sequence, W_l 32, retention 0.4; the methods: full, window, streamingllm, sepllm untuned, and the tuned
+#             ones from reports/tuning/<family>-fair/choices.json: DynTS's winner and each baseline's winners in
+#             $TUNED_SUBSETS (each with its own W_l / retention where tuning moved them); no random control, no oracle:
+#             a seed's table is for its verdict (the final tables hold them); a dev table is refused until its
+#             family's tuning is complete -> reports/{chain-dev-fair,copy-dev-fair-scratch}-sN/.
 #   verdicts: reports/seed-verdicts.md, per family and seed the DynTS - best baseline verdict at each budget
 #             (python -m eval.harness.seeds), once the family's three dev tables exist.
 # Usage: scripts/run_fair_seeds.sh [--dry-run] [STEP...]
@@ -49,13 +50,13 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 DYNTS_TRAIN_THREADS=1 DYNTS_THREADS=1
 PY="nice -n 19 .venv/bin/python"
 # as scripts/run_testbed_regime.sh: W_l = 32, retention 0.4, k = 5, the budgets as shares of the full cache's mean sequence
 FRACTIONS=0.15,0.25,0.35
-# tuned (reports/tuning/<family>-fair/choices.json): each baseline's winner among token-level and per-head cells with
-# the question protected (the ranked forms) and among token-level ones without (the plain form); DynTS (no per_head)
+# tuned (reports/tuning/<family>-fair/choices.json): each baseline's overall winner and its winners among token-level
+# and among per-head cells with the question protected (the ranked forms; duplicates run once); DynTS (no per_head)
 # its overall winner
-TUNED_SUBSETS=token+q,head+q,token
-UNTUNED=random,window,streamingllm,sepllm
-CHAIN_UNTUNED="$UNTUNED,chain-oracle-step,chain-oracle-value"
-COPY_UNTUNED="$UNTUNED,oracle-step,oracle-value"
+TUNED_SUBSETS=best,token+q,head+q
+UNTUNED=window,streamingllm,sepllm
+CHAIN_UNTUNED=$UNTUNED
+COPY_UNTUNED=$UNTUNED
 TUNING=${FAIR_SEEDS_TUNING:-reports/tuning}  # where the tunings go (another directory only to try the script with --dry-run)
 K5="--k 5 --local-window 32 --retention 0.4 --batch-size 100 --threads 1 --no-progress --budget-fraction $FRACTIONS"
 
