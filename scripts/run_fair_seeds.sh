@@ -46,7 +46,8 @@ if [ -z "$DRY" ]; then
   fi
 fi
 export MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 DYNTS_TRAIN_THREADS=1 DYNTS_THREADS=1
+# FAIR_SEEDS_TRAIN_THREADS: a training's torch threads (default 1; 2 while the evaluation lane has nothing to run)
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 DYNTS_TRAIN_THREADS=${FAIR_SEEDS_TRAIN_THREADS:-1} DYNTS_THREADS=1
 PY="nice -n 19 .venv/bin/python"
 # as scripts/run_testbed_regime.sh: W_l = 32, retention 0.4, k = 5, the budgets as shares of the full cache's mean sequence
 FRACTIONS=0.15,0.25,0.35
