@@ -1,6 +1,6 @@
 #!/bin/bash
-# Tuning on dev and three seeds of the fair LRMs with R-KV's kept-set shape in the training mixture (issue #52,
-# items 2-4), one resumable queue. Steps:
+# Tuning on dev and three seeds of the fair LRMs with every baseline's kept-set shape (token-level and per head) in
+# the training mixture, one resumable queue. Steps:
 #   tune-chain, tune-copy: scripts/tune_baselines.py --resume on configs/tuning/{chain,copy}-fair.yaml (the seed-1
 #             LRMs and predictors: it waits for their exports) -> reports/tuning/{chain,copy}-fair/ (choices.json:
 #             every method's tuned settings);

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tune the baselines' settings, and DynTS's own, on dev problems (issue #52 item 2): two stages, each
+"""Tune the baselines' settings, and DynTS's own, on dev problems: two stages, each
 method's own options at the shared cache settings, then every winner over W_l x retention.
 
     python scripts/tune_baselines.py --grid configs/tuning/chain-fair.yaml --out reports/tuning/chain-fair \\

@@ -1,4 +1,4 @@
-"""Tuning on dev (issue #52 item 2): every method's settings, the baselines' and DynTS's own, chosen on
+"""Tuning on dev: every method's settings, the baselines' and DynTS's own, chosen on
 ``set=dev`` problems from a grid file committed before any cell runs (``configs/tuning/*.yaml``), in two
 stages that treat every method alike:
 
