@@ -84,10 +84,18 @@ tuning_complete() {  # $1: a tuning's report dir
 
 yaml_get() { .venv/bin/python -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
 
+exporting() {  # $1: a directory; true while a training-lane job whose --config exports there runs
+  local cfg
+  for cfg in $(pgrep -af "$TRAINING" | grep -o -- "--config [^ ]*" | cut -d' ' -f2); do
+    [ -f "$cfg" ] && [ "$(yaml_get "$cfg" export_dir 2>/dev/null)" = "$1" ] && return 0
+  done
+  return 1
+}
+
 wait_for_exports() {  # $1: what waits, then model / predictor directories the training lane exports
   local who=$1 need; shift
-  for need in "$@"; do
-    while [ ! -f "$need/model.safetensors" ] && [ ! -f "$need/predictor.safetensors" ] && [ -z "$DRY" ]; do
+  for need in "$@"; do  # done: its weights are there and no job is still writing them
+    while { { [ ! -f "$need/model.safetensors" ] && [ ! -f "$need/predictor_config.json" ]; } || exporting "$need"; } && [ -z "$DRY" ]; do
       pgrep -f "$TRAINING" >/dev/null || { log "$who needs $need: run its train step first"; return 1; }
       log "$who waits for $need (the training lane is on it); waiting 5 min"
       sleep 300
