@@ -14,12 +14,17 @@
 #             family's tuning is complete -> reports/{chain-dev-fair,copy-dev-fair-scratch}-sN/.
 #   verdicts: reports/seed-verdicts.md, per family and seed the DynTS - best baseline verdict at each budget
 #             (python -m eval.harness.seeds), once the family's three dev tables exist.
+#   carry:    a resume point (checkpoints/resume/<run name>: safetensors + JSON, trainers/resume_point.py) of every
+#             started, unexported LRM training of the three seeds, to commit before the machine goes: runs/ is not
+#             committed, and a train step whose run has no last.ckpt restores it from there (and deletes it once the
+#             LRM is exported). Waits for and locks nothing.
 # Usage: scripts/run_fair_seeds.sh [--dry-run] [STEP...]
 #        (default: train-s1 tune-chain tune-copy train-s2 train-s3 dev-s1 dev-s2 dev-s3 verdicts)
 # --dry-run: print what each step would run (and the tuned method lists) on stdout; runs, waits for and locks nothing.
 # Start it so that it outlives the session:  setsid nohup bash scripts/run_fair_seeds.sh > runs/fair-seeds.out 2>&1 &
 # Rerun the same command after a kill: a complete tuning, an exported LRM (its run's train_result.json and weights)
-# or predictor is skipped, a started tuning or training resumes (--resume), a dev table whose report exists is
+# or predictor is skipped, a started tuning or training resumes (--resume; on a new machine from its committed resume
+# point, see carry), a dev table whose report exists is
 # skipped and a started one resumes in its run dir (dynts eval skips the cells it has). Everything goes to
 # runs/fair-seeds.log. One thread per job, nice -n 19, no CPU lock (it runs for a day beside other jobs). Two lanes
 # may run at once, one core each: trainings (train-sN: LRMs and predictors) and evaluations (tune-*, dev-sN); before
@@ -121,14 +126,35 @@ tune() {  # $1: configs/tuning/X.yaml -> reports/tuning/X (resumes a started one
 train_lrm() {  # $1: configs/testbed/X.yaml
   local cfg=$1 run export
   run=$(yaml_get "$cfg" run_dir); export=$(yaml_get "$cfg" export_dir)
+  local point=checkpoints/resume/$(basename "$run") resume=""
   wait_for_others "$TRAINING"  # first: a training a killed queue left running may be this one
   if [ -f "$run/train_result.json" ] && [ -f "$export/model.safetensors" ]; then
-    log "skip $cfg: exported to $export ($run/train_result.json)"; return
+    log "skip $cfg: exported to $export ($run/train_result.json)"
+    [ -z "$DRY" ] && [ -d "$point" ] && { rm -r "$point"; log "removed the resume point $point (exported)"; }
+    return 0
   fi
-  local resume=""; [ -d "$run" ] && resume="--resume"
+  if [ ! -f "$run/ckpt/last.ckpt" ] && [ -f "$point/resume.json" ]; then
+    log "restore $run/ckpt/last.ckpt from the resume point $point"
+    run $PY -m dynts.cli testbed resume-point restore --run-dir "$run" --dir "$point"
+  fi
+  [ -d "$run" ] && resume="--resume"
   log "train $cfg $resume -> $export"
   run $PY -m dynts.cli testbed train --config "$cfg" $resume
-  [ -n "$DRY" ] || log "done $cfg: $(tr -d '\n ' < "$run/train_result.json" | cut -c1-400)"
+  [ -n "$DRY" ] && return
+  log "done $cfg: $(tr -d '\n ' < "$run/train_result.json" | cut -c1-400)"
+  [ -d "$point" ] && { rm -r "$point"; log "removed the resume point $point (exported; commit the removal with the export)"; }
+  return 0
+}
+
+carry() {  # a resume point of every started, unexported LRM training, for the commit before the machine goes
+  local cfg run export
+  for cfg in configs/testbed/chain-lrm-fair-s[0-9]*.yaml configs/testbed/lrm-fair-scratch-s[0-9]*.yaml; do
+    run=$(yaml_get "$cfg" run_dir); export=$(yaml_get "$cfg" export_dir)
+    [ -f "$run/ckpt/last.ckpt" ] || continue
+    if [ -f "$run/train_result.json" ] && [ -f "$export/model.safetensors" ]; then continue; fi
+    log "carry $run: $(run $PY -m dynts.cli testbed resume-point save --run-dir "$run" 2>&1 | tail -1)"
+  done
+  log "carry: commit checkpoints/resume/ ($(du -sh checkpoints/resume 2>/dev/null | cut -f1))"
 }
 
 train_predictor() {  # $1: configs/predictor/X.pipeline.yaml (dynts pipeline skips the stages it has done)
@@ -195,7 +221,8 @@ for step in $steps; do
       dev_table "copy-dev-fair-scratch-s$s" "testbed:n=200,set=dev" "checkpoints/testbed-fair-scratch-s$s-lrm" \
         "checkpoints/testbed-fair-scratch-s$s-predictor" "$TUNING/copy-fair" "$COPY_UNTUNED" ;;
     verdicts) verdicts ;;  # -> reports/seed-verdicts.md
-    *) log "unknown step $step (tune-chain, tune-copy, train-sN, dev-sN, verdicts)"; exit 2 ;;
+    carry) carry ;;        # -> checkpoints/resume/<run name>
+    *) log "unknown step $step (tune-chain, tune-copy, train-sN, dev-sN, verdicts, carry)"; exit 2 ;;
   esac
 done
 log "finished: $steps"

@@ -15,6 +15,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="e.g. configs/testbed/lrm.yaml")
     train.add_argument("--resume", action="store_true", help="continue from the run's last Lightning checkpoint")
     train.add_argument("--progress", action="store_true", help="show a progress bar")
+    carry = sub.add_parser("resume-point", help="save a run's last.ckpt as a committable resume point (safetensors + JSON), "
+                           "or restore it as the run's last.ckpt")
+    carry.add_argument("action", choices=("save", "restore"))
+    carry.add_argument("--run-dir", required=True, help="the training's run_dir, e.g. runs/testbed-chain-lrm-fair-s1")
+    carry.add_argument("--dir", default=None, help="the resume point's folder (default: checkpoints/resume/<run name>)")
+    carry.add_argument("--force", action="store_true", help="restore: replace the run's existing last.ckpt")
     sample = sub.add_parser("sample", help="print a generated problem and the model's trace")
     sample.add_argument("--seed", type=int, default=0, help="problem seed")
     sample.add_argument("--model", default="testbed", help="testbed, testbed-helper or a local HF directory")
@@ -75,6 +81,15 @@ def main(argv: list[str]) -> int:
         from trainers.testbed import train
 
         train(args.config, resume=args.resume, progress=args.progress)
+        return 0
+    if args.command == "resume-point":
+        from trainers import resume_point
+
+        where = args.dir or resume_point.default_dir(args.run_dir)
+        if args.action == "save":
+            print(f"saved step {resume_point.saved_step(resume_point.save(args.run_dir, where))} of {args.run_dir} to {where}")
+        else:
+            print(f"restored {resume_point.restore(where, args.run_dir, force=args.force)} (step {resume_point.saved_step(where)})")
         return 0
     if args.command == "sample":
         return _sample(args)
