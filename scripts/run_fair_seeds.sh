@@ -14,10 +14,13 @@
 #             family's tuning is complete -> reports/{chain-dev-fair,copy-dev-fair-scratch}-sN/.
 #   verdicts: reports/seed-verdicts.md, per family and seed the DynTS - best baseline verdict at each budget
 #             (python -m eval.harness.seeds), once the family's three dev tables exist.
-#   carry:    a resume point (checkpoints/resume/<run name>: safetensors + JSON, trainers/resume_point.py) of every
-#             started, unexported LRM training of the three seeds, to commit before the machine goes: runs/ is not
-#             committed, and a train step whose run has no last.ckpt restores it from there (and deletes it once the
-#             LRM is exported). Waits for and locks nothing.
+#   carry:    what a started, unfinished job has done, to commit before the machine goes (runs/ is not committed):
+#             a resume point (checkpoints/resume/<run name>: safetensors + JSON, trainers/resume_point.py) of every
+#             unexported LRM training of the three seeds, and each unfinished dev table's finished cells (run.json,
+#             cells/, records/: no samples) in reports/<name>/carried/. A train step whose run has no last.ckpt
+#             restores it from its point, a dev table with no run dir from its carried cells; each deletes what it
+#             restored from once its job is done. (A tuning needs no carrying: it writes each finished cell to
+#             reports/tuning/.) Waits for and locks nothing.
 # Usage: scripts/run_fair_seeds.sh [--dry-run] [STEP...]
 #        (default: train-s1 tune-chain tune-copy train-s2 train-s3 dev-s1 dev-s2 dev-s3 verdicts)
 # --dry-run: print what each step would run (and the tuned method lists) on stdout; runs, waits for and locks nothing.
@@ -79,7 +82,7 @@ wait_for_others() {  # $1: a lane's pattern; one job per lane on this machine: w
   while pgrep -f "$1" >/dev/null; do
     if [ -n "$DRY" ]; then log "dry-run: would wait for $(pgrep -af "$1" | head -1 | cut -c1-120)"; return; fi
     log "another job of this lane runs ($(pgrep -af "$1" | head -1 | cut -c1-120)); waiting 5 min"
-    sleep 300
+    sleep 300 9>&-  # not holding the queue lock
   done
 }
 
@@ -103,7 +106,7 @@ wait_for_exports() {  # $1: what waits, then model / predictor directories the t
     while { { [ ! -f "$need/model.safetensors" ] && [ ! -f "$need/predictor_config.json" ]; } || exporting "$need"; } && [ -z "$DRY" ]; do
       pgrep -f "$TRAINING" >/dev/null || { log "$who needs $need: run its train step first"; return 1; }
       log "$who waits for $need (the training lane is on it); waiting 5 min"
-      sleep 300
+      sleep 300 9>&-
     done
   done
 }
@@ -154,7 +157,17 @@ carry() {  # a resume point of every started, unexported LRM training, for the c
     if [ -f "$run/train_result.json" ] && [ -f "$export/model.safetensors" ]; then continue; fi
     log "carry $run: $(run $PY -m dynts.cli testbed resume-point save --run-dir "$run" 2>&1 | tail -1)"
   done
-  log "carry: commit checkpoints/resume/ ($(du -sh checkpoints/resume 2>/dev/null | cut -f1))"
+  local name dest f
+  for name in chain-dev-fair-s{1,2,3} copy-dev-fair-scratch-s{1,2,3}; do
+    [ -f "runs/$name/run.json" ] && [ ! -f "reports/$name/results.json" ] || continue
+    dest=reports/$name/carried
+    run rm -rf "$dest"; run mkdir -p "$dest/cells" "$dest/records"; run cp "runs/$name/run.json" "$dest/"
+    for f in runs/"$name"/cells/*.json runs/"$name"/records/*.json; do  # finished cells (not *.partial.jsonl)
+      [ -e "$f" ] && run cp "$f" "$dest/$(basename "$(dirname "$f")")/"
+    done
+    log "carry runs/$name: $(ls "$dest/cells" 2>/dev/null | wc -l) finished cells -> $dest"
+  done
+  log "carry: commit checkpoints/resume/ ($(du -sh checkpoints/resume 2>/dev/null | cut -f1)) and reports/*/carried/"
 }
 
 train_predictor() {  # $1: configs/predictor/X.pipeline.yaml (dynts pipeline skips the stages it has done)
@@ -172,6 +185,10 @@ dev_table() {  # $1 name (report dir), $2 benchmark, $3 model, $4 predictor, $5 
   wait_for_exports "dev table $name" "$model" "$pred"
   wait_for_others "$EVALUATION"
   if [ -f "reports/$name/results.json" ]; then log "skip dev table $name: reports/$name exists"; return; fi
+  if [ ! -f "runs/$name/run.json" ] && [ -f "reports/$name/carried/run.json" ]; then
+    log "dev table $name: its finished cells from reports/$name/carried -> runs/$name"
+    run mkdir -p "runs/$name"; run cp -r "reports/$name/carried/." "runs/$name/"
+  fi
   specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4"
   if ! dynts=$($specs --methods dynts) || ! tuned=$($specs --subsets "$TUNED_SUBSETS"); then
     log "dev table $name needs the complete tuning $tuning/choices.json (step tune-$(basename "$tuning" | cut -d- -f1)); not running it"
@@ -186,6 +203,7 @@ dev_table() {  # $1 name (report dir), $2 benchmark, $3 model, $4 predictor, $5 
   run cp runs/"$name"/records/*.json "reports/$name/records/"
   run cp runs/"$name"/results.md "reports/$name/"
   run cp runs/"$name"/results.json "reports/$name/"  # last: its presence marks the table done
+  run rm -rf "reports/$name/carried"
   log "done dev table $name"
 }
 
