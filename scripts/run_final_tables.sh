@@ -12,8 +12,13 @@
 # (reports/tuning/{chain,copy}-fair/choices.json), the seed-1 LRMs and predictors committed, the seed-1 dev
 # tables present (their budgets). The first run of a table reads `final` once (its ledger line in
 # reports/final-ledger.jsonl); a run that a stop killed resumes its run dir with `--reread` naming the run it
-# continues (the ledger records why; no cell is recomputed).
+# continues (the ledger records why; no cell is recomputed). A table outlasts a working session and runs/ is not
+# committed: `scripts/run_final_tables.sh carry`, before the machine goes, copies each unfinished table's finished
+# cells (run.json, cells/, records/; not the samples' texts) to reports/final-<family>/carried/, to commit; a
+# table whose run dir is absent starts from them (with --reread, as any continued run), and they are deleted once
+# the table is written.
 # Usage: scripts/run_final_tables.sh [--dry-run] [chain] [copy]   (default: both, side by side)
+#        scripts/run_final_tables.sh carry
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY=""; [ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
@@ -49,6 +54,10 @@ table() {  # $1 family
   specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4"
   dynts=$($specs --methods dynts); tuned=$($specs --subsets "$SUBSETS")
   local reread=()
+  if [ ! -f "$run/run.json" ] && [ -f "reports/final-$family/carried/run.json" ]; then
+    echo "$(date -u +%FT%TZ) final $family: its finished cells from reports/final-$family/carried -> $run"
+    [ -n "$DRY" ] || { mkdir -p "$run"; cp -r "reports/final-$family/carried/." "$run/"; }
+  fi
   if [ -d "$run/cells" ] && [ -n "$(ls -A "$run/cells" 2>/dev/null)" ]; then  # a killed run: continue it, and say so
     reread=(--reread "resume $run, stopped before its last cell (its cells are kept; none is recomputed)")
   fi
@@ -63,9 +72,22 @@ table() {  # $1 family
   $PY -m eval.harness.compare "$run" --against "$dynts" --wide > reports/final-$family/wide.md
   cp "$run"/records/*.json reports/final-$family/records/
   cp "$run"/results.md "$run"/results.json reports/final-$family/
+  rm -rf "reports/final-$family/carried"
   echo "$(date -u +%FT%TZ) done final $family -> reports/final-$family"
 }
 
+carry() {  # each unfinished table's finished cells -> reports/final-<family>/carried/ (to commit)
+  local family run dest f
+  for family in chain copy; do
+    run=runs/final-$family; dest=reports/final-$family/carried
+    [ -f "$run/run.json" ] && [ ! -f "reports/final-$family/results.json" ] || continue
+    rm -rf "$dest"; mkdir -p "$dest/cells" "$dest/records"; cp "$run/run.json" "$dest/"
+    for f in "$run"/cells/*.json "$run"/records/*.json; do if [ -e "$f" ]; then cp "$f" "$dest/$(basename "$(dirname "$f")")/"; fi; done
+    echo "carry $run: $(ls "$dest/cells" | wc -l) finished cells -> $dest (commit it)"
+  done
+}
+
+[ "${1:-}" = "carry" ] && { carry; exit 0; }
 families=${*:-chain copy}
 if [ -n "$DRY" ]; then for f in $families; do table "$f"; done; exit 0; fi
 pids=()
