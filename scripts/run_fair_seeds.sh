@@ -150,12 +150,14 @@ train_lrm() {  # $1: configs/testbed/X.yaml
 }
 
 carry() {  # a resume point of every started, unexported LRM training, for the commit before the machine goes
-  local cfg run export
+  local cfg run export msg
   for cfg in configs/testbed/chain-lrm-fair-s[0-9]*.yaml configs/testbed/lrm-fair-scratch-s[0-9]*.yaml; do
     run=$(yaml_get "$cfg" run_dir); export=$(yaml_get "$cfg" export_dir)
     [ -f "$run/ckpt/last.ckpt" ] || continue
     if [ -f "$run/train_result.json" ] && [ -f "$export/model.safetensors" ]; then continue; fi
-    log "carry $run: $(run $PY -m dynts.cli testbed resume-point save --run-dir "$run" 2>&1 | tail -1)"
+    msg=$(run $PY -m dynts.cli testbed resume-point save --run-dir "$run" 2>&1 | tail -1; exit "${PIPESTATUS[0]}") \
+      || { log "carry $run FAILED, nothing of it is carried: $msg"; return 1; }
+    log "carry $run: $msg"
   done
   local name dest f
   for name in chain-dev-fair-s{1,2,3} copy-dev-fair-scratch-s{1,2,3}; do
@@ -163,7 +165,7 @@ carry() {  # a resume point of every started, unexported LRM training, for the c
     dest=reports/$name/carried
     run rm -rf "$dest"; run mkdir -p "$dest/cells" "$dest/records"; run cp "runs/$name/run.json" "$dest/"
     for f in runs/"$name"/cells/*.json runs/"$name"/records/*.json; do  # finished cells (not *.partial.jsonl)
-      [ -e "$f" ] && run cp "$f" "$dest/$(basename "$(dirname "$f")")/"
+      if [ -e "$f" ]; then run cp "$f" "$dest/$(basename "$(dirname "$f")")/"; fi
     done
     log "carry runs/$name: $(ls "$dest/cells" 2>/dev/null | wc -l) finished cells -> $dest"
   done

@@ -1,0 +1,79 @@
+"""The queues' ``carry`` steps: what a started job has done is copied where a commit keeps it.
+
+Each script runs in a scratch copy of the repository's layout (its scripts and configs, this venv), so the
+real ``runs/`` and ``checkpoints/`` are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))  # this venv, where the scripts look for it
+    return tmp_path
+
+
+def _bash(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(["bash", *args], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _eval_run(run: Path) -> None:
+    for sub in ("cells", "records"):
+        (run / sub).mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    (run / "cells" / "done.json").write_text('{"pass@1": 0.5}')
+    (run / "records" / "done.json").write_text("{}")
+    (run / "cells" / "open.partial.jsonl").write_text('{"batch": 0}\n')
+
+
+def test_fair_seeds_carry_saves_unexported_trainings_and_unfinished_dev_tables(scratch):
+    ckpt = scratch / "runs" / "testbed-chain-lrm-fair-s2" / "ckpt"
+    ckpt.mkdir(parents=True)
+    torch.save({"global_step": 12, "state_dict": {"w": torch.ones(2)}}, ckpt / "last.ckpt")
+    _eval_run(scratch / "runs" / "copy-dev-fair-scratch-s1")
+    _eval_run(scratch / "runs" / "chain-dev-fair-s1")
+    (scratch / "reports" / "chain-dev-fair-s1").mkdir(parents=True)
+    (scratch / "reports" / "chain-dev-fair-s1" / "results.json").write_text("[]")  # written: nothing to carry
+
+    out = _bash(scratch, "scripts/run_fair_seeds.sh", "carry")
+    log = (scratch / "runs" / "fair-seeds.log").read_text()
+    assert out.returncode == 0, log
+    point = scratch / "checkpoints" / "resume" / "testbed-chain-lrm-fair-s2"
+    assert (point / "resume.json").is_file() and (point / "resume.safetensors").is_file()
+    assert "saved step 12" in log
+    carried = scratch / "reports" / "copy-dev-fair-scratch-s1" / "carried"
+    assert sorted(p.relative_to(carried).as_posix() for p in carried.rglob("*") if p.is_file()) == [
+        "cells/done.json", "records/done.json", "run.json"]  # finished cells only
+    assert not (scratch / "reports" / "chain-dev-fair-s1" / "carried").exists()
+
+
+def test_fair_seeds_carry_fails_loudly_when_a_point_cannot_be_saved(scratch):
+    ckpt = scratch / "runs" / "testbed-lrm-fair-scratch-s3" / "ckpt"
+    ckpt.mkdir(parents=True)
+    (ckpt / "last.ckpt").write_bytes(b"not a checkpoint")
+    assert _bash(scratch, "scripts/run_fair_seeds.sh", "carry").returncode != 0
+    log = (scratch / "runs" / "fair-seeds.log").read_text()
+    assert "carry runs/testbed-lrm-fair-scratch-s3 FAILED" in log and "finished: carry" not in log
+
+
+def test_final_tables_carry_copies_an_unfinished_tables_cells(scratch):
+    _eval_run(scratch / "runs" / "final-chain")
+    out = _bash(scratch, "scripts/run_final_tables.sh", "carry")
+    assert out.returncode == 0, out.stderr
+    carried = scratch / "reports" / "final-chain" / "carried"
+    assert (carried / "cells" / "done.json").is_file() and not (carried / "cells" / "open.partial.jsonl").exists()
+    assert "1 finished cells" in out.stdout and not (scratch / "reports" / "final-copy").exists()
