@@ -131,9 +131,13 @@ train_lrm() {  # $1: configs/testbed/X.yaml
   local cfg=$1 run export
   run=$(yaml_get "$cfg" run_dir); export=$(yaml_get "$cfg" export_dir)
   local point=checkpoints/resume/$(basename "$run") resume=""
+  local record=reports/training/$(basename "$run").json  # the run's train_result.json (its gate), committed
   wait_for_others "$TRAINING"  # first: a training a killed queue left running may be this one
-  if [ -f "$run/train_result.json" ] && [ -f "$export/model.safetensors" ]; then
-    log "skip $cfg: exported to $export ($run/train_result.json)"
+  if [ -f "$run/train_result.json" ] && [ -f "$export/model.safetensors" ] && [ -z "$DRY" ]; then
+    mkdir -p reports/training; cp "$run/train_result.json" "$record"
+  fi
+  if [ -f "$record" ] && [ -f "$export/model.safetensors" ]; then
+    log "skip $cfg: exported to $export ($record)"
     [ -z "$DRY" ] && [ -d "$point" ] && { rm -r "$point"; log "removed the resume point $point (exported)"; }
     return 0
   fi
@@ -146,6 +150,7 @@ train_lrm() {  # $1: configs/testbed/X.yaml
   run $PY -m dynts.cli testbed train --config "$cfg" $resume
   [ -n "$DRY" ] && return
   log "done $cfg: $(tr -d '\n ' < "$run/train_result.json" | cut -c1-400)"
+  mkdir -p reports/training; cp "$run/train_result.json" "$record"  # done: commit it with the export
   [ -d "$point" ] && { rm -r "$point"; log "removed the resume point $point (exported; commit the removal with the export)"; }
   return 0
 }
