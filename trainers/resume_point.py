@@ -4,9 +4,10 @@ A training longer than a session outlives it only through what is committed, and
 pickle, which this project never loads from the repository. :func:`save` splits a run's ``ckpt/last.ckpt`` into
 ``resume.safetensors`` (every tensor: the weights, the optimizer's moments and step counts) and ``resume.json``
 (loop counters, scheduler state, hyper-parameters: plain values, with each dict key's type and every tuple kept,
-and the SHA-256 of the tensors file), beside a copy of the run's CSV logs (the training curve so far). :func:`restore` checks both, rebuilds the same checkpoint dict and writes it
-as ``<run_dir>/ckpt/last.ckpt`` for ``--resume``: the round trip is exact, so the resumed run draws the batches
-and takes the steps the uninterrupted one would (batches are a function of ``(seed, step)``).
+and the SHA-256 of the tensors file), beside a copy of the run's CSV logs (the training curve so far).
+:func:`restore` checks both, rebuilds the same checkpoint dict and writes it as ``<run_dir>/ckpt/last.ckpt`` for
+``--resume``. The round trip is exact, so the resumed run draws the batches and takes the steps the uninterrupted
+one would (batches are a function of ``(seed, step)``; ``tests/test_resume_point.py``).
 
     dynts testbed resume-point save --run-dir runs/testbed-chain-lrm-fair-s1
     dynts testbed resume-point restore --run-dir runs/testbed-chain-lrm-fair-s1
