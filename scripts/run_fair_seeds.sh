@@ -7,9 +7,9 @@
 #   train-sN: the fair copy LRM of seed N (from scratch), its predictor, the fair chain LRM, its predictor, in that order
 #             (configs/testbed/lrm-fair-scratch-sN.yaml, configs/testbed/chain-lrm-fair-sN.yaml; the copy pair is short
 #             and its tuning can run beside the chain LRM's training);
-#   dev-sN:   (dev-chain-sN, dev-copy-sN: one family's) the dev table of each: 200 dev problems x k = 5, budgets 0.15 / 0.25 / 0.35 of that LRM's own mean full
-#             sequence, W_l 32, retention 0.4; the methods: full, window, streamingllm, sepllm untuned, and the tuned
-#             ones from reports/tuning/<family>-fair/choices.json: DynTS's winner and each baseline's winners in
+#   dev-sN:   the dev table of each (dev-chain-sN, dev-copy-sN: one family's): 200 dev problems x k = 5, budgets
+#             0.15 / 0.25 / 0.35 of that LRM's own mean full sequence, W_l 32, retention 0.4; the methods: full,
+#             window, streamingllm, sepllm untuned, and the tuned ones from reports/tuning/<family>-fair/choices.json: DynTS's winner and each baseline's winners in
 #             $TUNED_SUBSETS (each with its own W_l / retention where tuning moved them); no random control, no oracle:
 #             a seed's table is for its verdict (the final tables hold them); a dev table is refused until its
 #             family's tuning is complete -> reports/{chain-dev-fair,copy-dev-fair-scratch}-sN/.
