@@ -165,15 +165,12 @@ carry() {  # a resume point of every started, unexported LRM training, for the c
       || { log "carry $run FAILED, nothing of it is carried: $msg"; return 1; }
     log "carry $run: $msg"
   done
-  local name dest f
+  local name
   for name in chain-dev-fair-s{1,2,3} copy-dev-fair-scratch-s{1,2,3}; do
     [ -f "runs/$name/run.json" ] && [ ! -f "reports/$name/results.json" ] || continue
-    dest=reports/$name/carried
-    run rm -rf "$dest"; run mkdir -p "$dest/cells" "$dest/records"; run cp "runs/$name/run.json" "$dest/"
-    for f in runs/"$name"/cells/*.json runs/"$name"/records/*.json; do  # finished cells (not *.partial.jsonl)
-      if [ -e "$f" ]; then run cp "$f" "$dest/$(basename "$(dirname "$f")")/"; fi
-    done
-    log "carry runs/$name: $(ls "$dest/cells" 2>/dev/null | wc -l) finished cells -> $dest"
+    msg=$(run $PY -m eval.harness.carried save "runs/$name" "reports/$name/carried" 2>&1) \
+      || { log "carry runs/$name FAILED: $msg"; return 1; }
+    log "carry runs/$name: $msg"
   done
   log "carry: commit checkpoints/resume/ ($(du -sh checkpoints/resume 2>/dev/null | cut -f1)) and reports/*/carried/"
 }
@@ -193,9 +190,8 @@ dev_table() {  # $1 name (report dir), $2 benchmark, $3 model, $4 predictor, $5 
   wait_for_exports "dev table $name" "$model" "$pred"
   wait_for_others "$EVALUATION"
   if [ -f "reports/$name/results.json" ]; then log "skip dev table $name: reports/$name exists"; return; fi
-  if [ ! -f "runs/$name/run.json" ] && [ -f "reports/$name/carried/run.json" ]; then
-    log "dev table $name: its finished cells from reports/$name/carried -> runs/$name"
-    run mkdir -p "runs/$name"; run cp -r "reports/$name/carried/." "runs/$name/"
+  if [ -f "reports/$name/carried/run.json" ]; then  # a table a stop carried over: refills an absent run dir
+    run $PY -m eval.harness.carried restore "reports/$name/carried" "runs/$name"
   fi
   specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4"
   if ! dynts=$($specs --methods dynts) || ! tuned=$($specs --subsets "$TUNED_SUBSETS"); then

@@ -54,9 +54,9 @@ table() {  # $1 family
   specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4"
   dynts=$($specs --methods dynts); tuned=$($specs --subsets "$SUBSETS")
   local reread=()
-  if [ ! -f "$run/run.json" ] && [ -f "reports/final-$family/carried/run.json" ]; then
-    echo "$(date -u +%FT%TZ) final $family: its finished cells from reports/final-$family/carried -> $run"
-    [ -n "$DRY" ] || { mkdir -p "$run"; cp -r "reports/final-$family/carried/." "$run/"; }
+  if [ -f "reports/final-$family/carried/run.json" ]; then  # a table a stop carried over: refills an absent run dir
+    if [ -n "$DRY" ]; then echo "would restore $run from reports/final-$family/carried"
+    else $PY -m eval.harness.carried restore "reports/final-$family/carried" "$run"; fi
   fi
   if [ -d "$run/cells" ] && [ -n "$(ls -A "$run/cells" 2>/dev/null)" ]; then  # a killed run: continue it, and say so
     reread=(--reread "resume $run, stopped before its last cell (its cells are kept; none is recomputed)")
@@ -77,13 +77,11 @@ table() {  # $1 family
 }
 
 carry() {  # each unfinished table's finished cells -> reports/final-<family>/carried/ (to commit)
-  local family run dest f
+  local family msg
   for family in chain copy; do
-    run=runs/final-$family; dest=reports/final-$family/carried
-    [ -f "$run/run.json" ] && [ ! -f "reports/final-$family/results.json" ] || continue
-    rm -rf "$dest"; mkdir -p "$dest/cells" "$dest/records"; cp "$run/run.json" "$dest/"
-    for f in "$run"/cells/*.json "$run"/records/*.json; do if [ -e "$f" ]; then cp "$f" "$dest/$(basename "$(dirname "$f")")/"; fi; done
-    echo "carry $run: $(ls "$dest/cells" | wc -l) finished cells -> $dest (commit it)"
+    [ -f "runs/final-$family/run.json" ] && [ ! -f "reports/final-$family/results.json" ] || continue
+    msg=$($PY -m eval.harness.carried save "runs/final-$family" "reports/final-$family/carried")
+    echo "carry runs/final-$family: $msg (commit it)"
   done
 }
 

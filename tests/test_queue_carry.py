@@ -77,3 +77,18 @@ def test_final_tables_carry_copies_an_unfinished_tables_cells(scratch):
     carried = scratch / "reports" / "final-chain" / "carried"
     assert (carried / "cells" / "done.json").is_file() and not (carried / "cells" / "open.partial.jsonl").exists()
     assert "1 finished cells" in out.stdout and not (scratch / "reports" / "final-copy").exists()
+
+
+def test_a_carried_run_refills_only_an_unstarted_run_dir(tmp_path):
+    from eval.harness import carried
+
+    _eval_run(tmp_path / "run")
+    assert carried.save(tmp_path / "run", tmp_path / "carried") == 1
+    assert carried.restore(tmp_path / "carried", tmp_path / "fresh")
+    assert sorted(p.relative_to(tmp_path / "fresh").as_posix() for p in (tmp_path / "fresh").rglob("*") if p.is_file()) == [
+        "cells/done.json", "records/done.json", "run.json"]
+    (tmp_path / "run" / "cells" / "later.json").write_text("{}")
+    assert not carried.restore(tmp_path / "carried", tmp_path / "run")  # started: left as it is
+    assert (tmp_path / "run" / "cells" / "later.json").is_file()
+    with pytest.raises(FileNotFoundError, match="run.json"):
+        carried.save(tmp_path / "nowhere", tmp_path / "c2")
