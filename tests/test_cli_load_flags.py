@@ -20,6 +20,7 @@ LOADS_NO_MODEL = {
     "testbed train": "trains a bundled toy from scratch",
     "testbed sample": "the bundled CPU testbed checkpoints",
     "testbed report": "the bundled CPU testbed checkpoints",
+    "testbed resume-point": "converts a Lightning checkpoint's tensors; loads no model",
     "analyze pos": "a tokenizer only",
     "analyze sparsity": "reads a trace dataset only",
     "vllm-check": "vLLM loads the model (one engine, its --dtype and engine options); the transformers reference mirrors them",
