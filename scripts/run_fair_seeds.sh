@@ -10,7 +10,8 @@
 #   dev-sN:   the dev table of each (dev-chain-sN, dev-copy-sN: one family's): 200 dev problems x k = 5, budgets
 #             0.15 / 0.25 / 0.35 of that LRM's own mean full sequence, W_l 32, retention 0.4; the methods: full,
 #             window, streamingllm, sepllm untuned, and the tuned ones from reports/tuning/<family>-fair/choices.json: DynTS's winner and each baseline's winners in
-#             $TUNED_SUBSETS (each with its own W_l / retention where tuning moved them); no random control, no oracle:
+#             $TUNED_SUBSETS (each with its own retention where tuning moved it and its tuned W_l as a share of the tuning's budget,
+#             local_window_share=, so W_l scales with each budget); no random control, no oracle:
 #             a seed's table is for its verdict (the final tables hold them); a dev table is refused until its
 #             family's tuning is complete -> reports/{chain-dev-fair,copy-dev-fair-scratch}-sN/.
 #   verdicts: reports/seed-verdicts.md, per family and seed the DynTS - best baseline verdict at each budget
@@ -193,7 +194,7 @@ dev_table() {  # $1 name (report dir), $2 benchmark, $3 model, $4 predictor, $5 
   if [ -f "reports/$name/carried/run.json" ]; then  # a table a stop carried over: refills an absent run dir
     run $PY -m eval.harness.carried restore "reports/$name/carried" "runs/$name"
   fi
-  specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4"
+  specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4 --window-shares"
   if ! dynts=$($specs --methods dynts) || ! tuned=$($specs --subsets "$TUNED_SUBSETS"); then
     log "dev table $name needs the complete tuning $tuning/choices.json (step tune-$(basename "$tuning" | cut -d- -f1)); not running it"
     [ -n "$DRY" ] && return; return 1

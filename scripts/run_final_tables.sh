@@ -2,7 +2,8 @@
 # The final tables (docs/evaluation.md "Problem sets": `final`, read once), after the tuning and the seeds
 # (scripts/run_fair_seeds.sh): the seed-1 fair LRMs with their predictors on the final-only `final` problems,
 # chain n = 500 and copy n = 200, k = 5, the token budgets their seed-1 dev tables gave (0.15 / 0.25 / 0.35 of
-# the dev mean full sequence), W_l 32, retention 0.4. Methods: full; DynTS's tuned winner; each baseline's tuned
+# the dev mean full sequence), W_l 32, retention 0.4 (a tuned method: its tuned retention, and its tuned W_l as a
+# share of the tuning's budget, local_window_share=, W_l scaling with each budget). Methods: full; DynTS's tuned winner; each baseline's tuned
 # winners (its overall one and its best token-level and per-head cells, with the question protected and
 # without: subsets best, token+q, head+q, token, head; duplicates run once); window, streamingllm, sepllm and the
 # random control untuned; the family's oracles. One table is one `dynts eval --final` run (one core each, the two
@@ -51,7 +52,7 @@ table() {  # $1 family
   [ -f "$dev/results.json" ] || fail "$dev/results.json is missing (step dev-s1): its budgets are the final tables'"
   local budgets specs dynts tuned
   budgets=$(.venv/bin/python -c 'import json, sys; print(",".join(str(b) for b in sorted({c["budget"] for c in json.load(open(sys.argv[1])) if c.get("budget") is not None})))' "$dev/results.json")
-  specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4"
+  specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4 --window-shares"
   dynts=$($specs --methods dynts); tuned=$($specs --subsets "$SUBSETS")
   local reread=()
   if [ -f "reports/final-$family/carried/run.json" ]; then  # a table a stop carried over: refills an absent run dir

@@ -1,4 +1,4 @@
-"""Per-method cache settings in a method spec (``local_window=`` / ``retention=``, issue #52 item 2): the
+"""Per-method cache settings in a method spec (``local_window=`` or ``local_window_share=`` / ``retention=``): the
 harness takes them out of the evictor's options and builds that method's Budget from them (the run's B),
 they show in labels, keys and records, a spec without them keeps its cell key, and bad values are refused
 naming the option."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,36 @@ def test_keys_are_unambiguous_and_unchanged_without_overrides():
     assert [(c.budget, c.local_window, c.retention, c.budget_fraction) for c in extra] == [(90, 32, 0.6, 0.25)]
 
 
+def test_a_window_share_sets_w_l_per_budget():
+    spec = parse_method("h2o-head+q:local_window_share=0.7111,retention=0.6")
+    assert spec.local_window is None and spec.local_window_share == 0.7111 and spec.cache[0] == ("local_window_share", 0.7111)
+    planned = plan_cells(EvalConfig(model="testbed", benchmarks=[BENCH], methods=[spec.label, "window"], budgets=[52, 90, 121],
+                                    local_windows=[32], progress=False))
+    assert [(c.budget, c.local_window) for c in planned if c.method.name == "h2o"] == [(52, 37), (90, 64), (121, 86)]
+    assert [c.local_window for c in planned if c.method.name == "window"] == [32, 32, 32]  # the run's W_l elsewhere
+    assert [c.eviction.build().bounds for c in planned if c.method.name == "h2o"][0] == dynts.Budget(52, 37, 0.6)
+    assert parse_method("dynts:local_window_share=0").local_window_at(90) == 0
+    assert parse_method("dynts:local_window_share=0.25").local_window_at(90) == 23  # 22.5: halves round up
+    # fraction budgets: resolved once the full cache sized them
+    config = EvalConfig(model="testbed", benchmarks=[BENCH], methods=["full", "h2o:local_window_share=0.5"],
+                        budget_fractions=[0.15, 0.25], local_windows=[32], progress=False)
+    extra = [c for c in plan_cells(config, {BENCH: [(52, 0.15), (90, 0.25)]}) if c.budget is not None]
+    assert [(c.budget, c.local_window) for c in extra] == [(52, 26), (90, 45)]
+
+
+def test_a_window_share_the_budget_cannot_hold_is_refused_naming_it(tmp_path):
+    tiny_eval_testbed(tmp_path / "model")
+    config = EvalConfig(model=str(tmp_path / "model"), benchmarks=["testbed:n=2"], methods=["window:local_window_share=0.9"],
+                        budgets=[24], k=1, batch_size=2, max_new_tokens=12, run_dir=tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match=r"local_window \(22\)"):  # 0.9 x 24 = 21.6 -> 22, past a 14-token question
+        run(config)
+
+
 @pytest.mark.parametrize("spec, message", [
+    ("h2o:local_window_share=1", "local_window_share=1.0 must lie in [0, 1)"),
+    ("h2o:local_window_share=-0.1", "local_window_share=-0.1 must lie in [0, 1)"),
+    ("h2o:local_window_share=half", "local_window_share='half' must lie in [0, 1)"),
+    ("h2o:local_window=16,local_window_share=0.2", "not both"),
     ("h2o:local_window=-1", "local_window=-1 must be an integer >= 0"),
     ("h2o:local_window=2.5", "local_window=2.5 must be an integer >= 0"),
     ("h2o:local_window=true", "local_window=True must be an integer >= 0"),
@@ -98,7 +128,7 @@ def test_keys_are_unambiguous_and_unchanged_without_overrides():
     ("h2o+q:local_window=8,local_window=16", "'local_window' is given twice"),
 ])
 def test_bad_overrides_are_refused_naming_the_option(spec, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("+", r"\+")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         parse_methods([spec])
 
 

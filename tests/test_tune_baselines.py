@@ -173,6 +173,10 @@ def test_short_specs_name_the_preset_and_what_differs():
                       "retention": 0.6}, 32, 0.4) == "rkv+q:mix_lambda=0.05,retention=0.6")
     assert s("dynts", {"keep_question": False, "local_window": 32, "retention": 0.4}) == "dynts-no-question:local_window=32,retention=0.4"
     assert s("dynts", {"keep_question": True, "local_window": 32, "retention": 0.4}, 32, 0.4) == "dynts"
+    assert (s("h2o", {"keep_question": True, "per_head": True, "local_window": 64, "retention": 0.6}, 32, 0.4, share_of=90)
+            == "h2o-head+q:local_window_share=0.7111,retention=0.6")
+    assert tune.window_share(64, 90) == 0.7111 and tune.window_share(7, 9999) == 0.0007  # 4 decimals where they suffice
+    assert tune.window_share(12345, 30011) == 0.41135  # more where they do not
 
 
 # ------------------------------------------------------------------ running (a stand-in harness)
@@ -255,6 +259,11 @@ def test_two_stages_resume_and_choose(tmp_path):
 
     assert tune.table_specs(doc, ["token+q", "head+q"], (), 16, 0.4) == ["h2o+q:local_window=8,retention=0.6", "h2o-head+q", "dynts"]
     assert tune.table_specs(doc, [], ["dynts"], 16, 0.4) == ["dynts"]
+    # for a table at other budgets: every chosen W_l as its share of the tuning's B = 48, the run's W_l included
+    shares = tune.table_specs(doc, ["token+q", "head+q"], (), 16, 0.4, window_shares=True)
+    assert shares == ["h2o+q:local_window_share=0.1667,retention=0.6", "h2o-head+q:local_window_share=0.3333",
+                      "dynts:local_window_share=0.3333"]
+    assert [m.local_window_at(48) for m in parse_methods([",".join(shares)])] == [8, 16, 16]  # the tuned W_l back at B
     assert len(parse_methods([",".join(tune.table_specs(doc, ["token+q", "head+q"]))])) == 3  # dynts eval takes them
     with pytest.raises(ValueError, match="neither a subset"):
         tune.table_specs(doc, ["token"])

@@ -42,8 +42,9 @@ class EvalConfig:
             before generating; ``dynts eval --final`` refuses unless ``--allow-vacuous``).
         local_windows: ``W_l`` values; ``None`` = half of each budget.
         retentions: selection-window retention ratios.
-            A method spec's own ``local_window=`` / ``retention=`` (:data:`eval.harness.methods.CACHE_OPTIONS`)
-            replaces these for that method (one value instead of the run's list; the budgets stay the run's).
+            A method spec's own ``local_window=`` (or ``local_window_share=``, ``W_l = round(share x B)`` per
+            budget) / ``retention=`` (:data:`eval.harness.methods.CACHE_OPTIONS`) replaces these for that method
+            (one value instead of the run's list; the budgets stay the run's).
             Each method's settings are :meth:`evictions` (one :class:`~dynts.core.EvictionSpec` per cell,
             validated by the core when the config is made).
         k: samples per question (pass@1 is their mean).
@@ -130,8 +131,8 @@ class EvalConfig:
 
     def evictions(self, method: MethodSpec, budgets: Sequence[int] | None = None) -> list[EvictionSpec]:
         """The eviction settings ``method`` runs under: once for the full cache, else one per budget x local
-        window (default half the budget) x retention, the method's own ``local_window`` / ``retention`` in
-        place of the run's where its spec sets them. ``budgets``: these instead of ``self.budgets`` (the
+        window (default half the budget) x retention, the method's own ``local_window`` (or its
+        ``local_window_share`` of each budget) / ``retention`` in place of the run's where its spec sets them. ``budgets``: these instead of ``self.budgets`` (the
         fraction budgets, once the full cache sized them)."""
         budgets = self.budgets if budgets is None else budgets
         own = dict(method.cache)
@@ -139,7 +140,8 @@ class EvalConfig:
             grid = [{}]
         else:
             grid = [{"budget": b, "local_window": lw, "retention": float(r)} for b in budgets
-                    for lw in ([own["local_window"]] if "local_window" in own else self.local_windows or [b // 2])
+                    for lw in ([method.local_window_at(b)] if method.local_window_at(b) is not None
+                               else self.local_windows or [b // 2])
                     for r in ([own["retention"]] if "retention" in own else self.retentions)]
         specs = []
         for bounds in grid:
@@ -147,7 +149,9 @@ class EvalConfig:
                 specs.append(EvictionSpec(method.name, **bounds, predictor=self.predictor if "scores" in method.requires else None,
                                           think_end=self.think_end, method_options=method.options))
             except ValueError as err:
-                flags = "".join(f" {k}={v} (its spec)" if k in own else f" --{k.replace('_', '-')} {v}"
+                flags = "".join(f" {k}={v} (its spec)" if k in own else
+                                f" {k}={v} (its local_window_share={own['local_window_share']} x B)"
+                                if k == "local_window" and "local_window_share" in own else f" --{k.replace('_', '-')} {v}"
                                 for k, v in bounds.items() if v is not None)
                 raise ValueError(f"method {method.label}{flags}: {err}") from None
         return specs

@@ -6,10 +6,13 @@ strings), e.g. ``dynts:selection=random``. A comma list of specs is split so tha
 items stay with the spec before them: ``full,window,dynts:selection=random,keep_local=false,h2o``.
 Any name in :func:`dynts.available_methods` works, so new evictors need no change here.
 
-Per-method cache settings: ``local_window=`` and ``retention=`` in a spec are the harness's, not the
-evictor's (no evictor has fields of those names): they are taken out of the options before the evictor
-is built and set that method's :class:`dynts.Budget` (the run's budget ``B``, this ``W_l`` / retention)
-in place of ``--local-window`` / ``--retention``, e.g. ``rkv:per_head=true,mix_lambda=0.05,retention=0.6``.
+Per-method cache settings: ``local_window=``, ``local_window_share=`` and ``retention=`` in a spec are
+the harness's, not the evictor's (no evictor has fields of those names): they are taken out of the options
+before the evictor is built and set that method's :class:`dynts.Budget` (the run's budget ``B``, this
+``W_l`` / retention) in place of ``--local-window`` / ``--retention``, e.g.
+``rkv:per_head=true,mix_lambda=0.05,retention=0.6``. ``local_window_share=s`` sets ``W_l`` per budget,
+``round(s x B)``: how a ``W_l`` tuned at one budget carries to the others (a tuned ``W_l`` of 64 at
+``B = 90`` is ``local_window_share=0.7111``, ``W_l`` 37 at ``B = 52``).
 They stay in the label (so in cell keys, tables and records). A preset takes further options too:
 ``h2o+q:local_window=16`` is ``h2o:keep_question=true`` at ``W_l = 16``, labelled as written.
 """
@@ -65,7 +68,7 @@ ORACLES = [name for name in CONTROLS if name.startswith("oracle-")]
 CHAIN_ORACLES = [name for name in CONTROLS if name.startswith("chain-oracle-")]
 
 # Spec options the harness consumes (this method's cache settings), never passed to the evictor.
-CACHE_OPTIONS = ("local_window", "retention")
+CACHE_OPTIONS = ("local_window", "local_window_share", "retention")
 
 # Methods registered by a module outside the library (imported on first use).
 PLUGINS: dict[str, str] = {"testbed-oracle": "data_pipeline.testbed.oracle"}
@@ -74,7 +77,8 @@ PLUGINS: dict[str, str] = {"testbed-oracle": "data_pipeline.testbed.oracle"}
 @dataclass(frozen=True)
 class MethodSpec:
     """A method to evaluate: registry ``name`` + dataclass ``options``; ``label`` names it in tables;
-    ``cache``: this method's own ``local_window`` / ``retention`` (:data:`CACHE_OPTIONS`), overriding the run's."""
+    ``cache``: this method's own ``local_window`` (or ``local_window_share``) / ``retention`` (:data:`CACHE_OPTIONS`),
+    overriding the run's."""
 
     name: str
     options: tuple[tuple[str, Any], ...] = ()
@@ -111,6 +115,17 @@ class MethodSpec:
         return dict(self.cache).get("local_window")
 
     @property
+    def local_window_share(self) -> float | None:
+        """This method's ``W_l`` as a share of each budget (``None``: not set)."""
+        return dict(self.cache).get("local_window_share")
+
+    def local_window_at(self, budget: int) -> int | None:
+        """This method's ``W_l`` at ``budget``: its ``local_window``, or ``round(local_window_share x budget)``
+        (halves round up), or ``None`` (the run's)."""
+        share = self.local_window_share
+        return int(share * budget + 0.5) if share is not None else self.local_window
+
+    @property
     def retention(self) -> float | None:
         """This method's retention (``None``: the run's)."""
         return dict(self.cache).get("retention")
@@ -134,6 +149,9 @@ def spec_label(name: str, items: Iterable[tuple[str, Any]]) -> str:
 
 def _check_cache(label: str, cache: tuple[tuple[str, Any], ...], bounded: bool) -> None:
     """Raise ``ValueError`` naming the option unless ``cache`` holds valid per-method cache settings."""
+    if {"local_window", "local_window_share"} <= {k for k, _ in cache}:
+        raise ValueError(f"method {label!r}: give local_window= (tokens) or local_window_share= (a share of each "
+                         "budget), not both")
     for key, value in cache:
         if key not in CACHE_OPTIONS:
             raise ValueError(f"method {label!r}: {key!r} is not a cache option ({', '.join(CACHE_OPTIONS)})")
@@ -142,6 +160,9 @@ def _check_cache(label: str, cache: tuple[tuple[str, Any], ...], bounded: bool) 
         if key == "local_window" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"method {label!r}: local_window={value!r} must be an integer >= 0 (this method's W_l, "
                              "in place of --local-window)")
+        if key == "local_window_share" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1):
+            raise ValueError(f"method {label!r}: local_window_share={value!r} must lie in [0, 1) (this method's W_l as a "
+                             "share of each budget, e.g. 0.25)")
         if key == "retention" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
             raise ValueError(f"method {label!r}: retention={value!r} must lie in (0, 1] (this method's retention, "
                              "in place of --retention)")
@@ -149,7 +170,7 @@ def _check_cache(label: str, cache: tuple[tuple[str, Any], ...], bounded: bool) 
 
 def parse_method(spec: str) -> MethodSpec:
     """One spec (``name`` or ``name:key=value,...``, or a preset from :data:`PRESETS`, optionally with
-    more options: ``h2o+q:local_window=16``); ``local_window=`` / ``retention=`` become the spec's ``cache``."""
+    more options: ``h2o+q:local_window=16``); :data:`CACHE_OPTIONS` become the spec's ``cache``."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"method spec {spec!r} must be a non-empty string like 'dynts' or 'dynts:selection=random'")
     spec = spec.strip()
@@ -162,7 +183,7 @@ def parse_method(spec: str) -> MethodSpec:
         if key.strip() in dict(items):
             raise ValueError(f"method {spec!r}: option {key.strip()!r} is given twice")
         items.append((key.strip(), parse_option_value(value.strip())))
-    cache = tuple((k, float(v) if k == "retention" and isinstance(v, int) and not isinstance(v, bool) else v)
+    cache = tuple((k, float(v) if k in ("retention", "local_window_share") and isinstance(v, int) and not isinstance(v, bool) else v)
                   for k, v in items if k in CACHE_OPTIONS)
     options = [(k, v) for k, v in items if k not in CACHE_OPTIONS]
     if name in PRESETS:  # the preset's options, then these (which override them)

@@ -23,7 +23,9 @@ grid's sha256: another grid is refused), ``grid.md`` (every cell) and ``choices.
 subset the chosen spec, as ``dynts eval`` accepts it, with the runner-up and the default's score). The
 harness's run dir (samples with texts) is ``runs/tuning/<out name>``. A grid reading any set but dev is
 refused. ``python -m eval.harness.tuning specs CHOICES --subsets token+q,head+q`` prints the chosen specs
-as a ``--method`` list for a run at the given cache settings. The grid file and its validation:
+as a ``--method`` list for a run at the given cache settings; with ``--window-shares`` each chosen ``W_l``
+is written as its share of the tuning's budget (``local_window_share=``), so that a table at other budgets
+keeps each method's balance of recent and selected entries (W_l 64 of B = 90 is W_l 37 of B = 52). The grid file and its validation:
 :mod:`eval.harness.tuning_grid`.
 """
 
@@ -45,7 +47,7 @@ from .tuning_grid import (
 )
 
 __all__ = ["Grid", "TuneCell", "cache_cells", "choices", "choose", "dry_run", "load_grid", "main", "run_grid",
-           "short_spec", "table_specs", "winners"]
+           "short_spec", "table_specs", "window_share", "winners"]
 
 
 # ------------------------------------------------------------------ choosing
@@ -101,10 +103,23 @@ def cache_cells(grid: Grid, won: dict[str, dict[str, dict[str, Any]]]) -> list[T
     return list(dict.fromkeys(out))
 
 
-def short_spec(method: str, setting: dict[str, Any], local_window: int | None = None, retention: float | None = None) -> str:
+def window_share(local_window: int, budget: int) -> float:
+    """``local_window / budget`` with the fewest decimals (4 or more) that give ``local_window`` back at
+    ``budget`` (``round(share x budget)``, :meth:`eval.harness.methods.MethodSpec.local_window_at`)."""
+    for digits in range(4, 12):
+        share = round(local_window / budget, digits)
+        if int(share * budget + 0.5) == local_window:
+            return share
+    raise ValueError(f"local_window={local_window} has no share of budget={budget}")
+
+
+def short_spec(method: str, setting: dict[str, Any], local_window: int | None = None, retention: float | None = None,
+               share_of: int | None = None) -> str:
     """``setting`` as the shortest spec naming it for a run at ``local_window`` / ``retention``: the preset
     fixing most of its options (``h2o-head+q``), the options off their evictor defaults, the cache settings
-    that differ from the run's (``h2o-head+q:local_window=16``)."""
+    that differ from the run's (``h2o-head+q:local_window=16``). ``share_of``: the budget ``setting`` was
+    tuned at; its ``W_l`` is then written as ``local_window_share=W_l / share_of`` (always: a run at other
+    budgets scales it), ``h2o-head+q:local_window_share=0.7111`` for ``W_l`` 64 at ``B = 90``."""
     from .methods import PRESETS, parse_method, spec_label
 
     fields = method_fields(method)
@@ -117,6 +132,9 @@ def short_spec(method: str, setting: dict[str, Any], local_window: int | None = 
             name, fixed = preset, dict(parsed.options)
     extra = [(k, v) for k, v in options.items() if k not in fixed and not (k in fields and fields[k].default == v)]
     cache = [(k, setting[k]) for k, run in zip(CACHE, (local_window, retention)) if k in setting and setting[k] != run]
+    if share_of is not None and "local_window" in setting:
+        cache = [("local_window_share", window_share(setting["local_window"], share_of))] + [
+            (k, v) for k, v in cache if k != "local_window"]
     return parse_method(spec_label(name, extra + cache)).label
 
 
@@ -352,10 +370,12 @@ def dry_run(grid: Grid, out: Path | None = None) -> str:
 
 
 def table_specs(doc: dict[str, Any], subsets: Sequence[str], methods: Sequence[str] = (), local_window: int | None = None,
-                retention: float | None = None) -> list[str]:
+                retention: float | None = None, window_shares: bool = False) -> list[str]:
     """The chosen specs of a complete ``choices.json`` for a ``dynts eval`` run at ``local_window`` /
     ``retention``: per method (all, or ``methods``) its choice in each of ``subsets`` that applies to it, or
-    its ``best`` where none does (DynTS: no ``per_head``). Refuses an incomplete tuning."""
+    its ``best`` where none does (DynTS: no ``per_head``). ``window_shares``: each chosen ``W_l`` as its
+    share of the tuning's budget (``local_window_share=``), for a run at other budgets. Refuses an
+    incomplete tuning."""
     if not doc.get("complete"):
         raise ValueError(f"the tuning is not complete (incomplete: {', '.join(doc.get('incomplete') or ['?'])}); "
                          "run scripts/tune_baselines.py --resume to finish it")
@@ -370,7 +390,8 @@ def table_specs(doc: dict[str, Any], subsets: Sequence[str], methods: Sequence[s
         for name in names:
             if name not in entry["subsets"]:
                 raise ValueError(f"{method} has no subset {name!r} (its subsets: {sorted(entry['subsets'])})")
-            out.append(short_spec(method, entry["subsets"][name]["setting"], local_window, retention))
+            out.append(short_spec(method, entry["subsets"][name]["setting"], local_window, retention,
+                                  doc["budget"] if window_shares else None))
     return list(dict.fromkeys(out))
 
 
@@ -414,13 +435,15 @@ def specs_main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="", help="comma list of methods (default: all)")
     p.add_argument("--local-window", type=int, default=None, help="the run's --local-window (settings equal to it are left out)")
     p.add_argument("--retention", type=float, default=None, help="the run's --retention (likewise)")
+    p.add_argument("--window-shares", action="store_true",
+                   help="each chosen W_l as local_window_share= of the tuning's budget (a run at other budgets scales it)")
     args = p.parse_args(argv)
     try:
         path = Path(args.choices)
         if not path.is_file():
             raise ValueError(f"{path} does not exist: run the tuning first (scripts/tune_baselines.py)")
         specs = table_specs(json.loads(path.read_text()), [s for s in args.subsets.split(",") if s],
-                            [m for m in args.methods.split(",") if m], args.local_window, args.retention)
+                            [m for m in args.methods.split(",") if m], args.local_window, args.retention, args.window_shares)
     except ValueError as err:
         print(f"tuning specs: error: {err}", file=sys.stderr)
         return 2
