@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,23 @@ def test_a_product_is_the_product_of_its_factors(tmp_path, tokenizer):
 
     product = load_eval_prm("testbed-verifier:chain*testbed-verifier:copy", ";").score(requests)
     assert scores["testbed-verifier:chain*testbed-verifier:copy"] == product
+
+
+def test_the_verifier_rule_takes_the_first_group_at_the_bar_else_the_second(tmp_path, capsys):
+    from eval.rescue.answers import choose_verifier, main
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "reports" / "prm-chain-fair-answers.json").read_text())
+    prm, helper = "checkpoints/testbed-chain-fair-prm", "likelihood:checkpoints/testbed-chain-fair-helper"
+    product, extra = f"{prm}*{helper}", "testbed-chain-prm"
+    assert choose_verifier(doc, [prm, helper, product], [extra]) == product  # 0.808: the fair models' own, over the bar
+    assert choose_verifier(doc, [prm, helper], [extra]) == extra  # 0.579, 0.792: none reaches 0.8, so the extra (0.906)
+    with pytest.raises(ValueError, match=r"AUROC >= 0.95: the best is 'testbed-chain-prm' at 0.906"):
+        choose_verifier(doc, [prm, helper, product], [extra], bar=0.95)
+    with pytest.raises(ValueError, match="'likelihood:nothing' was not scored"):
+        choose_verifier(doc, ["likelihood:nothing"])
+    path = tmp_path / "answers.json"
+    path.write_text(json.dumps(doc))
+    assert main(["choose", str(path), "--first", prm, "--first", product, "--then", extra]) == 0
+    assert capsys.readouterr().out.strip() == product
+    assert main(["choose", str(tmp_path / "none.json"), "--first", prm]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -25,6 +25,10 @@ problem's ``k`` samples are resampled together).
 ``python -m eval.rescue.answers --samples runs/rescue-fair/dev-full-k5 --gate-config
 configs/testbed/chain-fair-prm.yaml --gate 200 --prm checkpoints/testbed-chain-fair-prm --prm
 likelihood:checkpoints/testbed-chain-fair-helper ... --out reports/prm-chain-fair-answers.json``
+
+The verifier a rescue uses is then chosen by a rule fixed before the answers are scored
+(:func:`choose_verifier`; ``python -m eval.rescue.answers choose FILE --first A --first B --then C``):
+the highest real-answer AUROC among ``--first``, if it reaches the bar (0.8), else among ``--then``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["answer_requests_from_samples", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers", "split_steps"]
+__all__ = ["answer_requests_from_samples", "choose_verifier", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers",
+           "split_steps"]
 
 
 def split_steps(ids: Sequence[int], is_delimiter) -> tuple[list[list[int]], list[int]]:
@@ -185,7 +190,49 @@ def grouped_auroc(scores: Sequence[float], labels: Sequence[int], groups: Sequen
     return {"auroc": auroc(scores, labels), "ci95": ci, "answers": len(labels), "wrong": list(labels).count(0)}
 
 
+def choose_verifier(doc: dict[str, Any], first: Sequence[str], then: Sequence[str] = (), bar: float = 0.8) -> str:
+    """The verifier of ``doc`` (a :func:`main` ``--samples`` result) with the highest real-answer AUROC among
+    ``first`` if it reaches ``bar``, else among ``then`` (ties: the earlier named). Raises ``ValueError``
+    naming the best reading when none reaches ``bar``, or a verifier ``doc`` did not score."""
+    if "samples" not in doc:
+        raise ValueError("the answers file has no real answers (run it with --samples RUN_DIR)")
+    scored = doc["samples"]["auroc"]
+    missing = [v for v in [*first, *then] if v not in scored]
+    if missing:
+        raise ValueError(f"verifier {missing[0]!r} was not scored in this file (scored: {', '.join(scored)})")
+    best = ""
+    for group in (first, then):
+        if not group:
+            continue
+        best = max(group, key=lambda v: (scored[v]["auroc"], -list(group).index(v)))
+        if scored[best]["auroc"] >= bar:
+            return best
+    top = max([*first, *then], key=lambda v: scored[v]["auroc"])
+    raise ValueError(f"no verifier reads answers at AUROC >= {bar}: the best is {top!r} at {scored[top]['auroc']:.3f}")
+
+
+def choose_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.rescue.answers choose", description=choose_verifier.__doc__)
+    p.add_argument("answers", help="a JSON file written by python -m eval.rescue.answers --samples ... --out FILE")
+    p.add_argument("--first", action="append", required=True, help="a verifier of the first group (repeat)")
+    p.add_argument("--then", action="append", default=[], help="a verifier taken only if no --first one reaches the bar (repeat)")
+    p.add_argument("--bar", type=float, default=0.8, help="the AUROC a chosen verifier needs (default 0.8)")
+    args = p.parse_args(argv)
+    try:
+        path = Path(args.answers)
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist: score the verifiers first (python -m eval.rescue.answers --samples ...)")
+        print(choose_verifier(json.loads(path.read_text()), args.first, args.then, args.bar))
+    except ValueError as err:
+        print(f"answers choose: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["choose"]:
+        return choose_main(argv[1:])
     import torch
 
     from dynts.models import load_tokenizer
@@ -203,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples over problems for the 95 %% interval")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None, help="write the JSON here")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     if not args.samples and not args.gate_config:
         p.error("give --samples RUN_DIR and/or --gate-config CONFIG")
     torch.set_num_threads(args.threads)
@@ -213,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sets["samples"] = answer_requests_from_samples(args.samples, tokenizer, args.delimiter, args.cell, args.family)
     if args.gate_config:
         sets["gate"] = gate_answer_requests(args.gate_config, args.gate, tokenizer, args.delimiter)
-    out: dict[str, Any] = {"command": "python -m eval.rescue.answers " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+    out: dict[str, Any] = {"command": "python -m eval.rescue.answers " + " ".join(shlex.quote(a) for a in argv),
                            "verifiers": list(args.prm)}
     for name, (requests, labels, groups, info) in sets.items():
         print(f"{name}: {json.dumps(info)}")
