@@ -280,6 +280,11 @@ def test_k_samples_distinct_recorded_seeds_fraction_budgets_and_vacuous_cells(ti
     assert not (tmp_path / "refused" / "cells").exists() or not any((tmp_path / "refused" / "cells").glob("*window*"))
     flagged = run(config(tiny_testbed, tmp_path / "flagged", budgets=[vacuous, vacuous + 1], k=1))
     assert [r.get("selection_slots") for r in flagged] == [None, 0, 1]
+    # a method whose own W_l (its spec's local_window= / local_window_share=) leaves it no slot is that method's
+    # setting, not a budget too small for the run: flagged even under 'refuse'
+    own = run(config(tiny_testbed, tmp_path / "own", methods=["full", "window:local_window=6"], budgets=[vacuous], k=1,
+                     local_windows=[2], vacuous="refuse"))
+    assert [r.get("selection_slots") for r in own] == [None, 0]
     with pytest.raises(ValueError, match="add the full cache"):
         config(tiny_testbed, tmp_path / "x", methods=["window"], budgets=[], budget_fractions=[0.5])
     with pytest.raises(ValueError, match="budget_fractions"):

@@ -39,7 +39,9 @@ class EvalConfig:
         vacuous: what to do with a budget whose ``n_keep`` leaves no selection slot (question + local
             window fill it, so every question-protecting method keeps the same set): ``"flag"`` (run
             it, mark the cell ``selection_slots: 0``; tables call it vacuous) or ``"refuse"`` (raise
-            before generating; ``dynts eval --final`` refuses unless ``--allow-vacuous``).
+            before generating; ``dynts eval --final`` refuses unless ``--allow-vacuous``). ``"refuse"``
+            refuses cells at the run's W_l only: a method whose own spec sets its W_l (a tuned
+            ``local_window_share=`` carried to a small budget) is flagged, its setting being its own.
         local_windows: ``W_l`` values; ``None`` = half of each budget.
         retentions: selection-window retention ratios.
             A method spec's own ``local_window=`` (or ``local_window_share=``, ``W_l = round(share x B)`` per

@@ -374,8 +374,8 @@ def _contexts(
             cell.eviction.build().check_prompt(longest)
         except ValueError as err:
             raise ValueError(f"{cell.key}: the longest {cell.benchmark} prompt: {err}") from None
-        if config.vacuous == "refuse":
-            _check_vacuous(cell, contexts[cell.benchmark])
+        if config.vacuous == "refuse" and cell.budget is not None and cell.method.local_window_at(cell.budget) is None:
+            _check_vacuous(cell, contexts[cell.benchmark])  # at the run's W_l: the budget is too small for the run
     return contexts
 
 
