@@ -248,7 +248,7 @@ for step in $steps; do
       train_predictor "configs/predictor/testbed-fair-scratch-s$s.pipeline.yaml"   # -> checkpoints/testbed-fair-scratch-s$s-predictor
       train_lrm "configs/testbed/chain-lrm-fair-s$s.yaml"                          # -> checkpoints/testbed-chain-fair-s$s-lrm
       train_predictor "configs/predictor/testbed-chain-fair-s$s.pipeline.yaml" ;;  # -> checkpoints/testbed-chain-fair-s$s-predictor
-    dev-s[0-9]*) dev_chain "$s"; dev_copy "$s" ;;
+    dev-s[0-9]*) dev_copy "$s"; dev_chain "$s" ;;  # copy first: its models are exported first
     dev-chain-s[0-9]*) dev_chain "$s" ;;
     dev-copy-s[0-9]*) dev_copy "$s" ;;
     verdicts) verdicts ;;  # -> reports/seed-verdicts.md
