@@ -21,12 +21,15 @@ PY="nice -n 10 .venv/bin/python"
 FAIR=checkpoints/testbed-chain-fair
 if [ -n "$SEED" ]; then
   LRM=$FAIR-s$SEED-lrm PREDICTOR=$FAIR-s$SEED-predictor TAG=chain-fair-s$SEED SAMPLES=runs/rescue-fair-s$SEED/dev-full-k5
-  DEV=reports/chain-dev-fair-s$SEED/results.json
-  [ -f "$DEV" ] || { echo "run_rescue_chain_fair.sh: $DEV is missing (scripts/run_fair_seeds.sh dev-chain-s$SEED): its 0.15 budget is the rescue's" >&2; exit 2; }
-  BUDGET=$(.venv/bin/python -c 'import json, sys; print(min(c["budget"] for c in json.load(open(sys.argv[1])) if c.get("budget_fraction") == 0.15))' "$DEV")
 else
-  LRM=$FAIR-lrm PREDICTOR=$FAIR-predictor TAG=chain-fair SAMPLES=runs/rescue-fair/dev-full-k5 BUDGET=72
+  LRM=$FAIR-lrm PREDICTOR=$FAIR-predictor TAG=chain-fair SAMPLES=runs/rescue-fair/dev-full-k5
 fi
+budget() {  # the rescue's B: 72 for the fair LRM, else the 0.15 budget of seed N's dev table
+  [ -z "$SEED" ] && { echo 72; return; }
+  local dev=reports/chain-dev-fair-s$SEED/results.json
+  [ -f "$dev" ] || { echo "run_rescue_chain_fair.sh: $dev is missing (scripts/run_fair_seeds.sh dev-chain-s$SEED): its 0.15 budget is the rescue's" >&2; return 2; }
+  .venv/bin/python -c 'import json, sys; print(min(c["budget"] for c in json.load(open(sys.argv[1])) if c.get("budget_fraction") == 0.15))' "$dev"
+}
 FIRST=($FAIR-prm likelihood:$FAIR-helper "$FAIR-prm*likelihood:$FAIR-helper")   # the fair models' own verifiers
 THEN=(testbed-chain-prm "testbed-chain-prm*likelihood:$FAIR-helper")           # taken only if none of FIRST reads answers
 VERIFIERS=()
@@ -34,11 +37,10 @@ for v in "${FIRST[@]}" "${THEN[@]}"; do VERIFIERS+=(--prm "$v"); done
 VERIFIERS+=(--prm likelihood:$LRM --prm "$FAIR-prm*likelihood:$LRM" --prm testbed-verifier:chain)  # references
 ANSWERS=reports/prm-$TAG-answers.json
 RESCUE="$PY -m dynts.cli rescue bench --benchmark testbed:n=100,family=chain,set=dev --method dynts \
-  --base $LRM --helper $FAIR-helper --predictor $PREDICTOR --budget $BUDGET --n 4 \
+  --base $LRM --helper $FAIR-helper --predictor $PREDICTOR --budget BUDGET --n 4 \
   --local-window 16 --delimiter ; --loop-ngram 8 --loop-pattern 1,4,2 \
   --max-steps 96 --max-step-tokens 64 --degen-steps 24 --entropy-threshold 3.3 --compress-threshold 0.5 \
   --compress-window 100 --guard 12 --entropy-window 6 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 0 --threads 1"
-OUT=reports/rescue/dev-$TAG-B$BUDGET-N4
 for step in ${*:-answers rescue}; do
   date
   case $step in
@@ -50,6 +52,7 @@ for step in ${*:-answers rescue}; do
         "${VERIFIERS[@]}" --out reports/prm-$TAG-answers-gate.json
       wait ;;
     rescue)
+      BUDGET=$(budget); RESCUE=${RESCUE/--budget BUDGET/--budget $BUDGET}; OUT=reports/rescue/dev-$TAG-B$BUDGET-N4
       CHOOSE=()
       for v in "${FIRST[@]}"; do CHOOSE+=(--first "$v"); done
       for v in "${THEN[@]}"; do CHOOSE+=(--then "$v"); done
