@@ -63,3 +63,15 @@ def test_hook_bench_table_in_vllm_md_comes_from_the_committed_results():
     printed = compare_table(runs).splitlines()
     text = (ROOT / "docs/vllm.md").read_text()
     assert all(line in text.splitlines() for line in printed)
+
+
+def test_seed_verifier_table_in_rescue_md_comes_from_the_committed_answers():
+    """docs/rescue.md's answer-AUROC table of seed 1's chain LRM is ``python -m eval.rescue.answers table``'s output."""
+    import json
+
+    from eval.rescue.answers import answers_table
+
+    answers, gate = (json.loads((ROOT / "reports" / f"prm-chain-fair-s1-answers{tail}.json").read_text()) for tail in ("", "-gate"))
+    printed = answers_table(answers, gate).splitlines()
+    lines = (ROOT / "docs/rescue.md").read_text().splitlines()
+    assert len(printed) == 10 and all(line in lines for line in printed)

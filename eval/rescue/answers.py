@@ -29,6 +29,7 @@ likelihood:checkpoints/testbed-chain-fair-helper ... --out reports/prm-chain-fai
 The verifier a rescue uses is then chosen by a rule fixed before the answers are scored
 (:func:`choose_verifier`; ``python -m eval.rescue.answers choose FILE --first A --first B --then C``):
 the highest real-answer AUROC among ``--first``, if it reaches the bar (0.8), else among ``--then``.
+``python -m eval.rescue.answers table FILE --gate GATE_FILE`` prints the AUROC table docs/rescue.md shows.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["answer_requests_from_samples", "choose_verifier", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers",
+__all__ = ["answer_requests_from_samples", "answers_table", "choose_verifier", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers",
            "split_steps"]
 
 
@@ -229,10 +230,41 @@ def choose_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def answers_table(doc: dict[str, Any], gate: dict[str, Any] | None = None) -> str:
+    """A markdown table of ``doc``'s real-answer AUROC per verifier (with ``gate``: a second file's gate
+    AUROC beside it), each ``0.894 [0.862, 0.927]``, in the order the verifiers were given."""
+    real = doc["samples"]
+    head = f"| verifier | dev answers AUROC [95 % CI] ({real['info']['answers']:,}, {real['info']['wrong']} wrong) |"
+    rule = "|---|---|"
+    if gate is not None:
+        head += f" gate answers AUROC [95 % CI] ({gate['gate']['info']['answers']:,}, {gate['gate']['info']['wrong']} wrong) |"
+        rule += "---|"
+    cell = lambda r: f"{r['auroc']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"  # noqa: E731
+    rows = [head, rule]
+    for v in doc["verifiers"]:
+        row = f"| `{v}` | {cell(real['auroc'][v])} |"
+        if gate is not None:
+            row += f" {cell(gate['gate']['auroc'][v])} |" if v in gate["gate"]["auroc"] else " – |"
+        rows.append(row)
+    return "\n".join(rows)
+
+
+def table_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.rescue.answers table", description=answers_table.__doc__)
+    p.add_argument("answers", help="a JSON file written with --samples")
+    p.add_argument("--gate", default=None, help="a JSON file written with --gate-config (its AUROC beside)")
+    args = p.parse_args(argv)
+    gate = json.loads(Path(args.gate).read_text()) if args.gate else None
+    print(answers_table(json.loads(Path(args.answers).read_text()), gate))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["choose"]:
         return choose_main(argv[1:])
+    if argv[:1] == ["table"]:
+        return table_main(argv[1:])
     import torch
 
     from dynts.models import load_tokenizer
