@@ -142,8 +142,7 @@ class EvalConfig:
             grid = [{}]
         else:
             grid = [{"budget": b, "local_window": lw, "retention": float(r)} for b in budgets
-                    for lw in ([method.local_window_at(b)] if method.local_window_at(b) is not None
-                               else self.local_windows or [b // 2])
+                    for lw in ([method.local_window_at(b)] if method.sets_local_window else self.local_windows or [b // 2])
                     for r in ([own["retention"]] if "retention" in own else self.retentions)]
         specs = []
         for bounds in grid:
@@ -151,9 +150,10 @@ class EvalConfig:
                 specs.append(EvictionSpec(method.name, **bounds, predictor=self.predictor if "scores" in method.requires else None,
                                           think_end=self.think_end, method_options=method.options))
             except ValueError as err:
-                flags = "".join(f" {k}={v} (its spec)" if k in own else
-                                f" {k}={v} (its local_window_share={own['local_window_share']} x B)"
-                                if k == "local_window" and "local_window_share" in own else f" --{k.replace('_', '-')} {v}"
+                source = {k: "its spec" for k in own}
+                if "local_window_share" in own:
+                    source["local_window"] = f"its local_window_share={own['local_window_share']} x B"
+                flags = "".join(f" {k}={v} ({source[k]})" if k in source else f" --{k.replace('_', '-')} {v}"
                                 for k, v in bounds.items() if v is not None)
                 raise ValueError(f"method {method.label}{flags}: {err}") from None
         return specs

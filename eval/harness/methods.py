@@ -28,7 +28,8 @@ import dynts
 from dynts.cli_options import parse_option_value
 from dynts.evictors.base import EVICTORS, Evictor
 
-__all__ = ["ABLATIONS", "CACHE_OPTIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PER_HEAD", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods", "spec_label"]
+__all__ = ["ABLATIONS", "CACHE_OPTIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PER_HEAD", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods", "spec_label",
+           "window_of_share"]
 
 # Paper Table 2 under the equal-n_keep contract of C.3 (every method keeps the same count, so
 # "without X" gives X's slots to the next candidates instead of shrinking the cache).
@@ -119,11 +120,16 @@ class MethodSpec:
         """This method's ``W_l`` as a share of each budget (``None``: not set)."""
         return dict(self.cache).get("local_window_share")
 
+    @property
+    def sets_local_window(self) -> bool:
+        """Whether this method's spec sets its own ``W_l`` (``local_window=`` or ``local_window_share=``)."""
+        return self.local_window is not None or self.local_window_share is not None
+
     def local_window_at(self, budget: int) -> int | None:
-        """This method's ``W_l`` at ``budget``: its ``local_window``, or ``round(local_window_share x budget)``
-        (halves round up), or ``None`` (the run's)."""
+        """This method's ``W_l`` at ``budget``: its ``local_window``, or its ``local_window_share`` of it
+        (:func:`window_of_share`), or ``None`` (the run's)."""
         share = self.local_window_share
-        return int(share * budget + 0.5) if share is not None else self.local_window
+        return window_of_share(share, budget) if share is not None else self.local_window
 
     @property
     def retention(self) -> float | None:
@@ -135,6 +141,11 @@ class MethodSpec:
         if self.cache:  # only then (cells without overrides keep their keys)
             out["cache"] = dict(self.cache)
         return out
+
+
+def window_of_share(share: float, budget: int) -> int:
+    """``round(share x budget)``, halves rounding up: the ``W_l`` a ``local_window_share=`` gives at ``budget``."""
+    return int(share * budget + 0.5)
 
 
 def _fmt(value: Any) -> str:

@@ -374,7 +374,7 @@ def _contexts(
             cell.eviction.build().check_prompt(longest)
         except ValueError as err:
             raise ValueError(f"{cell.key}: the longest {cell.benchmark} prompt: {err}") from None
-        if config.vacuous == "refuse" and cell.budget is not None and cell.method.local_window_at(cell.budget) is None:
+        if config.vacuous == "refuse" and not cell.method.sets_local_window:
             _check_vacuous(cell, contexts[cell.benchmark])  # at the run's W_l: the budget is too small for the run
     return contexts
 

@@ -105,10 +105,12 @@ def cache_cells(grid: Grid, won: dict[str, dict[str, dict[str, Any]]]) -> list[T
 
 def window_share(local_window: int, budget: int) -> float:
     """``local_window / budget`` with the fewest decimals (4 or more) that give ``local_window`` back at
-    ``budget`` (``round(share x budget)``, :meth:`eval.harness.methods.MethodSpec.local_window_at`)."""
+    ``budget`` (:func:`eval.harness.methods.window_of_share`)."""
+    from .methods import window_of_share
+
     for digits in range(4, 12):
         share = round(local_window / budget, digits)
-        if int(share * budget + 0.5) == local_window:
+        if window_of_share(share, budget) == local_window:
             return share
     raise ValueError(f"local_window={local_window} has no share of budget={budget}")
 

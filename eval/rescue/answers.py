@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["answer_requests_from_samples", "answers_table", "choose_verifier", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers",
+__all__ = ["answer_requests_from_samples", "answers_table", "auroc_text", "choose_verifier", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers",
            "split_steps"]
 
 
@@ -191,6 +191,11 @@ def grouped_auroc(scores: Sequence[float], labels: Sequence[int], groups: Sequen
     return {"auroc": auroc(scores, labels), "ci95": ci, "answers": len(labels), "wrong": list(labels).count(0)}
 
 
+def auroc_text(result: dict[str, Any]) -> str:
+    """A :func:`grouped_auroc` result as ``0.894 [0.862, 0.927]``."""
+    return f"{result['auroc']:.3f} [{result['ci95'][0]:.3f}, {result['ci95'][1]:.3f}]"
+
+
 def choose_verifier(doc: dict[str, Any], first: Sequence[str], then: Sequence[str] = (), bar: float = 0.8) -> str:
     """The verifier of ``doc`` (a :func:`main` ``--samples`` result) with the highest real-answer AUROC among
     ``first`` if it reaches ``bar``, else among ``then`` (ties: the earlier named). Raises ``ValueError``
@@ -201,11 +206,10 @@ def choose_verifier(doc: dict[str, Any], first: Sequence[str], then: Sequence[st
     missing = [v for v in [*first, *then] if v not in scored]
     if missing:
         raise ValueError(f"verifier {missing[0]!r} was not scored in this file (scored: {', '.join(scored)})")
-    best = ""
     for group in (first, then):
         if not group:
             continue
-        best = max(group, key=lambda v: (scored[v]["auroc"], -list(group).index(v)))
+        best = max(group, key=lambda v: scored[v]["auroc"])  # the first named of a tie
         if scored[best]["auroc"] >= bar:
             return best
     top = max([*first, *then], key=lambda v: scored[v]["auroc"])
@@ -239,12 +243,11 @@ def answers_table(doc: dict[str, Any], gate: dict[str, Any] | None = None) -> st
     if gate is not None:
         head += f" gate answers AUROC [95 % CI] ({gate['gate']['info']['answers']:,}, {gate['gate']['info']['wrong']} wrong) |"
         rule += "---|"
-    cell = lambda r: f"{r['auroc']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"  # noqa: E731
     rows = [head, rule]
     for v in doc["verifiers"]:
-        row = f"| `{v}` | {cell(real['auroc'][v])} |"
+        row = f"| `{v}` | {auroc_text(real['auroc'][v])} |"
         if gate is not None:
-            row += f" {cell(gate['gate']['auroc'][v])} |" if v in gate["gate"]["auroc"] else " – |"
+            row += f" {auroc_text(gate['gate']['auroc'][v])} |" if v in gate["gate"]["auroc"] else " – |"
         rows.append(row)
     return "\n".join(rows)
 
@@ -299,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scores = score_verifiers(args.prm, requests, args.delimiter)
         out[name] = {"info": info, "auroc": {v: grouped_auroc(s, labels, groups, args.bootstrap) for v, s in scores.items()}}
         for v, r in out[name]["auroc"].items():
-            print(f"  {v:70s} AUROC {r['auroc']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]  ({r['answers']} answers, {r['wrong']} wrong)")
+            print(f"  {v:70s} AUROC {auroc_text(r)}  ({r['answers']} answers, {r['wrong']} wrong)")
         out[name]["scores"] = {"labels": labels, "groups": groups, **{v: [round(x, 6) for x in s] for v, s in scores.items()}}
     if args.out:
         from dynts.io import write_atomic
