@@ -16,7 +16,7 @@ from dynts.evictors.rkv import RKV
 from dynts.evictors.sepllm import SepLLM, separator_ids
 from dynts.evictors.snapkv import SnapKV
 from dynts.hf_compat import cache_keyword
-from conftest import decode_with_cache, padded_batch
+from conftest import decode_with_cache, padded_batch, tiny_model
 
 PADS = (0, 4, 9)  # left pads per row of the random cache
 N, QUESTION, N_KEEP, LOCAL, WINDOW, HEADS, DIM, VOCAB = 34, 12, 20, 5, 6, 2, 8, 10
@@ -251,7 +251,43 @@ def test_recorded_statistics_equal_eager_attention(family_model):
         expected = per_query[r].sum(0)[slots]
         torch.testing.assert_close(cache.attention[r, :n][real], expected[real], atol=1e-4, rtol=1e-4)
         expected_window = per_query[r, total - window :][:, slots]
-        torch.testing.assert_close(cache.window_attention[r, :, :n], expected_window * real, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(cache.ordered_window_attention()[r, :, :n], expected_window * real, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("static", "prompt", "per_head"), [(False, 2, False), (False, 7, False), (True, 3, False), (True, 9, True)])
+def test_observation_window_is_the_last_query_rows_in_time_order(static, prompt, per_head):
+    """The cache keeps the observation rows as a ring (no shift per step); evictors read the last ``w``
+    query rows oldest first, through prefills shorter and longer than ``w``, chunked rows, decode
+    steps (the static layout's too), a multi-token forward that wraps the ring and a read mid-run."""
+    w, b, steps = 5, 2, 12
+    model = tiny_model("qwen2")  # 2 layers, 4 query heads on 2 KV heads
+    cache = dynts.build_cache(model, SnapKV(per_head=per_head), dynts.Budget(64, 4, 0.5), observation_window=w,
+                              static=static)
+    g = torch.Generator().manual_seed(prompt)
+    groups = 4 if per_head else 1  # table rows per batch row (layers x KV heads)
+    history: list[torch.Tensor] = []  # every query row, [b * groups, width]
+    for step in range(steps):
+        q = prompt if step == 0 else 4 if step == 6 else 1  # a multi-token forward mid-run wraps the ring
+        cache.begin_forward(torch.randint(3, 100, (b, q)), None, b, q, torch.device("cpu"))
+        n = cache.length + q
+        width = cache.capacity if cache.static_step else n
+        rows = torch.zeros(b, groups, q, 64)
+        for layer in range(2):
+            probs = torch.softmax(torch.randn(b, 4, q, width, generator=g), -1)
+            probs[..., n:] = 0.0  # a static step's unfilled slots are masked
+            if per_head:
+                cache.record_attention(probs, 0, layer)
+                rows[:, 2 * layer : 2 * layer + 2, :, :width] += probs.unflatten(1, (2, 2)).sum(2)
+            else:  # a prefill in two chunks of rows, as the memory-safe recording hands them over
+                for first, chunk in ((0, probs[:, :, :1]), (1, probs[:, :, 1:])):
+                    if chunk.shape[2]:
+                        cache.record_attention(chunk, first, layer)
+                rows[:, 0, :, :width] += probs.sum(1)
+        cache.end_forward()
+        history += list(rows.flatten(0, 1).unbind(1))
+        if step in (8, steps - 1):  # the evictor's view, mid-run and at the end
+            expected = torch.stack(history[-w:], 1)[..., : cache.length]
+            torch.testing.assert_close(cache.ordered_window_attention()[..., : cache.length], expected)
 
 
 def test_cache_takes_the_evictors_observation_window(qwen2):

@@ -50,6 +50,9 @@ def test_static_layout_matches_dynamic(qwen2, method):
     n = cache_a.length
     if cache_a.attention is not None:
         torch.testing.assert_close(cache_b.attention[:, :n], cache_a.attention[:, :n], rtol=1e-4, atol=1e-5)
+    if cache_a.window_attention is not None:  # the observation rows, in time order
+        torch.testing.assert_close(cache_b.ordered_window_attention()[..., :n], cache_a.ordered_window_attention()[..., :n],
+                                   rtol=1e-4, atol=1e-5)
 
 
 def test_static_full_cache_needs_max_length(qwen2):
@@ -87,7 +90,7 @@ def compile_model():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "budget"),
-    [("full", None), ("h2o", 40), ("dynts", 40)],  # no eviction; attention recording; predictor scores
+    [("full", None), ("h2o", 40), ("snapkv", 40), ("dynts", 40)],  # no eviction; attention (and window) recording; scores
 )
 def test_compiled_decode_is_token_identical(compile_model, method, budget):
     ids, mask = padded_batch([21, 13], seed=4)
@@ -109,10 +112,10 @@ def test_compiled_decode_is_token_identical(compile_model, method, budget):
     else:
         assert compiled.cache.capacity == max(64, ids.shape[1] + 48)  # prompt + new tokens, allocated once
     n = eager.cache.length
-    for name in ("attention", "scores"):
-        ref = getattr(eager.cache, name)
-        if ref is not None and not ref[:, :n].isnan().all():
-            torch.testing.assert_close(getattr(again.cache, name)[:, :n], ref[:, :n], rtol=1e-4, atol=1e-5, equal_nan=True)
+    a, b = eager.cache, again.cache
+    for ref, got in ((a.attention, b.attention), (a.scores, b.scores), (a.ordered_window_attention(), b.ordered_window_attention())):
+        if ref is not None and not ref[..., :n].isnan().all():
+            torch.testing.assert_close(got[..., :n], ref[..., :n], rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
 @pytest.mark.slow

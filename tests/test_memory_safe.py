@@ -68,13 +68,10 @@ def reference_record_attention(self, probs, first_row=0, layer=0):  # token-leve
     if self.window_attention is not None:
         rows = probs.sum(dim=1).float()  # [b, q, n]
         w, q = self.window_attention.shape[1], rows.shape[1]
-        if self.window_fresh:
-            keep = max(0, w - q)
-            self.window_attention[:, :keep] = self.window_attention[:, w - keep :].clone()
-            self.window_attention[:, keep:] = 0.0
-            self.window_fresh = False
+        ordered = self.window_attention.roll(-self.window_head, dims=1)  # the ring in time order (its newest rows zeroed)
         take = min(w, q)
-        self.window_attention[:, w - take :, :n] += rows[:, q - take :]
+        ordered[:, w - take :, :n] += rows[:, q - take :]
+        self.window_attention.copy_(ordered.roll(self.window_head, dims=1))
 
 
 @pytest.fixture

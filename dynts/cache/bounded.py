@@ -170,8 +170,8 @@ class BoundedCache(Cache):
             self.attention[:, sl] = 0.0
         if self.window_attention is not None:
             self.window_attention[:, :, sl] = 0.0  # columns left stale by a compaction
+            self._advance_window(q)
         self.pending = q
-        self.window_fresh = True
         self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, self.length + q)
 
     def _slot_mask(self) -> torch.Tensor:
@@ -233,15 +233,10 @@ class BoundedCache(Cache):
             self._layer_rows(self.attention, layer)[..., :n] += probs.sum(dim=(2, 3)).to(device, torch.float32)
         if self.window_attention is not None:
             w, q = self.window_attention.shape[1], self.pending
-            if self.window_fresh:
-                keep = max(0, w - q)
-                self.window_attention[:, :keep] = self.window_attention[:, w - keep :].clone()
-                self.window_attention[:, keep:] = 0.0
-                self.window_fresh = False
             lo, hi = max(first_row, q - w), first_row + probs.shape[3]  # forward rows inside the window
             if lo < hi:
                 rows = probs[:, :, :, lo - first_row : hi - first_row].sum(dim=2).to(device, torch.float32)
-                self._layer_rows(self.window_attention, layer)[:, :, w - (q - lo) : w - (q - hi), :n] += rows
+                self._add_window_rows(self._layer_rows(self.window_attention, layer), w - (q - lo), rows, n)
 
     def _record_static_step(self, probs: torch.Tensor, layer: int) -> None:
         """:meth:`record_attention` of a decode step over the whole buffer (no host integer read);
@@ -249,12 +244,42 @@ class BoundedCache(Cache):
         device = self.positions.device
         if self.attention is not None:
             self._layer_rows(self.attention, layer).add_(probs.sum(dim=(2, 3)).to(device, torch.float32))
-        if self.window_attention is not None:
-            if self.window_fresh:  # the first layer of the step shifts the window by one row
-                self.window_attention[:, :-1] = self.window_attention[:, 1:].clone()
-                self.window_attention[:, -1:] = 0.0
-                self.window_fresh = False
-            self._layer_rows(self.window_attention, layer)[:, :, -1:] += probs.sum(dim=2).to(device, torch.float32)
+        if self.window_attention is not None:  # the newest ring row, zeroed by begin_forward
+            rows = probs.sum(dim=2).to(device, torch.float32)  # [b, H, 1, capacity]
+            self._layer_rows(self.window_attention, layer).index_add_(2, self.window_row, rows)
+
+    # ------------------------------------------------------------------ observation window (a ring)
+    def _advance_window(self, q: int) -> None:
+        """Make room for a forward's ``q`` query rows: the ``min(q, w)`` oldest ring rows become the
+        newest, zeroed (eagerly, before the forward; the static decode step then adds to ``window_row``)."""
+        w = self.window_attention.shape[1]
+        s, head = min(q, w), self.window_head
+        self.window_attention[:, head : head + s] = 0.0
+        self.window_attention[:, : max(0, head + s - w)] = 0.0
+        self.window_head = (head + s) % w
+        if self.window_row is not None:
+            self.window_row.fill_((self.window_head - 1) % w)
+
+    def _add_window_rows(self, table: torch.Tensor, first: int, rows: torch.Tensor, n: int) -> None:
+        """Add ``rows`` ``[b, H, c, n]`` to the window rows ``first .. first + c`` in time order (0 the
+        oldest) of ``table`` ``[b, H, w, capacity]``, a ring starting at :attr:`window_head`."""
+        w, c = table.shape[2], rows.shape[2]
+        start = (self.window_head + first) % w
+        wrap = max(0, start + c - w)
+        table[:, :, start : start + c - wrap, :n] += rows[:, :, : c - wrap]
+        if wrap:
+            table[:, :, :wrap, :n] += rows[:, :, c - wrap :]
+
+    def ordered_window_attention(self) -> torch.Tensor | None:
+        """``window_attention`` ``[b * G, w, capacity]`` with its rows in time order (the oldest query
+        row first), as evictors read it: the ring is rotated in place once, at an eviction event."""
+        t = self.window_attention
+        if t is not None and self.window_head:
+            t.copy_(t.roll(-self.window_head, dims=1))
+            self.window_head = 0
+            if self.window_row is not None:
+                self.window_row.fill_(t.shape[1] - 1)
+        return t
 
     # ------------------------------------------------------------------ per-head rows
     @property
@@ -292,6 +317,7 @@ class BoundedCache(Cache):
     def token_info(self) -> TokenInfo:
         """Metadata of the stored slots as an evictor sees it."""
         self.flush_scores()
+        self.ordered_window_attention()
         n = self.length
         keys = None
         if "keys" in self.requires and self.per_head:
@@ -320,6 +346,7 @@ class BoundedCache(Cache):
         """The kept slots of the rows due: ``(row, question_length, n_keep)`` each, storing ``length`` slots
         (:func:`dynts.core.slots.select_kept`, one evictor call per group; pending scores flushed first)."""
         self.flush_scores()
+        self.ordered_window_attention()
         evictor, window, n, groups = self.evictor, self.budget.local_window, self.length, self.groups
         calls = [(row, row * groups + g, EvictorCall(evictor, window, question, n, keep))
                  for row, question, keep in due for g in range(groups)]
@@ -379,7 +406,9 @@ class BoundedCache(Cache):
         self.table = SlotTable(device, rows=b * self.groups, width=cap, statistics=self.requires & {"attention", "window_attention"},
                                window=self.observation_window)
         self.labels.allocate(b, device)
-        self.window_fresh = True
+        self.window_head = 0
+        if self.static and self.window_attention is not None:
+            self.window_row = torch.full((1,), self.observation_window - 1, dtype=torch.long, device=device)
         if self.static:
             mark_static(self.write_index, self.seen_tensor, self.slot_mask, self.scores, self.attention, self.window_attention)
 

@@ -24,7 +24,10 @@ class Layout:
         seen_tensor: ``[]`` device copy of ``seen`` for the static decode step.
         slot_mask: ``[b, capacity]`` per-slot validity (static layout).
         holds_pads: may a stored slot be padding (a host flag: no per-step device read)?
-        window_fresh: the forward in flight has not yet shifted the ``window_attention`` rows.
+        window_head: the ``window_attention`` row holding the oldest query row: the rows are a ring
+            (a forward of ``q`` tokens advances it by ``min(q, w)`` and zeroes the rows it reuses, instead
+            of shifting ``w x capacity`` floats per row every step); evictors see them in time order.
+        window_row: ``[1]`` device row the static decode step adds its attention to (the newest).
     """
 
     length: int = 0
@@ -36,4 +39,5 @@ class Layout:
     seen_tensor: torch.Tensor | None = None
     slot_mask: torch.Tensor | None = None
     holds_pads: bool = False
-    window_fresh: bool = True
+    window_head: int = 0
+    window_row: torch.Tensor | None = None
