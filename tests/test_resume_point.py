@@ -123,7 +123,9 @@ def test_a_training_killed_then_resumed_from_a_carried_point_equals_the_uninterr
     shutil.rmtree(tmp_path / "run")
     # Session 2: restore, resume, finish.
     resume_point.restore(point, tmp_path / "run")
-    assert train(carried, resume=True)["global_step"] == 5
+    result = train(carried, resume=True)
+    assert result["global_step"] == 5
+    assert result["total_fit_seconds"] > result["fit_seconds"] > 0  # session 1's seconds came with the point
     a = load_file(str(tmp_path / "straight" / "model.safetensors"))
     b = load_file(str(tmp_path / "carried" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise the uninterrupted run

@@ -17,8 +17,31 @@ from typing import Any
 import lightning as L
 import torch
 import yaml
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+
+
+class FitClock(Callback):
+    """Seconds of fitting over every segment of a resumed run: kept in each checkpoint (and so in a committed
+    resume point), so a run carried across machines reports its whole cost, not its last segment's. Work a kill
+    threw away (the steps after the last checkpoint) is not counted."""
+
+    def __init__(self) -> None:
+        self.before = 0.0  # the checkpoint's seconds
+        self.start: float | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = time.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return self.before + (time.monotonic() - self.start if self.start is not None else 0.0)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"fit_seconds": self.seconds}
+
+    def load_state_dict(self, state_dict: dict[str, float]) -> None:
+        self.before = float(state_dict["fit_seconds"])
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -57,23 +80,21 @@ def train(config_path: str | Path, resume: bool = False, progress: bool = False)
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=25,
-        callbacks=[ckpt],
+        callbacks=[ckpt, clock := FitClock()],
         logger=CSVLogger(run_dir, name="logs"),
         enable_progress_bar=progress,
         enable_model_summary=False,
     )
     last = run_dir / "ckpt" / "last.ckpt"
-    t0 = time.time()
+    t0 = time.monotonic()
     trainer.fit(module, datamodule=data, ckpt_path=str(last) if resume and last.exists() else None)
-    fit_s = time.time() - t0
+    fit_s, total_s = time.monotonic() - t0, clock.seconds
     out = module.export()
     gate = module.gate()
-    result = {"config": str(config_path), "export_dir": str(out), "fit_seconds": fit_s, "global_step": trainer.global_step, **gate}
-    prev = run_dir / "train_result.json"
-    if resume and prev.exists():
-        result["previous_fit_seconds"] = json.loads(prev.read_text()).get("total_fit_seconds", 0.0)
-    result["total_fit_seconds"] = fit_s + result.get("previous_fit_seconds", 0.0)
-    prev.write_text(json.dumps(result, indent=2))
+    # fit_seconds: this segment's; total_fit_seconds: every segment's (FitClock, carried in the checkpoints)
+    result = {"config": str(config_path), "export_dir": str(out), "fit_seconds": fit_s, "global_step": trainer.global_step,
+              **gate, "total_fit_seconds": total_s}
+    (run_dir / "train_result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2), flush=True)
     return result
 
