@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .cache import BoundedCache, attach, build_cache
+from .cache import BoundedCache, RowRetirement, attach, build_cache
+
 from .compiled import compiled_decode
 from .core.settings import EvictionSettings
 from .hf_compat import cache_keyword
@@ -47,6 +48,7 @@ def generate(
     max_new_tokens: int,
     compile: bool | str = False,
     eviction: EvictionSettings | None = None,
+    retire_finished: bool | RowRetirement = False,
     **keywords: Any,
 ) -> GenerationResult:
     """Generate with a KV cache bounded to ``budget`` entries, evicting with ``method``.
@@ -61,6 +63,10 @@ def generate(
         compile: ``True`` (or a ``torch.compile`` mode) decodes with a static-layout cache and a
             compiled decode step (:mod:`dynts.compiled`); the first steps pay the compilation.
         eviction: an :class:`~dynts.core.EvictionSettings`, instead of the eviction keywords below.
+        retire_finished: decode steps run on the rows that have not emitted EOS yet (a batch of traces of
+            different lengths stops paying for its finished rows), with the same sequences
+            (:mod:`dynts.cache.retire`); ``result.cache`` then holds the rows running at the end. A
+            :class:`~dynts.cache.RowRetirement` (unused) gives its settings. Not with ``compile``.
         **keywords: the eviction keywords (:class:`~dynts.core.EvictionSettings`):
 
             - ``method``: a name from :func:`dynts.available_methods` or an :class:`Evictor` (default ``"dynts"``);
@@ -108,6 +114,14 @@ def generate(
         bounds.check_question(prompt_length)
     predictor = settings.load_predictor(model)  # only score-based methods get one: no per-token MLP otherwise
     static = {"static": True, "max_length": prompt_length + max_new_tokens} if compile else {}
+    if retire_finished and compile:
+        raise ValueError("retire_finished=True needs compile=False (a compiled decode keeps every row in its fixed-shape step)")
+    eos_ids = _eos_ids(keywords.get("eos_token_id", model.generation_config.eos_token_id))
+    retirement = None
+    if isinstance(retire_finished, RowRetirement):
+        retirement = retire_finished
+    elif retire_finished and eos_ids and input_ids.shape[0] > 1:
+        retirement = RowRetirement(eos_ids)
     cache = build_cache(model, evictor, bounds, think_end_ids(tokenizer, settings.think_end), **static)
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -117,7 +131,7 @@ def generate(
     start = time.perf_counter()
     with ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(attach(model, cache, predictor))
+        stack.enter_context(attach(model, cache, predictor, retirement))
         if compile:
             stack.enter_context(compiled_decode(model, None if compile is True else compile))
         out = model.generate(
@@ -129,7 +143,7 @@ def generate(
         )
     seconds = time.perf_counter() - start
     sequences = out[:, prompt_length:]
-    lengths = _generated_lengths(sequences, model.generation_config.eos_token_id, keywords)
+    lengths = _generated_lengths(sequences, eos_ids)
     new_tokens = int(sum(lengths))
     stats = {
         "method": evictor.name,
@@ -144,15 +158,19 @@ def generate(
         "tokens_per_second": new_tokens / seconds if seconds > 0 else float("inf"),
         "peak_kv_bytes": cache.stats.peak_kv_bytes,
         "allocated_kv_bytes": cache.allocated_kv_bytes,
+        "retired_rows": retirement.retired if retirement is not None else 0,
     }
     texts = tokenizer.batch_decode(sequences, skip_special_tokens=True) if tokenizer is not None else None
     return GenerationResult(sequences=sequences, texts=texts, stats=stats, cache=cache)
 
 
-def _generated_lengths(sequences: torch.Tensor, default_eos, generate_kwargs: dict) -> list[int]:
+def _eos_ids(eos: int | Sequence[int] | None) -> list[int]:
+    """The EOS ids as a list (``generate``'s ``eos_token_id`` keyword, else the model's generation config)."""
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _generated_lengths(sequences: torch.Tensor, eos_ids: list[int]) -> list[int]:
     """Tokens generated per row, up to and including the first EOS."""
-    eos = generate_kwargs.get("eos_token_id", default_eos)
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if not eos_ids:
         return [sequences.shape[1]] * sequences.shape[0]
     is_eos = torch.isin(sequences, torch.tensor(eos_ids, device=sequences.device))

@@ -5,7 +5,8 @@ from .attach import attach, build_cache
 from .bounded import BoundedCache
 from .parts import CacheStats
 from .layers import BoundedLayer, StaticBoundedLayer, incoming_tokens
+from .retire import RowRetirement
 from .scores import PredictorScores
 
-__all__ = ["BoundedCache", "BoundedLayer", "CacheStats", "PredictorScores", "StaticBoundedLayer", "attach", "build_cache",
+__all__ = ["BoundedCache", "BoundedLayer", "CacheStats", "PredictorScores", "RowRetirement", "StaticBoundedLayer", "attach", "build_cache",
            "incoming_tokens"]

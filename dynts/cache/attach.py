@@ -16,6 +16,7 @@ from ..evictors import Evictor
 from ..hf_compat import cache_keyword, route_cache_keyword
 from ..predictor import ImportancePredictor
 from .bounded import BoundedCache
+from .retire import RowRetirement
 from .scores import PredictorScores
 
 __all__ = ["attach", "build_cache"]
@@ -44,11 +45,13 @@ def build_cache(
 
 @contextmanager
 def attach(
-    model: torch.nn.Module, cache: BoundedCache, predictor: ImportancePredictor | None = None
+    model: torch.nn.Module, cache: BoundedCache, predictor: ImportancePredictor | None = None,
+    retirement: RowRetirement | None = None,
 ) -> Iterator[BoundedCache]:
     """Drive ``model`` with ``cache`` inside the block: every forward that uses ``cache`` evicts,
     gets the validity mask, records the statistics its evictor needs, and (with ``predictor``)
-    scores its new tokens from the final hidden state of the same forward."""
+    scores its new tokens from the final hidden state of the same forward. With ``retirement``
+    (:class:`~dynts.cache.retire.RowRetirement`) decode steps run on the rows still generating."""
 
     keyword = cache_keyword(model)
 
@@ -57,6 +60,8 @@ def attach(
         if used is not cache:
             return None
         route_cache_keyword(kwargs, keyword)  # `cache=` also reaches a model that takes `past_key_values`
+        if retirement is not None:
+            kwargs = retirement.before(cache, kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         ref = ids if ids is not None else embeds
@@ -67,7 +72,12 @@ def attach(
     def after(module, args, kwargs, output):
         if kwargs.get("cache", kwargs.get("past_key_values")) is cache:
             cache.end_forward()
+            if retirement is not None:
+                return retirement.after(output)
+        return None
 
+    if retirement is not None and cache.static:
+        raise ValueError("finished rows cannot leave a static-layout cache (compile=True): pass retire_finished=False")
     if predictor is not None and cache.per_head:
         raise ValueError(f"method={cache.evictor.name!r} with per_head=True reads no predictor scores; pass predictor=None")
     if "scores" in cache.requires and predictor is None:

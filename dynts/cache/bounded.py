@@ -386,6 +386,22 @@ class BoundedCache(Cache):
         self.stats.event(self.length - k, self.seen)
         self.length = k
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only batch rows ``indices`` ``[r]`` (of the rows held now, in that order): every layer's
+        buffers, the slot table's rows, the delimiter state and the scores awaiting the predictor. The
+        rows left decode exactly as in the whole batch (every row evicts on its own, at the shared
+        events); :class:`~dynts.cache.retire.RowRetirement` drops finished rows with it. Not in the static
+        layout (its buffers keep fixed addresses)."""
+        if self.static:
+            raise ValueError("a static-layout cache keeps its batch rows (fixed buffer addresses for CUDA graphs)")
+        indices = indices.to(self.positions.device)
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+        self.table.keep_rows((indices[:, None] * self.groups + torch.arange(self.groups, device=indices.device)).flatten())
+        self.labels.keep_rows(indices)
+        if self.scorer is not None:
+            self.scorer.keep_rows(indices)
+
     # ------------------------------------------------------------------ helpers
     def _allocate(self, batch_size: int, question_length: int, device: torch.device) -> None:
         self.question_length = question_length

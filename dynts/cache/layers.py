@@ -89,6 +89,12 @@ class BoundedLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search is not supported with a bounded cache")
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices`` ``[r]`` of the buffers (new, smaller buffers)."""
+        if self.is_initialized:
+            indices = indices.to(self.keys.device)
+            self.keys, self.values = self.keys.index_select(0, indices), self.values.index_select(0, indices)
+
 
 class StaticBoundedLayer(BoundedLayer):
     """The static layout's layer: fixed buffer addresses, and a decode step that writes at the layout's

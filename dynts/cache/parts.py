@@ -102,6 +102,12 @@ class RowLabels:
         self.in_answer = torch.zeros(rows, dtype=torch.bool, device=device)
         self.think_match = torch.zeros(rows, dtype=torch.long, device=device)
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the state of batch rows ``rows`` ``[r]``."""
+        if self.in_answer is not None:
+            rows = rows.to(self.in_answer.device)
+            self.in_answer, self.think_match = self.in_answer.index_select(0, rows), self.think_match.index_select(0, rows)
+
     def label(self, input_ids: torch.Tensor, valid: torch.Tensor, segments: torch.Tensor,
               token_ids: torch.Tensor) -> torch.Tensor:
         """Segments ``[b, q]`` of generated tokens ``input_ids`` (``valid`` real ones) after the stored

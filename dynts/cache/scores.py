@@ -30,6 +30,7 @@ class PredictorScores:
         self.hidden: torch.Tensor | None = None  # [b, slots, d] hidden states awaiting scores
         self.count = 0  # how many, for slots base ... base + count - 1
         self.base = 0
+        self.rows: torch.Tensor | None = None  # [r] the rows of ``hidden`` the cache still holds (None: all)
 
     def score(self, hidden: torch.Tensor, layout: Layout, scores: torch.Tensor, n_keep: int | None) -> torch.Tensor | None:
         """Scores ``[b, q]`` of the forward in flight (``layout``) from its final hidden states ``[b, q, d]``, to
@@ -40,16 +41,27 @@ class PredictorScores:
             self.flush(scores)
             with torch.no_grad():
                 return self.predictor(hidden)
-        if self.hidden is None or self.hidden.shape[0] != b or self.hidden.shape[2] != d:
+        if self.hidden is None or (self.rows is None and self.hidden.shape[0] != b) or self.hidden.shape[2] != d:
             slots = max(1, layout.capacity - (n_keep or 0))
-            self.hidden = hidden.new_empty(b, slots, d)
+            self.hidden, self.rows = hidden.new_empty(b, slots, d), None
         if self.count and (self.base + self.count != layout.length or self.count == self.hidden.shape[1]):
             self.flush(scores)
         if not self.count:
             self.base = layout.length
-        self.hidden[:, self.count] = hidden[:, 0]
+        if self.rows is None:
+            self.hidden[:, self.count] = hidden[:, 0]
+        else:
+            self.hidden[:, self.count].index_copy_(0, self.rows, hidden[:, 0])
         self.count += 1
         return None
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """The cache keeps only its rows ``rows`` ``[r]``. The buffer keeps every row it was made with, so
+        a flush scores the same ``[b, K, d]`` block as before (a matmul's rounding may depend on its row
+        count) and writes the rows kept."""
+        if self.hidden is not None:
+            rows = rows.to(self.hidden.device)
+            self.rows = rows if self.rows is None else self.rows.index_select(0, rows)
 
     def flush(self, scores: torch.Tensor) -> None:
         """Score the kept decode steps into ``scores`` ``[b, n]`` (one batched predictor call)."""
@@ -58,4 +70,7 @@ class PredictorScores:
         n, start = self.count, self.base
         self.count = 0
         with torch.no_grad():
-            scores[:, start : start + n] = self.predictor(self.hidden[:, :n]).to(scores.device, torch.float32)
+            out = self.predictor(self.hidden[:, :n])
+        if self.rows is not None:
+            out = out.index_select(0, self.rows)
+        scores[:, start : start + n] = out.to(scores.device, torch.float32)

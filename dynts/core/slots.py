@@ -290,6 +290,13 @@ class SlotTable:
         self.free_rows = list(range(rows - 1, self.rows - 1, -1)) + self.free_rows
         self.rows, self.width = rows, width
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only table rows ``rows`` ``[r]`` (in that order) of every column; no row is free after."""
+        rows = rows.to(self.device)
+        for name, t in list(self.columns()):
+            setattr(self, name, t.index_select(0, rows))
+        self.rows, self.free_rows = rows.numel(), []
+
     def acquire_row(self) -> int:
         if not self.free_rows:
             self._resize(2 * self.rows, self.width)

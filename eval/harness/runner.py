@@ -224,7 +224,8 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
     input_ids, attention_mask = pad_rows([ctx.prompt_ids[i] for i, _ in pairs], pad_id(ctx.tokenizer))
     result = dynts.generate(
         ctx.model, ctx.tokenizer, input_ids=input_ids, attention_mask=attention_mask,
-        eviction=cell.eviction.build(predictor=ctx.predictor), max_new_tokens=ctx.max_new_tokens, **config.sampling(),
+        eviction=cell.eviction.build(predictor=ctx.predictor), max_new_tokens=ctx.max_new_tokens, retire_finished=True,
+        **config.sampling(),
     )
     stats = result.stats
     eos = ctx.model.generation_config.eos_token_id
