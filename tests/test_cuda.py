@@ -8,6 +8,7 @@
 * the vLLM V2 worker hooks between CUDA graph replays (:mod:`eval.perf.vllm_graph_check`, no vLLM): a stand-in
   forward that reads the runner's persistent buffers, captured once and replayed across plain decode steps and
   eviction rounds, leaves every row's stored K/V and attention output equal to the eager run's;
+* finished rows leaving a bf16 decode (`retire_finished`) write the same tokens;
 * a model split across two GPUs decodes with eviction (only with more than one GPU).
 """
 
@@ -184,3 +185,19 @@ def test_model_split_across_two_gpus_decodes_with_eviction():
     out = dynts.generate(split, **kw)
     assert out.stats["evictions"] >= 2
     assert torch.equal(out.sequences.cpu(), single.sequences.cpu())
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv"])
+def test_finished_rows_leave_a_bf16_decode_on_gpu(method):
+    """``retire_finished`` on the GPU in bf16: the rows left write the same tokens (a GPU matmul of fewer rows
+    may round differently; the default keeps 16 rows in every forward) with one host read per 8 steps."""
+    model = tiny_model("qwen2", dtype=torch.bfloat16).cuda()
+    ids, mask = padded_batch([7 + (5 * r) % 11 for r in range(40)], seed=2)
+    runs = []
+    for retire in (False, True):
+        torch.manual_seed(3)
+        runs.append(dynts.generate(model, input_ids=ids.cuda(), attention_mask=mask.cuda(), method=method, budget=40,
+                                   local_window=8, max_new_tokens=80, pad_token_id=0, eos_token_id=[5, 17, 33, 60],
+                                   do_sample=True, temperature=1.0, retire_finished=retire))
+    assert runs[1].stats["retired_rows"] >= 10
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
