@@ -75,3 +75,16 @@ def test_seed_verifier_table_in_rescue_md_comes_from_the_committed_answers():
     printed = answers_table(answers, gate).splitlines()
     lines = (ROOT / "docs/rescue.md").read_text().splitlines()
     assert len(printed) == 10 and all(line in lines for line in printed)
+
+
+def test_tuning_tables_in_evaluation_md_come_from_the_committed_choices():
+    """docs/evaluation.md's two tuning tables are ``python -m eval.harness.tuning table``'s output."""
+    import json
+
+    from eval.harness.tuning import summary_table
+
+    doc = (ROOT / "docs/evaluation.md").read_text()
+    for family in ("chain", "copy"):
+        out = ROOT / "reports" / "tuning" / f"{family}-fair"
+        table = "\n".join(summary_table(json.loads((out / "choices.json").read_text())))
+        assert table.count("\n") > 15 and table in doc, family

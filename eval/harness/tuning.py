@@ -289,32 +289,44 @@ def run_grid(grid: Grid, out: str | Path, run_dir: str | Path | None = None, res
 # ------------------------------------------------------------------ reports
 
 
+def pct(result: dict[str, Any] | None) -> str:
+    """A cell's dev pass@1 in percent, one decimal ("" for no cell)."""
+    return "" if result is None else f"{100 * result['pass@1']:.1f}"
+
+
+def summary_table(doc: dict[str, Any]) -> list[str]:
+    """The lines of a tuning's summary (its reference cell, then per method and subset the stage-own and
+    stage-cache choices against the runner-up and the default): ``grid.md``'s head and docs/evaluation.md's
+    tables (``python -m eval.harness.tuning table CHOICES``)."""
+    lines = []
+    if doc.get("reference"):
+        lines += ["Reference: " + ", ".join(f"{s} {100 * r['pass@1']:.1f} % (mean sequence {r['mean_sequence']:.0f})"
+                                            for s, r in doc["reference"].items()), ""]
+    lines += ["| method | subset | stage own: chosen | % | runner-up % | default % | stage cache: W_l, retention | % | "
+              "at the shared cache % | spec |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for method, entry in doc["methods"].items():
+        for name, sub in entry["subsets"].items():
+            own, cache = sub["own"], sub["cache"] or {}
+            mine = ",".join(f"{k}={format_value(v)}" for k, v in own["chosen"]["setting"].items() if k not in CACHE)
+            c = cache.get("chosen")
+            lines.append(f"| {method} | {name} | `{mine}` | {pct(own['chosen'])} | {pct(own['runner_up'])} | {pct(own['default'])} | "
+                         + (f"{c['setting']['local_window']}, {c['setting']['retention']} | {pct(c)} | {pct(cache['default'])} | "
+                            f"`{sub['short_spec']}` |" if c else "| | | |"))
+    return lines
+
+
 def write_grid_md(grid: Grid, out: Path, finished: dict[TuneCell, dict], doc: dict | None = None,
                   stage2: Sequence[TuneCell] = ()) -> None:
     from dynts.io import write_atomic
 
-    pct = lambda r: "" if r is None else f"{100 * r['pass@1']:.1f}"  # noqa: E731
     lines = [f"# Tuning on dev: {grid.name}", "",
              f"`{repo_relative(grid.path)}` (sha256 {grid.sha256[:12]}), model `{repo_relative(grid.model)}`, predictor `{repo_relative(grid.predictor)}`, "
              f"`{grid.benchmark}`, k = {grid.k}, B = {grid.budget}; stage own at W_l {grid.local_window}, retention "
              f"{grid.retention}; stage cache at W_l {grid.cache['local_window']} x retention {grid.cache['retention']}. "
              f"{len(finished)} cells finished ({sum(c in finished for c in grid.cells)} of {len(grid.cells)} of stage own).",
              f"Rule: {RULE}.", ""]
-    if doc and doc.get("reference"):
-        lines += ["Reference: " + ", ".join(f"{s} {100 * r['pass@1']:.1f} % (mean sequence {r['mean_sequence']:.0f})"
-                                            for s, r in doc["reference"].items()), ""]
     if doc:
-        lines += ["| method | subset | stage own: chosen | % | runner-up % | default % | stage cache: W_l, retention | % | "
-                  "at the shared cache % | spec |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for method, entry in doc["methods"].items():
-            for name, sub in entry["subsets"].items():
-                own, cache = sub["own"], sub["cache"] or {}
-                mine = ",".join(f"{k}={format_value(v)}" for k, v in own["chosen"]["setting"].items() if k not in CACHE)
-                c = cache.get("chosen")
-                lines.append(f"| {method} | {name} | `{mine}` | {pct(own['chosen'])} | {pct(own['runner_up'])} | {pct(own['default'])} | "
-                             + (f"{c['setting']['local_window']}, {c['setting']['retention']} | {pct(c)} | {pct(cache['default'])} | "
-                                f"`{sub['short_spec']}` |" if c else "| | | |"))
-        lines.append("")
+        lines += [*summary_table(doc), ""]
     for method in grid.methods:
         cells = [c for c in grid.cells if c.method == method]
         axes = list(grid.methods[method]["grid"])
@@ -453,6 +465,20 @@ def specs_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def table_main(argv: list[str] | None = None) -> int:
+    """``python -m eval.harness.tuning table CHOICES``: the tuning's summary table (docs/evaluation.md)."""
+    p = argparse.ArgumentParser(prog="python -m eval.harness.tuning table", description=summary_table.__doc__)
+    p.add_argument("choices", help="a tuning's choices.json")
+    args = p.parse_args(argv)
+    path = Path(args.choices)
+    if not path.is_file():
+        print(f"tuning table: error: {path} does not exist: run the tuning first (scripts/tune_baselines.py)", file=sys.stderr)
+        return 2
+    print("\n".join(summary_table(json.loads(path.read_text()))))
+    return 0
+
+
 if __name__ == "__main__":  # pragma: no cover
     argv = sys.argv[1:]
-    raise SystemExit(specs_main(argv[1:]) if argv[:1] == ["specs"] else main(argv))
+    commands = {"specs": specs_main, "table": table_main}
+    raise SystemExit(commands[argv[0]](argv[1:]) if argv[:1] and argv[0] in commands else main(argv))
