@@ -10,7 +10,6 @@ from typing import Any, Sequence
 import torch
 
 from .cache import BoundedCache, RowRetirement, attach, build_cache
-
 from .compiled import compiled_decode
 from .core.settings import EvictionSettings
 from .hf_compat import cache_keyword

@@ -83,13 +83,18 @@ class RowRetirement:
 
     def _retire(self, cache: BoundedCache) -> None:
         active = self.active if self.active is not None else torch.arange(self.batch, device=self.done.device)
-        finished = self.done.index_select(0, active)
-        fill = self.min_rows - int((~finished).sum())  # finished rows that stay to keep min_rows
-        if fill > 0:
-            finished &= finished.cumsum(0) > fill
-        if not bool(finished.any()) or bool(finished.all()):  # nothing leaves, or the last rows end with generate
+        finished = self.done.index_select(0, active).tolist()  # the check's one host read
+        stay = max(0, self.min_rows - finished.count(False))  # finished rows that stay to keep min_rows
+        keep = []
+        for i, done in enumerate(finished):
+            if done and stay:
+                stay -= 1
+            elif done:
+                continue
+            keep.append(i)
+        if len(keep) in (len(finished), 0):  # nothing leaves, or the last rows end with generate
             return
-        keep = (~finished).nonzero().flatten()  # places among the rows the cache holds now
+        keep = torch.tensor(keep, device=active.device)  # places among the rows the cache holds now
         cache.batch_select_indices(keep)
         self.retired += active.numel() - keep.numel()
         self.active = active.index_select(0, keep)
