@@ -164,6 +164,23 @@ def test_retrained_predictor_makes_new_score_cells_only(tiny_testbed, tmp_path, 
     assert second[:2] == first[:2] and second[2]["key"] != first[2]["key"]
 
 
+def test_a_fresh_clone_resumes_the_cells_of_a_carried_run(tiny_testbed, tmp_path, monkeypatch):
+    """A run dir carried to another machine resumes there: the model's and predictor's digests read their
+    bytes, not their files' mtimes (which a fresh checkout sets anew)."""
+    import os
+    import shutil
+
+    root = tmp_path / "clone"
+    for sub in ("model", "predictor"):
+        shutil.copytree(tiny_testbed / sub, root / sub)
+    kw = dict(methods=["full", "dynts"], predictor=str(root / "predictor"), k=1, benchmarks=["testbed:n=2"])
+    first = run(config(root, tmp_path / "run", **kw))
+    for f in [*(root / "model").iterdir(), *(root / "predictor").iterdir()]:
+        os.utime(f, (1e9, 1e9))  # what a fresh checkout does to every file
+    calls = counting(monkeypatch)
+    assert run(config(root, tmp_path / "run", **kw)) == first and calls == []
+
+
 def test_single_budget_plot_is_bars_per_method():
     """One budget (the demo): bars per method, best on top, the full cache as a dashed line."""
     import matplotlib

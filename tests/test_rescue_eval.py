@@ -178,7 +178,7 @@ def test_controls_keep_the_fingerprints_of_committed_cells():
     for path in paths:
         cell = json.loads(path.read_text())
         key = config.cell_settings(cell["setting"], cell["method"])
-        key["weights"] = cell["settings"]["weights"]  # a fresh checkout has other file mtimes
+        key["weights"] = cell["settings"]["weights"]  # digests recorded when they still read file mtimes
         assert key == cell["settings"] and path.stem.endswith(digest(key)), path.name
     # the controls: their own keys, independent of the base's budget, dependent on N
     keys = {s: digest(config.cell_settings(s, None)) for s in ("full", "helper", "helper-search", "full-search")}

@@ -183,9 +183,12 @@ class EvalConfig:
 
 
 def fingerprint(path_or_name: str | os.PathLike | None) -> str | None:
-    """A digest of the weight/config files of a local directory (or of a bundled testbed model's):
-    names, sizes, mtimes and, for files under 64 MiB, their bytes; so that a run dir never mixes
-    results of two different checkpoints."""
+    """A digest of the weight/config files of a local directory (or of a bundled testbed model's), so that a
+    run dir never mixes results of two different checkpoints.
+
+    Files under 64 MiB (testbed models, predictors, configs) count by name and bytes only, so a fresh clone or
+    another machine gets the same digest and resumes a carried run; larger files (a real model's shards) by name,
+    size and mtime, since reading them would take minutes: such a checkpoint copied elsewhere starts new cells."""
     if path_or_name is None:
         return None
     path = Path(path_or_name)
@@ -200,7 +203,9 @@ def fingerprint(path_or_name: str | os.PathLike | None) -> str | None:
     digest = hashlib.sha256()
     for f in sorted(f for f in path.iterdir() if f.suffix in {".safetensors", ".json"}):
         stat = f.stat()
-        digest.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-        if stat.st_size < 64 * 2**20:  # small files (testbed models, predictors): their content too
+        if stat.st_size < 64 * 2**20:
+            digest.update(f"{f.name}:{stat.st_size};".encode())
             digest.update(f.read_bytes())
+        else:
+            digest.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
     return digest.hexdigest()[:16]

@@ -110,7 +110,10 @@ def plan_cells(config: EvalConfig, fraction_budgets: dict[str, list[tuple[int, f
     ``config.budget_fractions`` (:func:`fraction_budgets`); without it those cells are not planned yet."""
     from .config import fingerprint
 
-    scores = f"{Path(config.predictor).resolve()}@{fingerprint(config.predictor)}" if config.predictor else None
+    scores = None
+    if config.predictor:  # by content where it is a local directory, so that a clone elsewhere reuses the cells
+        digest = fingerprint(config.predictor)
+        scores = f"{Path(config.predictor).name}@{digest}" if digest else str(Path(config.predictor).resolve())
     cells = []
     for bench in config.benchmarks:
         extra = (fraction_budgets or {}).get(bench, [])
