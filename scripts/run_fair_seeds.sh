@@ -1,9 +1,9 @@
 #!/bin/bash
 # Tuning on dev and three seeds of the fair LRMs with every baseline's kept-set shape (token-level and per head) in
 # the training mixture, one resumable queue. Steps:
-#   tune-chain, tune-copy: scripts/tune_baselines.py --resume on configs/tuning/{chain,copy}-fair.yaml (the seed-1
-#             LRMs and predictors: it waits for their exports) -> reports/tuning/{chain,copy}-fair/ (choices.json:
-#             every method's tuned settings);
+#   tune-chain, tune-copy: scripts/tune_baselines.py --resume on configs/tuning/{chain,copy}-fair.yaml and
+#             {chain,copy}-fair-sepllm.yaml (the seed-1 LRMs and predictors: it waits for their exports) ->
+#             reports/tuning/{chain,copy}-fair/ and {chain,copy}-fair-sepllm/ (choices.json: every method's tuned settings);
 #   train-sN: the fair copy LRM of seed N (from scratch), its predictor, the fair chain LRM, its predictor, in that order
 #             (configs/testbed/lrm-fair-scratch-sN.yaml, configs/testbed/chain-lrm-fair-sN.yaml; the copy pair is short
 #             and its tuning can run beside the chain LRM's training);
@@ -11,9 +11,11 @@
 #             0.15 / 0.25 / 0.35 of that LRM's own mean full sequence, W_l 32, retention 0.4; the methods: full,
 #             window, streamingllm, sepllm untuned, and the tuned ones from reports/tuning/<family>-fair/choices.json: DynTS's winner and each baseline's winners in
 #             $TUNED_SUBSETS (each with its own retention where tuning moved it and its tuned W_l as a share of the tuning's budget,
-#             local_window_share=, so W_l scales with each budget); no random control, no oracle:
-#             a seed's table is for its verdict (the final tables hold them); a dev table is refused until its
-#             family's tuning is complete -> reports/{chain-dev-fair,copy-dev-fair-scratch}-sN/.
+#             local_window_share=, so W_l scales with each budget), and SepLLM's winner (<family>-fair-sepllm); no random
+#             control, no oracle: a seed's table is for its verdict (the final tables hold them); a dev table is refused
+#             until its family's tunings are complete -> reports/{chain-dev-fair,copy-dev-fair-scratch}-sN/ (the run's
+#             tables and its cells' records, python -m eval.harness.carried publish). A written table that lacks one of
+#             these methods is reopened (eval.harness.carried reopen) and runs only the missing cells.
 #   verdicts: reports/seed-verdicts.md, per family and seed the DynTS - best baseline verdict at each budget
 #             (python -m eval.harness.seeds), once the family's three dev tables exist.
 #   carry:    what a started, unfinished job has done, to commit before the machine goes (runs/ is not committed):
@@ -187,27 +189,33 @@ train_predictor() {  # $1: configs/predictor/X.pipeline.yaml (dynts pipeline ski
 }
 
 dev_table() {  # $1 name (report dir), $2 benchmark, $3 model, $4 predictor, $5 tuning report dir, $6 untuned methods
-  local name=$1 bench=$2 model=$3 pred=$4 tuning=$5 untuned=$6 specs dynts tuned
+  local name=$1 bench=$2 model=$3 pred=$4 tuning=$5 untuned=$6 specs dynts tuned sepllm methods missing
   wait_for_exports "dev table $name" "$model" "$pred"
   wait_for_others "$EVALUATION"
-  if [ -f "reports/$name/results.json" ]; then log "skip dev table $name: reports/$name exists"; return; fi
-  if [ -f "reports/$name/carried/run.json" ]; then  # a table a stop carried over: refills an absent run dir
-    run $PY -m eval.harness.carried restore "reports/$name/carried" "runs/$name"
-  fi
   specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4 --window-shares"
-  if ! dynts=$($specs --methods dynts) || ! tuned=$($specs --subsets "$TUNED_SUBSETS"); then
-    log "dev table $name needs the complete tuning $tuning/choices.json (step tune-$(basename "$tuning" | cut -d- -f1)); not running it"
+  if ! tuning_complete "$tuning-sepllm" || ! dynts=$($specs --methods dynts) || ! tuned=$($specs --subsets "$TUNED_SUBSETS") \
+     || ! sepllm=$(${specs/$tuning/$tuning-sepllm} --methods sepllm); then
+    log "dev table $name needs the complete tunings $tuning/choices.json and $tuning-sepllm/choices.json (step tune-$(basename "$tuning" | cut -d- -f1)); not running it"
     [ -n "$DRY" ] && return; return 1
   fi
-  log "dev table $name: $bench, $model, $pred; tuned ($tuning): $tuned"
-  run $PY -m dynts.cli eval --benchmark "$bench" $K5 --model "$model" --predictor "$pred" --method "full,$dynts,$tuned,$untuned" \
+  methods="full,$dynts,$tuned,$sepllm,$untuned"
+  if [ -f "reports/$name/results.json" ]; then
+    missing=$(.venv/bin/python -c 'import json, sys; from eval.harness.methods import parse_methods
+have = {c["method"]["label"] for c in json.load(open(sys.argv[1]))}
+print(",".join(m.label for m in parse_methods([sys.argv[2]]) if m.label not in have))' "reports/$name/results.json" "$methods")
+    if [ -z "$missing" ]; then log "skip dev table $name: reports/$name has every method"; return; fi
+    log "dev table $name: reports/$name lacks $missing; reopening it"
+    [ -d "runs/$name" ] || run $PY -m eval.harness.carried reopen "reports/$name" "runs/$name"
+  elif [ -f "reports/$name/carried/run.json" ]; then  # a table a stop carried over: refills an absent run dir
+    run $PY -m eval.harness.carried restore "reports/$name/carried" "runs/$name"
+  fi
+  log "dev table $name: $bench, $model, $pred; tuned ($tuning, $tuning-sepllm): $tuned,$sepllm"
+  run $PY -m dynts.cli eval --benchmark "$bench" $K5 --model "$model" --predictor "$pred" --method "$methods" \
     --run-dir "runs/$name"
-  run mkdir -p "reports/$name/records"
+  run mkdir -p "reports/$name"
   [ -n "$DRY" ] || $PY -m eval.harness.compare "runs/$name" --against "$dynts" --write > "reports/$name/compare.md"
   [ -n "$DRY" ] || $PY -m eval.harness.compare "runs/$name" --against "$dynts" --wide > "reports/$name/wide.md"
-  run cp runs/"$name"/records/*.json "reports/$name/records/"
-  run cp runs/"$name"/results.md "reports/$name/"
-  run cp runs/"$name"/results.json "reports/$name/"  # last: its presence marks the table done
+  run $PY -m eval.harness.carried publish "runs/$name" "reports/$name"  # results.json last: it marks the table done
   run rm -rf "reports/$name/carried"
   log "done dev table $name"
 }
@@ -241,8 +249,8 @@ log "start${DRY:+ (dry run)}: $steps (pid $$)"
 for step in $steps; do
   s=${step##*-s}
   case $step in
-    tune-chain) tune configs/tuning/chain-fair.yaml ;;  # -> $TUNING/chain-fair (checkpoints/testbed-chain-fair-lrm)
-    tune-copy)  tune configs/tuning/copy-fair.yaml ;;   # -> $TUNING/copy-fair (checkpoints/testbed-fair-lrm)
+    tune-chain) tune configs/tuning/chain-fair.yaml; tune configs/tuning/chain-fair-sepllm.yaml ;;  # -> $TUNING/chain-fair{,-sepllm}
+    tune-copy)  tune configs/tuning/copy-fair.yaml; tune configs/tuning/copy-fair-sepllm.yaml ;;    # -> $TUNING/copy-fair{,-sepllm}
     train-s[0-9]*)  # the short copy pair first: its tuning can run while the chain LRM trains
       train_lrm "configs/testbed/lrm-fair-scratch-s$s.yaml"                        # -> checkpoints/testbed-fair-scratch-s$s-lrm
       train_predictor "configs/predictor/testbed-fair-scratch-s$s.pipeline.yaml"   # -> checkpoints/testbed-fair-scratch-s$s-predictor

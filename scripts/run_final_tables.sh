@@ -5,12 +5,12 @@
 # the dev mean full sequence), W_l 32, retention 0.4 (a tuned method: its tuned retention, and its tuned W_l as a
 # share of the tuning's budget, local_window_share=, W_l scaling with each budget). Methods: full; DynTS's tuned winner; each baseline's tuned
 # winners (its overall one and its best token-level and per-head cells, with the question protected and
-# without: subsets best, token+q, head+q, token, head; duplicates run once); window, streamingllm, sepllm and the
-# random control untuned; the family's oracles. One table is one `dynts eval --final` run (one core each, the two
+# without: subsets best, token+q, head+q, token, head; duplicates run once); SepLLM's tuned winner
+# (reports/tuning/<family>-fair-sepllm); window, streamingllm, sepllm and the random control untuned; the family's oracles. One table is one `dynts eval --final` run (one core each, the two
 # families side by side).
 #
-# Refused unless every choice is made and committed first: both tunings complete and committed
-# (reports/tuning/{chain,copy}-fair/choices.json), the seed-1 LRMs and predictors committed, the seed-1 dev
+# Refused unless every choice is made and committed first: the tunings complete and committed
+# (reports/tuning/{chain,copy}-fair{,-sepllm}/choices.json), the seed-1 LRMs and predictors committed, the seed-1 dev
 # tables present (their budgets). The first run of a table reads `final` once (its ledger line in
 # reports/final-ledger.jsonl); a run that a stop killed resumes its run dir with `--reread` naming the run it
 # continues (the ledger records why; no cell is recomputed). A table outlasts a working session and runs/ is not
@@ -45,25 +45,25 @@ table() {  # $1 family
     *) fail "unknown table $family (chain, copy)" ;;
   esac
   run=runs/final-$family
-  for need in "$tuning/choices.json" "$model/model.safetensors" "$pred/predictor.safetensors"; do
+  for need in "$tuning/choices.json" "$tuning-sepllm/choices.json" "$model/model.safetensors" "$pred/predictor.safetensors"; do
     [ -f "$need" ] || fail "$need is missing: run scripts/run_fair_seeds.sh first (docs/testbed.md \"Seeds\")"
     committed "$need"
   done
   [ -f "$dev/results.json" ] || fail "$dev/results.json is missing (step dev-s1): its budgets are the final tables'"
-  local budgets specs dynts tuned
+  local budgets specs dynts tuned sepllm
   budgets=$(.venv/bin/python -c 'import json, sys; print(",".join(str(b) for b in sorted({c["budget"] for c in json.load(open(sys.argv[1])) if c.get("budget") is not None})))' "$dev/results.json")
   specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4 --window-shares"
-  dynts=$($specs --methods dynts); tuned=$($specs --subsets "$SUBSETS")
+  dynts=$($specs --methods dynts); tuned=$($specs --subsets "$SUBSETS"); sepllm=$(${specs/$tuning/$tuning-sepllm} --methods sepllm)
   local reread=()
   if [ -f "reports/final-$family/carried/run.json" ]; then  # a table a stop carried over: refills an absent run dir
     if [ -n "$DRY" ]; then echo "would restore $run from reports/final-$family/carried"
     else $PY -m eval.harness.carried restore "reports/final-$family/carried" "$run"; fi
   fi
   if [ -d "$run/cells" ] && [ -n "$(ls -A "$run/cells" 2>/dev/null)" ]; then  # a killed run: continue it, and say so
-    reread=(--reread "resume $run, stopped before its last cell (its cells are kept; none is recomputed)")
+    reread=(--reread "resume $run, stopped before its last cell (its cells are kept; none is recomputed; a method added to the list since it started runs its cells now)")
   fi
   local cmd=($PY -m dynts.cli eval --final "${reread[@]}" --benchmark "$bench" --model "$model" --predictor "$pred"
-             --method "full,$dynts,$tuned,$UNTUNED,$oracles" --budget "$budgets" --k 5 --local-window 32 --retention 0.4
+             --method "full,$dynts,$tuned,$sepllm,$UNTUNED,$oracles" --budget "$budgets" --k 5 --local-window 32 --retention 0.4
              --batch-size 100 --threads 1 --no-progress --run-dir "$run")
   if [ -n "$DRY" ]; then printf '%q ' "${cmd[@]}"; echo; return; fi
   echo "$(date -u +%FT%TZ) final $family: ${cmd[*]}"

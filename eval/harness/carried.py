@@ -1,22 +1,28 @@
-"""An unfinished run's finished cells, carried to the next machine through a commit.
+"""A run's finished cells, carried to the next machine through a commit, and a table's report published from
+its run dir or reopened into one.
 
 ``runs/`` is not committed, and a dev or final table can outlast a working session. :func:`save` copies what
 :func:`eval.harness.runner.run` needs to read a finished cell back (``run.json``, ``cells/<key>.json``,
 ``records/<key>.json``; not the samples' texts, not an unfinished cell's ``*.partial.jsonl``) to a folder to
 commit; :func:`restore` refills an absent run dir from it, and the same ``dynts eval`` command then runs only the
-cells that are left.
+cells that are left. :func:`publish` copies a finished run's tables and the records of its cells (only theirs)
+to its report folder; :func:`reopen` refills an absent run dir from such a report, so that a table given more
+methods runs only the new cells (a cell whose key changed, e.g. with its predictor's digest, runs again).
 
     python -m eval.harness.carried save runs/chain-dev-fair-s1 reports/chain-dev-fair-s1/carried
     python -m eval.harness.carried restore reports/chain-dev-fair-s1/carried runs/chain-dev-fair-s1
+    python -m eval.harness.carried publish runs/chain-dev-fair-s1 reports/chain-dev-fair-s1
+    python -m eval.harness.carried reopen reports/chain-dev-fair-s1 runs/chain-dev-fair-s1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
-__all__ = ["main", "restore", "save"]
+__all__ = ["main", "publish", "reopen", "restore", "save"]
 
 
 def save(run_dir: str | Path, dest: str | Path) -> int:
@@ -43,14 +49,55 @@ def restore(src: str | Path, run_dir: str | Path) -> bool:
     return True
 
 
+def publish(run_dir: str | Path, report: str | Path) -> int:
+    """Copy a finished run's ``results.json`` and ``results.md`` and the records of its cells (no other record the
+    run dir holds) to ``report``, whose ``records/`` it replaces; ``results.json`` last (its presence marks the table
+    done). Returns how many records it copied."""
+    run_dir, report = Path(run_dir), Path(report)
+    results = run_dir / "results.json"
+    if not results.is_file():
+        raise FileNotFoundError(f"{results} does not exist: the run has not finished")
+    keys = [cell["key"] for cell in json.loads(results.read_text())]
+    missing = [k for k in keys if not (run_dir / "records" / f"{k}.json").is_file()]
+    if missing:
+        raise FileNotFoundError(f"{run_dir}/records lacks the records of {missing}")
+    shutil.rmtree(report / "records", ignore_errors=True)
+    (report / "records").mkdir(parents=True)
+    for key in keys:
+        shutil.copyfile(run_dir / "records" / f"{key}.json", report / "records" / f"{key}.json")
+    shutil.copyfile(run_dir / "results.md", report / "results.md")
+    shutil.copyfile(results, report / "results.json")
+    return len(keys)
+
+
+def reopen(report: str | Path, run_dir: str | Path) -> int:
+    """Fill an absent ``run_dir`` (no ``run.json``) from a published ``report``: each cell of its ``results.json``
+    as ``cells/<key>.json`` with its record; ``dynts eval`` writes ``run.json`` anew and refuses nothing it would
+    not refuse for a new run dir. Returns how many cells it wrote (0: ``run_dir`` had started)."""
+    report, run_dir = Path(report), Path(run_dir)
+    if (run_dir / "run.json").is_file():
+        return 0
+    cells = json.loads((report / "results.json").read_text())
+    for sub in ("cells", "records"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    for cell in cells:
+        shutil.copyfile(report / "records" / f"{cell['key']}.json", run_dir / "records" / f"{cell['key']}.json")
+        (run_dir / "cells" / f"{cell['key']}.json").write_text(json.dumps(cell, indent=2))
+    return len(cells)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.harness.carried", description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("save", "restore"))
-    p.add_argument("source", help="save: the run dir; restore: the carried folder")
-    p.add_argument("target", help="save: the carried folder (replaced); restore: the run dir")
+    p.add_argument("action", choices=("save", "restore", "publish", "reopen"))
+    p.add_argument("source", help="save, publish: the run dir; restore: the carried folder; reopen: the report")
+    p.add_argument("target", help="save: the carried folder (replaced); restore, reopen: the run dir; publish: the report")
     args = p.parse_args(argv)
     if args.action == "save":
         print(f"{save(args.source, args.target)} finished cells -> {args.target}")
+    elif args.action == "publish":
+        print(f"{publish(args.source, args.target)} records -> {args.target}")
+    elif args.action == "reopen":
+        print(f"{reopen(args.source, args.target)} cells from {args.source} -> {args.target}")
     elif restore(args.source, args.target):
         print(f"finished cells from {args.source} -> {args.target}")
     return 0
