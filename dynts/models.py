@@ -1,8 +1,8 @@
 """One loading path for every model and tokenizer dynts touches, offline.
 
 :func:`load` accepts a bundled name (``smollm2-135m``, ``testbed``, ``testbed-helper``,
-``testbed-prm``, ``testbed-prm-order``; the chain family's ``testbed-chain``; the fair LRMs ``testbed-fair``,
-``testbed-chain-fair``), a local Hugging Face directory, a hub id already in the local HF cache
+``testbed-prm``, ``testbed-prm-order``; the chain family's ``testbed-chain``; the fair LRMs of the final tables,
+``testbed-fair`` and ``testbed-chain-fair``), a local Hugging Face directory, a hub id already in the local HF cache
 (nothing is downloaded), or a PEFT adapter directory (its base model is resolved the same way and
 the adapter applied with peft). Precision, placement and attention kernel are the caller's:
 ``dtype``, ``device`` / ``device_map`` (accelerate), ``attn_implementation``.
@@ -40,9 +40,10 @@ TESTBED = {"testbed": "testbed-lrm", "testbed-helper": "testbed-helper", "testbe
            # the chain family's models (data_pipeline/testbed/task.py, configs/testbed/chain-*.yaml)
            "testbed-chain": "testbed-chain-lrm", "testbed-chain-helper": "testbed-chain-helper",
            "testbed-chain-prm": "testbed-chain-prm",
-           # the fair LRMs: trained on the eviction mechanisms' own kept sets (configs/testbed/lrm-fair.yaml,
-           # chain-lrm-fair.yaml); the demo's and the final tables' models, predictors beside them
-           "testbed-fair": "testbed-fair-lrm", "testbed-chain-fair": "testbed-chain-fair-lrm"}
+           # the fair LRMs, seed 1: trained from scratch on the eviction mechanisms' own kept sets
+           # (configs/testbed/lrm-fair-scratch-s1.yaml, chain-lrm-fair-s1.yaml); the demo's and the final tables'
+           # models, predictors beside them (checkpoints/testbed-fair-scratch-s1-predictor, testbed-chain-fair-s1-predictor)
+           "testbed-fair": "testbed-fair-scratch-s1-lrm", "testbed-chain-fair": "testbed-chain-fair-s1-lrm"}
 BUNDLED = ("smollm2-135m", *TESTBED)
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",

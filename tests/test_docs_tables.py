@@ -78,7 +78,7 @@ def test_seed_verifier_table_in_rescue_md_comes_from_the_committed_answers():
 
 
 def test_tuning_tables_in_evaluation_md_come_from_the_committed_choices():
-    """docs/evaluation.md's two tuning tables are ``python -m eval.harness.tuning table``'s output."""
+    """docs/evaluation.md's tuning tables (each family's grid and SepLLM's) are ``python -m eval.harness.tuning table``'s output."""
     import json
 
     from eval.harness.tuning import summary_table
@@ -88,3 +88,38 @@ def test_tuning_tables_in_evaluation_md_come_from_the_committed_choices():
         out = ROOT / "reports" / "tuning" / f"{family}-fair"
         table = "\n".join(summary_table(json.loads((out / "choices.json").read_text())))
         assert table.count("\n") > 15 and table in doc, family
+        sepllm = "\n".join(summary_table(json.loads((out.with_name(f"{family}-fair-sepllm") / "choices.json").read_text())))
+        assert "| sepllm | best |" in sepllm and sepllm in doc, family
+
+
+def test_readme_demo_table_is_the_committed_demo():
+    """README's demo table is ``reports/demo/<family>/results.json`` (what ``dynts demo`` wrote), cell for cell, and
+    each tuned baseline's form in brackets is the one the demo ran."""
+    import json
+
+    from eval.harness.demo import FAMILIES
+
+    text = (ROOT / "README.md").read_text().split("## The demo", 1)[1].split("\n## ", 1)[0]
+    header, *rows = [line for line in text.splitlines() if line.startswith("| ")]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    names = {"DynTS": "dynts", "H2O": "h2o", "SnapKV": "snapkv", "R-KV": "rkv", "SepLLM": "sepllm", "random": "random",
+             "window": "window", "StreamingLLM": "streamingllm"}
+    assert {r.split("|")[1].strip() for r in rows} == set(FAMILIES)
+    for row in rows:
+        cells = dict(zip(columns, (c.strip() for c in row.strip("|").split("|"))))
+        results = json.loads((ROOT / "reports/demo" / cells["family"] / "results.json").read_text())
+        by_name = {r["method"]["name"]: r for r in results if "oracle" not in r["method"]["name"]}
+        by_label = {r["method"]["label"]: r for r in results}
+        assert cells["full"] == f"{100 * by_name['full']['pass@1']:.1f}"
+        for column, name in names.items():
+            result = by_name[name]
+            value, _, form = cells[column].partition(" (")
+            assert value == f"{100 * result['pass@1']:.1f}", (cells["family"], column)
+            label = result["method"]["label"].split(":")[0]
+            if form:  # token / token+q / head / head+q: the preset the tuning chose
+                assert label == {"token": name, "token+q": f"{name}+q", "head": f"{name}-head",
+                                 "head+q": f"{name}-head+q"}[form.rstrip(")")], (cells["family"], column)
+        oracles = dict(part.split() for part in cells["oracles"].split(", "))
+        prefix = "chain-oracle-" if cells["family"] == "chain" else "oracle-"
+        assert oracles == {k: f"{100 * by_label[prefix + k]['pass@1']:.1f}" for k in oracles}
+        assert len(oracles) == sum(1 for label in by_label if label.startswith(prefix))

@@ -24,20 +24,37 @@ def test_demo_without_checkpoints_says_what_to_do(tmp_path, monkeypatch, capsys)
     assert "dynts testbed train" in capsys.readouterr().err
     make_checkpoints(tmp_path, False, families=("copy",))  # the chain model is still missing: named, nothing runs
     assert demo.main(["--run-dir", str(tmp_path / "run")]) == 1
-    assert "chain-lrm-fair.yaml" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert "chain-lrm-fair-s1.yaml" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
-def test_demo_runs_the_fair_lrms():
-    """The demo's tables are the fair LRMs' (trained on the mechanisms' own kept sets), each with its own
-    predictor; ``dynts.load`` knows their names."""
+def test_demo_runs_the_final_tables_models_and_the_tuned_settings():
+    """The demo's tables are the final tables' LRMs (seed 1 of the fair ones), each with its own predictor,
+    and DynTS, H2O, SnapKV, R-KV and SepLLM at the settings their committed dev tuning chose."""
+    from pathlib import Path
+
     from dynts.models import checkpoints_dir, resolve_path
+    from eval.harness.tuning import table_specs
 
     assert {f: (spec.model, spec.predictor) for f, spec in demo.FAMILIES.items()} == {
-        "copy": ("testbed-fair", "testbed-fair-predictor"), "chain": ("testbed-chain-fair", "testbed-chain-fair-predictor")}
-    assert TESTBED["testbed-fair"] == "testbed-fair-lrm" and TESTBED["testbed-chain-fair"] == "testbed-chain-fair-lrm"
-    for spec in demo.FAMILIES.values():
+        "copy": ("testbed-fair", "testbed-fair-scratch-s1-predictor"),
+        "chain": ("testbed-chain-fair", "testbed-chain-fair-s1-predictor")}
+    assert TESTBED["testbed-fair"] == "testbed-fair-scratch-s1-lrm" and TESTBED["testbed-chain-fair"] == "testbed-chain-fair-s1-lrm"
+    final_tables = (Path(__file__).resolve().parents[1] / "scripts/run_final_tables.sh").read_text()
+    root = Path(__file__).resolve().parents[1]
+    for family, spec in demo.FAMILIES.items():
         assert resolve_path(spec.model) == checkpoints_dir() / TESTBED[spec.model]
+        assert f"model=checkpoints/{TESTBED[spec.model]}" in final_tables
+        assert f"pred=checkpoints/{spec.predictor}" in final_tables
         assert (checkpoints_dir() / spec.predictor / "predictor_config.json").is_file()
+        chosen = []
+        for source in demo.TUNED_FROM:
+            choices = json.loads((root / source.format(family=family)).read_text())
+            assert choices["complete"]
+            chosen += table_specs(choices, ["best"], local_window=32, retention=0.4, window_shares=True)
+        assert list(spec.tuned) == chosen
+        methods, _ = demo.demo_methods(True, family)
+        assert set(spec.tuned) <= set(methods) and not {"h2o", "snapkv", "rkv", "sepllm", "h2o+q", "snapkv+q", "rkv+q"} & {
+            m for m in methods if m not in spec.tuned}  # no baseline at its defaults beside its tuned form
 
 
 def test_demo_refuses_an_unknown_family(tmp_path, capsys):
@@ -49,7 +66,7 @@ def test_demo_refuses_an_unknown_family(tmp_path, capsys):
 def test_demo_runs_every_method(tmp_path, monkeypatch, capsys, one_thread, predictor):
     make_checkpoints(tmp_path, predictor)
     monkeypatch.setenv("DYNTS_CHECKPOINTS", str(tmp_path))
-    code = demo.main(["--n", "2", "--budget", "24", "--local-window", "6", "--max-new-tokens", "24",
+    code = demo.main(["--n", "2", "--budget", "64", "--local-window", "6", "--max-new-tokens", "64",
                       "--run-dir", str(tmp_path / "run")])
     assert code == 0
     captured = capsys.readouterr()
@@ -59,7 +76,9 @@ def test_demo_runs_every_method(tmp_path, monkeypatch, capsys, one_thread, predi
         methods = [r["method"]["name"] for r in results]
         assert methods[0] == "full" and "testbed-oracle" in methods and "window" in methods
         labels = [r["method"]["label"] for r in results]
-        assert {"random", "h2o+q", "snapkv+q", "rkv+q"} | family_oracles <= set(labels)
+        assert {"random", "window", "streamingllm"} | family_oracles <= set(labels)
+        tuned = [spec for spec in demo.FAMILIES[family].tuned if predictor or not spec.startswith("dynts")]
+        assert set(tuned) <= set(labels) and all(r["evictions_per_sample"] > 0 for r in results if r["method"]["name"] != "full")
         assert not ({"oracle-step", "oracle-value", "oracle-token", "chain-oracle-step", "testbed-oracle"} - family_oracles) & set(labels)
         assert all(r.get("loop_rate") is not None and r.get("evictions_per_sample") is not None for r in results)
         assert ("dynts" in methods) == predictor
@@ -69,4 +88,4 @@ def test_demo_runs_every_method(tmp_path, monkeypatch, capsys, one_thread, predi
     if not predictor:
         assert "skipping dynts on copy" in captured.err and "skipping dynts on chain" in captured.err
     assert "| full |" in captured.out and "accuracy_vs_budget.png" in captured.out
-    assert "| tokens vs full |" in captured.out and "| loop % |" in captured.out and "| h2o+q |" in captured.out
+    assert "| tokens vs full |" in captured.out and "| loop % |" in captured.out and "| local window |" in captured.out

@@ -58,7 +58,7 @@ def test_wheel_install_runs_the_demo_from_another_directory(tmp_path):
     assert (Path(where[2]) / "testbed" / "lrm.yaml").is_file()
     demo = run(str(venv / "bin" / "dynts"), "demo", "--n", "2", "--max-new-tokens", "24", "--batch-size", "2",
                "--threads", "1", cwd=elsewhere, env=env, timeout=300)
-    assert "| full |" in demo.stdout and "| dynts |" in demo.stdout, demo.stdout + demo.stderr
+    assert "| full |" in demo.stdout and "| dynts:local_window_share=" in demo.stdout, demo.stdout + demo.stderr
     assert (elsewhere / "runs" / "demo" / "copy" / "results.md").is_file()
     assert (elsewhere / "runs" / "demo" / "chain" / "results.md").is_file()  # both families ship
 

@@ -1,12 +1,15 @@
-"""The demo: every eviction method at one tight budget on 100 testbed problems of each task family,
-with the bundled fair toy reasoning models (trained on the eviction mechanisms' own kept sets, the
-final tables' models) and their trained importance predictors: ``copy`` (``testbed-fair``:
-``checkpoints/testbed-fair-lrm``, ``testbed-fair-predictor``: a step reads only the question) and
-``chain`` (``testbed-chain-fair``: ``checkpoints/testbed-chain-fair-lrm``, ``testbed-chain-fair-predictor``:
-steps read earlier results, the regime attention-based scorers were designed for). Prints, per
-family, the LRM's full-cache score and accuracy, tokens/s and peak KV per method, and the plots.
+"""The demo: every eviction method at one tight budget on 100 testbed problems of each task family, with
+the final tables' models: the seed-1 fair toy reasoning models (trained from scratch on the eviction mechanisms'
+own kept sets) and their trained importance predictors, ``copy`` (``testbed-fair``:
+``checkpoints/testbed-fair-scratch-s1-lrm``, ``testbed-fair-scratch-s1-predictor``: a step reads only the
+question) and ``chain`` (``testbed-chain-fair``: ``checkpoints/testbed-chain-fair-s1-lrm``,
+``testbed-chain-fair-s1-predictor``: steps read earlier results, the regime attention-based scorers were designed
+for). DynTS, H2O, SnapKV, R-KV and SepLLM run at the settings their dev tuning chose (each attention baseline's
+best of its token-level and per-head forms, with and without the question protected); every other registered method
+at its defaults. Prints, per family, the LRM's full-cache score and accuracy, tokens/s and peak KV per method, and the
+plots.
 
-Run: ``python -m eval.harness.demo`` (about 3 min for copy and 8 for chain on 2 shared CPU cores). It
+Run: ``python -m eval.harness.demo`` (about 5 min of CPU on one core, chain two thirds of it). It
 is one ``dynts eval`` run per family underneath (``runs/demo/<family>``, resumable); ``dynts eval --model
 testbed-fair --benchmark testbed ...`` gives every knob.
 """
@@ -26,7 +29,7 @@ from eval.harness.ledger import add_final_arguments
 __all__ = ["main"]
 
 # The columns of the demo's table (eval.harness.report.COLUMNS keys).
-TABLE = ["method", "pass@1", "pass@1_se", "parse_rate", "mean_generated_tokens", "tokens_vs_full", "truncated_rate",
+TABLE = ["method", "local_window", "retention", "pass@1", "pass@1_se", "parse_rate", "mean_generated_tokens", "tokens_vs_full", "truncated_rate",
          "loop_rate", "evictions_per_sample", "tokens_per_second", "peak_kv_mib_per_sequence", "peak_cache_tokens"]
 
 
@@ -38,25 +41,41 @@ class Family(NamedTuple):
     options: str  # added to the testbed benchmark spec
     oracles: str  # the eval.harness.methods list of its oracle presets (imported with dynts, on use)
     config: str  # the config that trains the model, named when it is missing
+    tuned: tuple[str, ...]  # the tuned methods' specs (W_l as a share of B): see TUNED_FROM
 
 
+# Each tuned method's dev choice ("best" of its subsets), as `python -m eval.harness.tuning specs CHOICES --subsets
+# best --local-window 32 --retention 0.4 --window-shares` prints it for each of TUNED_FROM in turn;
+# tests/test_eval_demo.py checks they agree. Written here so that an installed wheel (no reports/) runs the same demo.
+TUNED_FROM = ("reports/tuning/{family}-fair/choices.json", "reports/tuning/{family}-fair-sepllm/choices.json")
 FAMILIES: dict[str, Family] = {
-    "copy": Family("testbed-fair", "testbed-fair-predictor", "", "ORACLES", "lrm-fair.yaml"),
-    "chain": Family("testbed-chain-fair", "testbed-chain-fair-predictor", ",family=chain", "CHAIN_ORACLES",
-                    "chain-lrm-fair.yaml"),
+    "copy": Family("testbed-fair", "testbed-fair-scratch-s1-predictor", "", "ORACLES", "lrm-fair-scratch-s1.yaml", (
+        "dynts:local_window_share=0.1778,retention=0.6",
+        "h2o:local_window_share=0.3556,retention=0.6",
+        "rkv-head:normalize=non_window,local_window_share=0.3556,retention=0.6",
+        "snapkv-head+q:kernel_size=1,observation_window=32,local_window_share=0.3556,retention=0.6",
+        "sepllm:local_window_share=0.7111,retention=0.2")),
+    "chain": Family("testbed-chain-fair", "testbed-chain-fair-s1-predictor", ",family=chain", "CHAIN_ORACLES",
+                    "chain-lrm-fair-s1.yaml", (
+        "dynts:local_window_share=0.5289,retention=0.6",
+        "h2o-head+q:local_window_share=0.5289,retention=0.6",
+        "rkv+q:mix_lambda=0.2,normalize=non_window,local_window_share=0.2645,retention=0.6",
+        "snapkv+q:kernel_size=5,observation_window=16,local_window_share=0.1322,retention=0.6",
+        "sepllm:local_window_share=0.1322")),
 }
 
 
 def demo_methods(have_predictor: bool, family: str = "copy") -> tuple[list[str], list[str]]:
-    """Every registered method that runs with default settings, the attention baselines also with
-    question protection (``+q``), and the family's ground-truth oracles by kept-set shape;
-    score-based ones only with a predictor. Returns (specs, skipped notes)."""
+    """The full cache; DynTS, H2O, SnapKV, R-KV and SepLLM at their tuned settings (``Family.tuned``); every other
+    registered method that runs with default settings; the family's ground-truth oracles by kept-set shape.
+    Score-based ones only with a predictor. Returns (specs, skipped notes)."""
     import dynts
     from dynts.evictors.base import EVICTORS
 
     from . import methods
 
     predictor = FAMILIES[family].predictor
+    tuned = {methods.parse_method(spec).name: spec for spec in FAMILIES[family].tuned}
     specs, notes = [], []
     for name in sorted(dynts.available_methods(), key=lambda n: n != "full"):
         if name == "testbed-oracle":
@@ -64,12 +83,15 @@ def demo_methods(have_predictor: bool, family: str = "copy") -> tuple[list[str],
         if "scores" in EVICTORS[name].requires and not have_predictor:
             notes.append(f"skipping {name} on {family}: no trained predictor at checkpoints/{predictor} yet")
             continue
+        if name in tuned:
+            specs.append(tuned[name])
+            continue
         try:
             dynts.make_evictor(name)
         except ValueError:
             continue  # needs explicit settings (e.g. "fixed")
         specs.append(name)
-    return specs + methods.QUESTION_PROTECTED + getattr(methods, FAMILIES[family].oracles), notes
+    return specs + getattr(methods, FAMILIES[family].oracles), notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=100, help="testbed problems per family")
     parser.add_argument("--set", default="test", help="testbed problem set (final and confirm need --final)")
     add_final_arguments(parser, "a final table (--set final or confirm)")
-    parser.add_argument("--budget", type=int, default=96, help="cache budget B (about a quarter of the fair copy LRM's 379-token mean sequence, a fifth of the fair chain LRM's 467)")
-    parser.add_argument("--local-window", type=int, default=32)
-    parser.add_argument("--retention", type=float, default=0.4)
+    parser.add_argument("--budget", type=int, default=96, help="cache budget B (0.28 of the copy LRM's 345-token mean full-cache sequence on dev, 0.20 of the chain LRM's 477); "
+                             "a tuned method's W_l is its tuned share of B")
+    parser.add_argument("--local-window", type=int, default=32, help="W_l of the untuned methods")
+    parser.add_argument("--retention", type=float, default=0.4, help="retention of the untuned methods")
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the testbed's 1100")
     parser.add_argument("--threads", type=int, default=1,
