@@ -15,7 +15,8 @@
 #             control, no oracle: a seed's table is for its verdict (the final tables hold them); a dev table is refused
 #             until its family's tunings are complete -> reports/{chain-dev-fair,copy-dev-fair-scratch}-sN/ (the run's
 #             tables and its cells' records, python -m eval.harness.carried publish). A written table that lacks one of
-#             these methods is reopened (eval.harness.carried reopen) and runs only the missing cells.
+#             these methods is reopened (eval.harness.carried reopen) and runs only the missing cells; the reopened
+#             cells it no longer plans are dropped (carried prune).
 #   verdicts: reports/seed-verdicts.md, per family and seed the DynTS - best baseline verdict at each budget
 #             (python -m eval.harness.seeds), once the family's three dev tables exist.
 #   carry:    what a started, unfinished job has done, to commit before the machine goes (runs/ is not committed):
@@ -212,6 +213,7 @@ print(",".join(m.label for m in parse_methods([sys.argv[2]]) if m.label not in h
   log "dev table $name: $bench, $model, $pred; tuned ($tuning, $tuning-sepllm): $tuned,$sepllm"
   run $PY -m dynts.cli eval --benchmark "$bench" $K5 --model "$model" --predictor "$pred" --method "$methods" \
     --run-dir "runs/$name"
+  run $PY -m eval.harness.carried prune "runs/$name"  # reopened cells this run did not plan (e.g. an older key)
   run mkdir -p "reports/$name"
   [ -n "$DRY" ] || $PY -m eval.harness.compare "runs/$name" --against "$dynts" --write > "reports/$name/compare.md"
   [ -n "$DRY" ] || $PY -m eval.harness.compare "runs/$name" --against "$dynts" --wide > "reports/$name/wide.md"

@@ -183,7 +183,8 @@ def test_a_fresh_clone_resumes_the_cells_of_a_carried_run(tiny_testbed, tmp_path
 
 def test_a_published_table_reopens_and_runs_only_the_methods_added(tiny_testbed, tmp_path, monkeypatch):
     """``carried.publish`` copies a finished run's tables and its cells' records (not a stray one) to the report;
-    ``carried.reopen`` refills a new run dir from it, so a table given another method runs only that cell."""
+    ``carried.reopen`` refills a new run dir from it, so a table given another method runs only that cell, and
+    ``carried.prune`` drops the reopened cells the new run does not plan."""
     from eval.harness import carried
 
     kw = dict(k=1, benchmarks=["testbed:n=2"])
@@ -194,10 +195,12 @@ def test_a_published_table_reopens_and_runs_only_the_methods_added(tiny_testbed,
     assert carried.reopen(tmp_path / "report", tmp_path / "again") == 2
     assert carried.reopen(tmp_path / "report", tmp_path / "run") == 0  # a started run dir is left as it is
     calls = counting(monkeypatch)
-    more = run(config(tiny_testbed, tmp_path / "again", methods=["full", "window", "streamingllm"], **kw))
-    assert len(calls) == 1 and more[:2] == first  # only the new method's cell (one batch) ran
-    assert carried.publish(tmp_path / "again", tmp_path / "report") == 3
-    assert len(list((tmp_path / "report" / "records").glob("*.json"))) == 3
+    more = run(config(tiny_testbed, tmp_path / "again", methods=["full", "streamingllm"], **kw))
+    assert len(calls) == 1 and more[0] == first[0]  # only the new method's cell (one batch) ran
+    assert carried.prune(tmp_path / "again") == [first[1]["key"]]  # window: reopened, no longer planned
+    assert sorted(p.stem for p in (tmp_path / "again" / "records").glob("*.json")) == sorted(r["key"] for r in more)
+    assert carried.publish(tmp_path / "again", tmp_path / "report") == 2
+    assert sorted(p.stem for p in (tmp_path / "report" / "records").glob("*.json")) == sorted(r["key"] for r in more)
 
 
 def test_single_budget_plot_is_bars_per_method():

@@ -7,12 +7,15 @@ its run dir or reopened into one.
 commit; :func:`restore` refills an absent run dir from it, and the same ``dynts eval`` command then runs only the
 cells that are left. :func:`publish` copies a finished run's tables and the records of its cells (only theirs)
 to its report folder; :func:`reopen` refills an absent run dir from such a report, so that a table given more
-methods runs only the new cells (a cell whose key changed, e.g. with its predictor's digest, runs again).
+methods runs only the new cells (a cell whose key changed, e.g. with its predictor's digest, runs again), and
+:func:`prune` then drops the reopened cells the run no longer plans (``eval.harness.compare --write`` renders every
+cell a run dir holds).
 
     python -m eval.harness.carried save runs/chain-dev-fair-s1 reports/chain-dev-fair-s1/carried
     python -m eval.harness.carried restore reports/chain-dev-fair-s1/carried runs/chain-dev-fair-s1
     python -m eval.harness.carried publish runs/chain-dev-fair-s1 reports/chain-dev-fair-s1
     python -m eval.harness.carried reopen reports/chain-dev-fair-s1 runs/chain-dev-fair-s1
+    python -m eval.harness.carried prune runs/chain-dev-fair-s1
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import shutil
 from pathlib import Path
 
-__all__ = ["main", "publish", "reopen", "restore", "save"]
+__all__ = ["main", "prune", "publish", "reopen", "restore", "save"]
 
 
 def save(run_dir: str | Path, dest: str | Path) -> int:
@@ -86,12 +89,32 @@ def reopen(report: str | Path, run_dir: str | Path) -> int:
     return len(cells)
 
 
+def prune(run_dir: str | Path) -> list[str]:
+    """Delete the cells (``cells/``, ``records/``, ``samples/``) of ``run_dir`` that its last ``dynts eval`` did not
+    plan: every key not in the ``results.json`` it wrote (call it right after that run). Returns the keys deleted."""
+    run_dir = Path(run_dir)
+    planned = {cell["key"] for cell in json.loads((run_dir / "results.json").read_text())}
+    stale = sorted(p.stem for p in (run_dir / "cells").glob("*.json") if p.stem not in planned)
+    for key in stale:
+        for path in (run_dir / "cells" / f"{key}.json", run_dir / "records" / f"{key}.json",
+                     run_dir / "samples" / f"{key}.jsonl"):
+            path.unlink(missing_ok=True)
+    return stale
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.harness.carried", description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("save", "restore", "publish", "reopen"))
-    p.add_argument("source", help="save, publish: the run dir; restore: the carried folder; reopen: the report")
-    p.add_argument("target", help="save: the carried folder (replaced); restore, reopen: the run dir; publish: the report")
+    p.add_argument("action", choices=("save", "restore", "publish", "reopen", "prune"))
+    p.add_argument("source", help="save, publish, prune: the run dir; restore: the carried folder; reopen: the report")
+    p.add_argument("target", nargs="?", help="save: the carried folder (replaced); restore, reopen: the run dir; "
+                                             "publish: the report")
     args = p.parse_args(argv)
+    if args.action == "prune":
+        stale = prune(args.source)
+        print(f"{len(stale)} cells no longer planned deleted from {args.source}" + "".join(f"\n  {k}" for k in stale))
+        return 0
+    if args.target is None:
+        p.error(f"{args.action} needs a target")
     if args.action == "save":
         print(f"{save(args.source, args.target)} finished cells -> {args.target}")
     elif args.action == "publish":
