@@ -190,27 +190,24 @@ train_predictor() {  # $1: configs/predictor/X.pipeline.yaml (dynts pipeline ski
 }
 
 dev_table() {  # $1 name (report dir), $2 benchmark, $3 model, $4 predictor, $5 tuning report dir, $6 untuned methods
-  local name=$1 bench=$2 model=$3 pred=$4 tuning=$5 untuned=$6 specs dynts tuned sepllm methods missing
+  local name=$1 bench=$2 model=$3 pred=$4 tuning=$5 untuned=$6 specs dynts tuned methods missing
   wait_for_exports "dev table $name" "$model" "$pred"
   wait_for_others "$EVALUATION"
-  specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4 --window-shares"
-  if ! tuning_complete "$tuning-sepllm" || ! dynts=$($specs --methods dynts) || ! tuned=$($specs --subsets "$TUNED_SUBSETS") \
-     || ! sepllm=$(${specs/$tuning/$tuning-sepllm} --methods sepllm); then
+  specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json $tuning-sepllm/choices.json --local-window 32 --retention 0.4 --window-shares"
+  if ! tuning_complete "$tuning-sepllm" || ! dynts=$($specs --methods dynts) || ! tuned=$($specs --subsets "$TUNED_SUBSETS"); then
     log "dev table $name needs the complete tunings $tuning/choices.json and $tuning-sepllm/choices.json (step tune-$(basename "$tuning" | cut -d- -f1)); not running it"
     [ -n "$DRY" ] && return; return 1
   fi
-  methods="full,$dynts,$tuned,$sepllm,$untuned"
+  methods="full,$dynts,$tuned,$untuned"
   if [ -f "reports/$name/results.json" ]; then
-    missing=$(.venv/bin/python -c 'import json, sys; from eval.harness.methods import parse_methods
-have = {c["method"]["label"] for c in json.load(open(sys.argv[1]))}
-print(",".join(m.label for m in parse_methods([sys.argv[2]]) if m.label not in have))' "reports/$name/results.json" "$methods")
+    missing=$(.venv/bin/python -m eval.harness.carried missing "reports/$name" --methods "$methods")
     if [ -z "$missing" ]; then log "skip dev table $name: reports/$name has every method"; return; fi
     log "dev table $name: reports/$name lacks $missing; reopening it"
     [ -d "runs/$name" ] || run $PY -m eval.harness.carried reopen "reports/$name" "runs/$name"
   elif [ -f "reports/$name/carried/run.json" ]; then  # a table a stop carried over: refills an absent run dir
     run $PY -m eval.harness.carried restore "reports/$name/carried" "runs/$name"
   fi
-  log "dev table $name: $bench, $model, $pred; tuned ($tuning, $tuning-sepllm): $tuned,$sepllm"
+  log "dev table $name: $bench, $model, $pred; tuned ($tuning, $tuning-sepllm): $tuned"
   run $PY -m dynts.cli eval --benchmark "$bench" $K5 --model "$model" --predictor "$pred" --method "$methods" \
     --run-dir "runs/$name"
   run $PY -m eval.harness.carried prune "runs/$name"  # reopened cells this run did not plan (e.g. an older key)

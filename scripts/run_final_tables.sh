@@ -50,10 +50,10 @@ table() {  # $1 family
     committed "$need"
   done
   [ -f "$dev/results.json" ] || fail "$dev/results.json is missing (step dev-s1): its budgets are the final tables'"
-  local budgets specs dynts tuned sepllm
+  local budgets specs dynts tuned
   budgets=$(.venv/bin/python -c 'import json, sys; print(",".join(str(b) for b in sorted({c["budget"] for c in json.load(open(sys.argv[1])) if c.get("budget") is not None})))' "$dev/results.json")
-  specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json --local-window 32 --retention 0.4 --window-shares"
-  dynts=$($specs --methods dynts); tuned=$($specs --subsets "$SUBSETS"); sepllm=$(${specs/$tuning/$tuning-sepllm} --methods sepllm)
+  specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json $tuning-sepllm/choices.json --local-window 32 --retention 0.4 --window-shares"
+  dynts=$($specs --methods dynts); tuned=$($specs --subsets "$SUBSETS")
   local reread=()
   if [ -f "reports/final-$family/carried/run.json" ]; then  # a table a stop carried over: refills an absent run dir
     if [ -n "$DRY" ]; then echo "would restore $run from reports/final-$family/carried"
@@ -63,7 +63,7 @@ table() {  # $1 family
     reread=(--reread "resume $run, stopped before its last cell (its cells are kept; none is recomputed; a method added to the list since it started runs its cells now)")
   fi
   local cmd=($PY -m dynts.cli eval --final "${reread[@]}" --benchmark "$bench" --model "$model" --predictor "$pred"
-             --method "full,$dynts,$tuned,$sepllm,$UNTUNED,$oracles" --budget "$budgets" --k 5 --local-window 32 --retention 0.4
+             --method "full,$dynts,$tuned,$UNTUNED,$oracles" --budget "$budgets" --k 5 --local-window 32 --retention 0.4
              --batch-size 100 --threads 1 --no-progress --run-dir "$run")
   if [ -n "$DRY" ]; then printf '%q ' "${cmd[@]}"; echo; return; fi
   echo "$(date -u +%FT%TZ) final $family: ${cmd[*]}"

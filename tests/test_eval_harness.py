@@ -190,7 +190,9 @@ def test_a_published_table_reopens_and_runs_only_the_methods_added(tiny_testbed,
     kw = dict(k=1, benchmarks=["testbed:n=2"])
     first = run(config(tiny_testbed, tmp_path / "run", methods=["full", "window"], **kw))
     (tmp_path / "run" / "records" / "stray.json").write_text("{}")  # e.g. a cell whose key changed
+    assert carried.missing(tmp_path / "report", "full,window") == ["full", "window"]  # not published yet
     assert carried.publish(tmp_path / "run", tmp_path / "report") == 2
+    assert carried.missing(tmp_path / "report", "window,full,window,streamingllm") == ["streamingllm"]
     assert sorted(p.stem for p in (tmp_path / "report" / "records").glob("*.json")) == sorted(r["key"] for r in first)
     assert carried.reopen(tmp_path / "report", tmp_path / "again") == 2
     assert carried.reopen(tmp_path / "report", tmp_path / "run") == 0  # a started run dir is left as it is

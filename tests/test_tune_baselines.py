@@ -269,6 +269,16 @@ def test_two_stages_resume_and_choose(tmp_path):
         tune.table_specs(doc, ["token"])
     with pytest.raises(ValueError, match="not complete"):
         tune.table_specs({**doc, "complete": False, "incomplete": ["h2o"]}, ["token+q"])
+    # a second tuning (e.g. SepLLM's own grid, subsets: best only): its specs follow, each subset named by either applies
+    other = {"complete": True, "budget": 48, "subsets": {"best": {}}, "methods": {"sepllm": {"subsets": {"best": {
+        "setting": {"local_window": 32}}}}}}
+    assert tune.table_specs([doc, other], ["token+q", "head+q"], (), 16, 0.4) == [
+        "h2o+q:local_window=8,retention=0.6", "h2o-head+q", "dynts", "sepllm:local_window=32"]
+    assert tune.table_specs([doc, other], [], ["sepllm"], 16, 0.4, window_shares=True) == ["sepllm:local_window_share=0.6667"]
+    with pytest.raises(ValueError, match="not complete"):
+        tune.table_specs([doc, {**other, "complete": False}], ["token+q"])
+    with pytest.raises(ValueError, match="neither a subset"):
+        tune.table_specs([doc, other], [], ["streamingllm"])
 
     fourth = FakeHarness(SCORES)  # everything finished: nothing runs, nothing loads
     tune.run_grid(grid, out, run_dir, resume=True, runner=fourth, loader=_never)

@@ -9,13 +9,14 @@ cells that are left. :func:`publish` copies a finished run's tables and the reco
 to its report folder; :func:`reopen` refills an absent run dir from such a report, so that a table given more
 methods runs only the new cells (a cell whose key changed, e.g. with its predictor's digest, runs again), and
 :func:`prune` then drops the reopened cells the run no longer plans (``eval.harness.compare --write`` renders every
-cell a run dir holds).
+cell a run dir holds). :func:`missing` names the methods of a ``--method`` list that a published report lacks.
 
     python -m eval.harness.carried save runs/chain-dev-fair-s1 reports/chain-dev-fair-s1/carried
     python -m eval.harness.carried restore reports/chain-dev-fair-s1/carried runs/chain-dev-fair-s1
     python -m eval.harness.carried publish runs/chain-dev-fair-s1 reports/chain-dev-fair-s1
     python -m eval.harness.carried reopen reports/chain-dev-fair-s1 runs/chain-dev-fair-s1
     python -m eval.harness.carried prune runs/chain-dev-fair-s1
+    python -m eval.harness.carried missing reports/chain-dev-fair-s1 --methods full,dynts,sepllm
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 import shutil
 from pathlib import Path
 
-__all__ = ["main", "prune", "publish", "reopen", "restore", "save"]
+__all__ = ["main", "missing", "prune", "publish", "reopen", "restore", "save"]
 
 
 def save(run_dir: str | Path, dest: str | Path) -> int:
@@ -102,13 +103,30 @@ def prune(run_dir: str | Path) -> list[str]:
     return stale
 
 
+def missing(report: str | Path, methods: str) -> list[str]:
+    """The labels of ``methods`` (a ``dynts eval --method`` list) that no cell of ``report``'s ``results.json`` ran,
+    in the list's order; every label when the report has no ``results.json``."""
+    from .methods import parse_methods
+
+    results = Path(report) / "results.json"
+    have = {cell["method"]["label"] for cell in json.loads(results.read_text())} if results.is_file() else set()
+    return [label for label in dict.fromkeys(m.label for m in parse_methods([methods])) if label not in have]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.harness.carried", description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("save", "restore", "publish", "reopen", "prune"))
-    p.add_argument("source", help="save, publish, prune: the run dir; restore: the carried folder; reopen: the report")
+    p.add_argument("action", choices=("save", "restore", "publish", "reopen", "prune", "missing"))
+    p.add_argument("source", help="save, publish, prune: the run dir; restore: the carried folder; reopen, missing: "
+                                  "the report")
     p.add_argument("target", nargs="?", help="save: the carried folder (replaced); restore, reopen: the run dir; "
                                              "publish: the report")
+    p.add_argument("--methods", help="missing: the --method list (prints the labels the report lacks, comma-separated)")
     args = p.parse_args(argv)
+    if args.action == "missing":
+        if not args.methods:
+            p.error("missing needs --methods (the dynts eval --method list)")
+        print(",".join(missing(args.source, args.methods)))
+        return 0
     if args.action == "prune":
         stale = prune(args.source)
         print(f"{len(stale)} cells no longer planned deleted from {args.source}" + "".join(f"\n  {k}" for k in stale))

@@ -44,8 +44,8 @@ class Family(NamedTuple):
     tuned: tuple[str, ...]  # the tuned methods' specs (W_l as a share of B): see TUNED_FROM
 
 
-# Each tuned method's dev choice ("best" of its subsets), as `python -m eval.harness.tuning specs CHOICES --subsets
-# best --local-window 32 --retention 0.4 --window-shares` prints it for each of TUNED_FROM in turn;
+# Each tuned method's dev choice ("best" of its subsets), as `python -m eval.harness.tuning specs CHOICES CHOICES
+# --subsets best --local-window 32 --retention 0.4 --window-shares` prints it for the two files of TUNED_FROM;
 # tests/test_eval_demo.py checks they agree. Written here so that an installed wheel (no reports/) runs the same demo.
 TUNED_FROM = ("reports/tuning/{family}-fair/choices.json", "reports/tuning/{family}-fair-sepllm/choices.json")
 FAMILIES: dict[str, Family] = {

@@ -22,8 +22,8 @@ stop loses at most the cell in progress; ``--resume`` skips them), ``grid.yaml``
 grid's sha256: another grid is refused), ``grid.md`` (every cell) and ``choices.json`` (per method and
 subset the chosen spec, as ``dynts eval`` accepts it, with the runner-up and the default's score). The
 harness's run dir (samples with texts) is ``runs/tuning/<out name>``. A grid reading any set but dev is
-refused. ``python -m eval.harness.tuning specs CHOICES --subsets token+q,head+q`` prints the chosen specs
-as a ``--method`` list for a run at the given cache settings; with ``--window-shares`` each chosen ``W_l``
+refused. ``python -m eval.harness.tuning specs CHOICES [CHOICES ...] --subsets token+q,head+q`` prints the chosen
+specs (of several tunings in turn) as one ``--method`` list for a run at the given cache settings; with ``--window-shares`` each chosen ``W_l``
 is written as its share of the tuning's budget (``local_window_share=``), so that a table at other budgets
 keeps each method's balance of recent and selected entries (W_l 64 of B = 90 is W_l 37 of B = 52). The grid file and its validation:
 :mod:`eval.harness.tuning_grid`.
@@ -383,29 +383,35 @@ def dry_run(grid: Grid, out: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def table_specs(doc: dict[str, Any], subsets: Sequence[str], methods: Sequence[str] = (), local_window: int | None = None,
-                retention: float | None = None, window_shares: bool = False) -> list[str]:
-    """The chosen specs of a complete ``choices.json`` for a ``dynts eval`` run at ``local_window`` /
-    ``retention``: per method (all, or ``methods``) its choice in each of ``subsets`` that applies to it, or
-    its ``best`` where none does (DynTS: no ``per_head``). ``window_shares``: each chosen ``W_l`` as its
-    share of the tuning's budget (``local_window_share=``), for a run at other budgets. Refuses an
-    incomplete tuning."""
-    if not doc.get("complete"):
-        raise ValueError(f"the tuning is not complete (incomplete: {', '.join(doc.get('incomplete') or ['?'])}); "
-                         "run scripts/tune_baselines.py --resume to finish it")
+def table_specs(docs: dict[str, Any] | Sequence[dict[str, Any]], subsets: Sequence[str], methods: Sequence[str] = (),
+                local_window: int | None = None, retention: float | None = None, window_shares: bool = False) -> list[str]:
+    """The chosen specs of complete ``choices.json`` documents (one tuning's, or several in turn: e.g. a
+    family's main grid and SepLLM's) for a ``dynts eval`` run at ``local_window`` / ``retention``: per method
+    (all, or ``methods``) its choice in each of ``subsets`` that applies to it, or its ``best`` where none does
+    (DynTS: no ``per_head``). ``window_shares``: each chosen ``W_l`` as its share of its tuning's budget
+    (``local_window_share=``), for a run at other budgets. A name must be a subset or method of at least one
+    document. Refuses an incomplete tuning."""
+    docs = [docs] if isinstance(docs, dict) else list(docs)
+    for doc in docs:
+        if not doc.get("complete"):
+            raise ValueError(f"the tuning is not complete (incomplete: {', '.join(doc.get('incomplete') or ['?'])}); "
+                             "run scripts/tune_baselines.py --resume to finish it")
+    known_subsets = list(dict.fromkeys(s for doc in docs for s in doc["subsets"]))
+    known_methods = list(dict.fromkeys(m for doc in docs for m in doc["methods"]))
     for name in [*subsets, *methods]:
-        if name not in doc["subsets"] and name not in doc["methods"]:
-            raise ValueError(f"{name!r} is neither a subset ({', '.join(doc['subsets'])}) nor a method ({', '.join(doc['methods'])})")
+        if name not in known_subsets and name not in known_methods:
+            raise ValueError(f"{name!r} is neither a subset ({', '.join(known_subsets)}) nor a method ({', '.join(known_methods)})")
     out = []
-    for method, entry in doc["methods"].items():
-        if methods and method not in methods:
-            continue
-        names = [s for s in subsets if s in entry["subsets"]] or ["best"]
-        for name in names:
-            if name not in entry["subsets"]:
-                raise ValueError(f"{method} has no subset {name!r} (its subsets: {sorted(entry['subsets'])})")
-            out.append(short_spec(method, entry["subsets"][name]["setting"], local_window, retention,
-                                  doc["budget"] if window_shares else None))
+    for doc in docs:
+        for method, entry in doc["methods"].items():
+            if methods and method not in methods:
+                continue
+            names = [s for s in subsets if s in entry["subsets"]] or ["best"]
+            for name in names:
+                if name not in entry["subsets"]:
+                    raise ValueError(f"{method} has no subset {name!r} (its subsets: {sorted(entry['subsets'])})")
+                out.append(short_spec(method, entry["subsets"][name]["setting"], local_window, retention,
+                                      doc["budget"] if window_shares else None))
     return list(dict.fromkeys(out))
 
 
@@ -442,9 +448,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def specs_main(argv: list[str] | None = None) -> int:
-    """``python -m eval.harness.tuning specs CHOICES``: the chosen specs as one ``--method`` list."""
+    """``python -m eval.harness.tuning specs CHOICES [CHOICES ...]``: the chosen specs as one ``--method`` list."""
     p = argparse.ArgumentParser(prog="python -m eval.harness.tuning specs", description=table_specs.__doc__)
-    p.add_argument("choices", help="a tuning's choices.json")
+    p.add_argument("choices", nargs="+", help="a tuning's choices.json (several: their specs in turn)")
     p.add_argument("--subsets", default="", help="comma list of subsets, e.g. token+q,head+q (a method none applies to: best)")
     p.add_argument("--methods", default="", help="comma list of methods (default: all)")
     p.add_argument("--local-window", type=int, default=None, help="the run's --local-window (settings equal to it are left out)")
@@ -453,10 +459,12 @@ def specs_main(argv: list[str] | None = None) -> int:
                    help="each chosen W_l as local_window_share= of the tuning's budget (a run at other budgets scales it)")
     args = p.parse_args(argv)
     try:
-        path = Path(args.choices)
-        if not path.is_file():
-            raise ValueError(f"{path} does not exist: run the tuning first (scripts/tune_baselines.py)")
-        specs = table_specs(json.loads(path.read_text()), [s for s in args.subsets.split(",") if s],
+        docs = []
+        for path in map(Path, args.choices):
+            if not path.is_file():
+                raise ValueError(f"{path} does not exist: run the tuning first (scripts/tune_baselines.py)")
+            docs.append(json.loads(path.read_text()))
+        specs = table_specs(docs, [s for s in args.subsets.split(",") if s],
                             [m for m in args.methods.split(",") if m], args.local_window, args.retention, args.window_shares)
     except ValueError as err:
         print(f"tuning specs: error: {err}", file=sys.stderr)
