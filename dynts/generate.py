@@ -142,7 +142,7 @@ def generate(
         )
     seconds = time.perf_counter() - start
     sequences = out[:, prompt_length:]
-    lengths = _generated_lengths(sequences, eos_ids)
+    lengths, finished = _generated_lengths(sequences, eos_ids)
     new_tokens = int(sum(lengths))
     stats = {
         "method": evictor.name,
@@ -153,6 +153,7 @@ def generate(
         "evicted_tokens": cache.stats.evicted_tokens,
         "new_tokens": new_tokens,
         "lengths": lengths,
+        "finished": finished,
         "seconds": seconds,
         "tokens_per_second": new_tokens / seconds if seconds > 0 else float("inf"),
         "peak_kv_bytes": cache.stats.peak_kv_bytes,
@@ -168,10 +169,11 @@ def _eos_ids(eos: int | Sequence[int] | None) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def _generated_lengths(sequences: torch.Tensor, eos_ids: list[int]) -> list[int]:
-    """Tokens generated per row, up to and including the first EOS."""
+def _generated_lengths(sequences: torch.Tensor, eos_ids: list[int]) -> tuple[list[int], list[bool]]:
+    """Tokens generated per row, up to and including the first EOS, and whether the row emitted one."""
     if not eos_ids:
-        return [sequences.shape[1]] * sequences.shape[0]
+        return [sequences.shape[1]] * sequences.shape[0], [False] * sequences.shape[0]
     is_eos = torch.isin(sequences, torch.tensor(eos_ids, device=sequences.device))
-    first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(is_eos[:, 0], sequences.shape[1], dtype=torch.long))
-    return first.tolist()
+    done = is_eos.any(1)
+    first = torch.where(done, is_eos.float().argmax(1) + 1, torch.full_like(is_eos[:, 0], sequences.shape[1], dtype=torch.long))
+    return first.tolist(), done.tolist()

@@ -231,13 +231,10 @@ def _run_batch(ctx: _Context, cell: Cell, config: EvalConfig, pairs: list[tuple[
         **config.sampling(),
     )
     stats = result.stats
-    eos = ctx.model.generation_config.eos_token_id
-    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
-    finished = torch.isin(result.sequences.cpu(), eos).any(1).tolist()
     records = []
     grade_on = resolve_grade_on(config.grade_on, ctx.tokenizer, config.think_end)
     events = row_events(cell, input_ids.shape[1])
-    for row, ((i, s), ids, text, length, done) in enumerate(zip(pairs, result.sequences.tolist(), result.texts, stats["lengths"], finished)):
+    for row, ((i, s), ids, text, length, done) in enumerate(zip(pairs, result.sequences.tolist(), result.texts, stats["lengths"], stats["finished"])):
         example = ctx.bench.examples[i]
         answer = answer_after_delimiter(ids, ctx.tokenizer, config.think_end)
         grade = grade_text(ctx.bench.grader, example.answer, text, answer, grade_on)
