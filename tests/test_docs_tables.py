@@ -77,6 +77,28 @@ def test_seed_verifier_table_in_rescue_md_comes_from_the_committed_answers():
     assert len(printed) == 10 and all(line in lines for line in printed)
 
 
+def test_seed_rescue_table_in_rescue_md_recomputes_from_the_records():
+    """docs/rescue.md's KV-Rescue table of seed 1's fair chain LRM is ``python -m eval.rescue.table ... --from-records``'s
+    output, row for row."""
+    from eval.rescue.table import markdown, rows
+
+    printed = markdown(rows([ROOT / "reports/rescue/dev-chain-fair-s1-B72-N4"], from_records=True)).splitlines()
+    data = [line for line in printed if line.startswith("| B = 72 |")]
+    lines = (ROOT / "docs/rescue.md").read_text().splitlines()
+    assert len(data) == 2 and all(line in lines for line in data)
+
+
+def test_readme_rescue_row_is_the_committed_run():
+    """README's KV-Rescue row (seed 1's fair chain models) is ``reports/rescue/dev-chain-fair-s1-B72-N4/results.json``."""
+    import json
+
+    results = json.loads((ROOT / "reports/rescue/dev-chain-fair-s1-B72-N4/results.json").read_text())
+    accuracy = {cell["setting"]: cell["metrics"]["accuracy"] for cell in results["cells"]}
+    order = ("full", "evict", "bon", "helper", "helper-search", "kvr", "full-search")
+    want = "| " + " | ".join(f"**{100 * accuracy[s]:.1f} %**" if s == "kvr" else f"{100 * accuracy[s]:.1f} %" for s in order) + " |"
+    assert want in [line.strip() for line in (ROOT / "README.md").read_text().splitlines()]
+
+
 def test_tuning_tables_in_evaluation_md_come_from_the_committed_choices():
     """docs/evaluation.md's tuning tables (each family's grid and SepLLM's) are ``python -m eval.harness.tuning table``'s output."""
     import json
