@@ -10,7 +10,8 @@ runner's persistent buffer and the slot mappings landed in vLLM's persistent buf
 reads at replay), and whether any K/V copy ran inside the model's forward (``"buffers"``).
 ``"stale_shift": true`` makes the V2 worker use each request's shift one round late (the async bug the protocol
 must not have: the test that catches it). ``"lose_shipment": [rid, k]`` makes the V2 worker lose request ``rid``'s
-``k``-th shipment of token ids (a fault confined to one request); ``"log_warnings"`` lists the plugin's warnings. Async scheduling is vLLM's default unless ``"engine"`` sets
+``k``-th shipment of token ids (a fault confined to one request); ``"forget_request": [rid, k]`` makes the V1 worker
+lose its record of request ``rid`` before its ``k``-th event; ``"log_warnings"`` lists the plugin's warnings. Async scheduling is vLLM's default unless ``"engine"`` sets
 ``async_scheduling`` (on vLLM 0.34's CPU test bed, tests/support/vllm_cpu_testbed keeps vLLM's default, on).
 Prints ``{"outputs": {rid: {"token_ids", "finish_reason"} or {"error"}}, "max_stored": {rid: n},
 "prefix_hits": {rid: tokens}, "stats": ..., "request_stats": ..., "wrapped": [...]}`` (``wrapped``: the
@@ -46,6 +47,10 @@ def main(spec_path: str) -> None:  # noqa: C901
         from vllm_faults import make_lost_shipment
 
         make_lost_shipment(*spec["lose_shipment"])
+    if spec.get("forget_request"):
+        from vllm_faults import make_forgotten_request
+
+        make_forgotten_request(*spec["forget_request"])
     if spec.get("force_unsupported"):  # before vLLM loads its plugins (at the engine's construction)
         import dynts.vllm.compat
 

@@ -9,6 +9,7 @@ asked for dynts, when its KV cache is allocated (:func:`dynts.vllm.wrapping.bind
 | both | ``initialize_kv_cache`` | builds and checks the worker hooks (layout, KV groups and their kind, cross-layer KV sharing, kernel blocks, tokenizer, predictor); binds the rest |
 | both | ``Worker.determine_available_memory`` (and the CPU worker's) | the slot table's bytes are charged against the KV cache |
 | V1 | ``execute_model`` / ``_prepare_inputs`` / ``_model_forward`` (bound) | :class:`~dynts.vllm.worker.WorkerHooks`: events, recording, scores |
+| V1 | ``execute_model``, ``sample_tokens`` (bound) | requests the worker failed (an event for a request it does not track) ride on the round's ``ModelRunnerOutput`` to the scheduler (:func:`report_faults`) |
 | V2 | ``execute_model`` (bound) | :class:`~dynts.vllm.worker_v2.RunnerV2Hooks`: events before the round's block writes, scores after the forward |
 | V2 | ``prepare_attn`` (bound) | recording; ``seq_lens`` and slot mappings from the stored slots, RoPE on logical positions |
 | V2 | ``execute_model``, ``sample_tokens`` (bound) | requests the worker failed (a broken invariant) ride on the round's ``ModelRunnerOutput`` to the scheduler (:func:`report_faults`) |
@@ -36,7 +37,7 @@ def _bind_v1(runner: Any) -> None:
     def execute(original: Callable) -> Callable:
         def execute_model(self, scheduler_output, *args, **kwargs):
             self._dynts.before_step(scheduler_output)
-            return original(self, scheduler_output, *args, **kwargs)
+            return report_faults(self._dynts, original(self, scheduler_output, *args, **kwargs))
         return execute_model
 
     def prepare(original: Callable) -> Callable:
@@ -56,6 +57,7 @@ def _bind_v1(runner: Any) -> None:
     bind(runner, "execute_model", execute)
     bind(runner, "_prepare_inputs", prepare)
     bind(runner, "_model_forward", forward)
+    bind(runner, "sample_tokens", _reporting_faults)
 
 
 def _bind_v2(runner: Any) -> None:
@@ -68,11 +70,6 @@ def _bind_v2(runner: Any) -> None:
             self._dynts.after_execute()
             return report_faults(self._dynts, out)
         return execute_model
-
-    def sample(original: Callable) -> Callable:
-        def sample_tokens(self, *args, **kwargs):
-            return report_faults(self._dynts, original(self, *args, **kwargs))
-        return sample_tokens
 
     def attention(original: Callable) -> Callable:
         def prepare_attn(self, input_batch):
@@ -89,11 +86,17 @@ def _bind_v2(runner: Any) -> None:
 
     bind(runner, "execute_model", execute)
     bind(runner, "prepare_attn", attention)
-    bind(runner, "sample_tokens", sample)
+    bind(runner, "sample_tokens", _reporting_faults)
 
 
-def report_faults(hooks: RunnerV2Hooks, output: Any) -> Any:
-    """Hand the requests the worker failed this round (:meth:`RunnerV2Hooks.take_faults`) to the scheduler on the
+def _reporting_faults(original: Callable) -> Callable:
+    def sample_tokens(self, *args, **kwargs):
+        return report_faults(self._dynts, original(self, *args, **kwargs))
+    return sample_tokens
+
+
+def report_faults(hooks: WorkerHooks, output: Any) -> Any:
+    """Hand the requests the worker failed this round (:meth:`WorkerHooks.take_faults`) to the scheduler on the
     round's ``ModelRunnerOutput`` (``dynts_faults``: request id -> why; pickled with it to the engine core under a
     multi-process executor). V2's ``AsyncOutput`` returns the ``ModelRunnerOutput`` it holds; a bare one is
     copied first (it may be vLLM's shared empty output). Without an output to carry them they wait for the next."""

@@ -102,6 +102,8 @@ class WorkerHooks:
         self.predictor = self._predictor(runner) if config.settings.needs_scores else None
         self.shifts: dict[str, int] = {}
         self.untracked: set[str] = set()  # requests that can never evict (no scores needed): nothing recorded
+        self.failed: set[str] = set()  # requests ended for a broken invariant, until vLLM finishes them (_fail)
+        self.faults: dict[str, str] = {}  # why, per failed request not yet reported to the scheduler (take_faults)
 
     # ------------------------------------------------------------------ setup
     @staticmethod
@@ -177,6 +179,23 @@ class WorkerHooks:
             settings._dynts_bound = True
         return settings
 
+    # ------------------------------------------------------------------ one request's fault
+    def _fail(self, rid: str, reason: str) -> None:
+        """End one request for a broken invariant instead of the engine: nothing is raised inside vLLM's
+        ``execute_model``. The reason rides on the round's output to the scheduler (:meth:`take_faults`,
+        :func:`dynts.vllm.runners.report_faults`), which finishes the request with ``finish_reason="error"`` in
+        that round and frees its blocks; until then its blocks follow the scheduler's count, so its forward writes
+        only into its own blocks."""
+        if rid not in self.failed:
+            self.failed.add(rid)
+            self.faults[rid] = reason
+
+    def take_faults(self) -> dict[str, str]:
+        """The requests failed since the last call, with why (handed to the scheduler with the round's output)."""
+        faults, self.faults = self.faults, {}
+        return faults
+
+    # ------------------------------------------------------------------ per round
     def before_step(self, scheduler_output: Any) -> None:
         """Forget finished requests; run the round's eviction events (before any block is rewritten)."""
         resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ())
@@ -185,6 +204,8 @@ class WorkerHooks:
                 self.tracker.release(rid)
             self.shifts.pop(rid, None)
             self.untracked.discard(rid)
+            self.failed.discard(rid)
+            self.faults.pop(rid, None)
         plan = getattr(scheduler_output, "dynts_plan", None)
         if plan is None:
             return
@@ -195,15 +216,22 @@ class WorkerHooks:
     def _evict(self, events: list[tuple[str, int, int]]) -> None:
         """Run the round's events: the evictor once per group of equal calls, then every request's kept K/V to the
         front of its blocks in every layer (one move over all requests; its physical plan is built on the device
-        from one upload of the requests' block lists), then the block lists cut to the scheduler's."""
+        from one upload of the requests' block lists), then the block lists cut to the scheduler's. An event for a
+        request the worker does not track fails that request (:meth:`_fail`): its blocks are cut all the same,
+        nothing of it moves."""
         bs = self.block_size
         entries, due = {}, []
         for rid, stored, n_keep in events:
-            entry = self.tracker.slots.get(rid)
+            entry = None if rid in self.failed else self.tracker.slots.get(rid)
             if entry is None:
-                raise RuntimeError(f"dynts: request {rid} evicts but the worker does not track it")
+                if rid not in self.failed:
+                    self._fail(rid, "it evicts but the worker does not track it")
+                self._truncate_blocks(rid, math.ceil(n_keep / bs))  # the scheduler freed its tail blocks
+                continue
             entries[id(entry)] = rid
             due.append((entry, stored, n_keep))
+        if not due:
+            return
         groups = self.tracker.evict(due)
         rids = [entries[id(e)] for group in groups for e in group.entries]
         width = max(group.n_keep for group in groups)

@@ -49,8 +49,6 @@ class RunnerV2Hooks(WorkerHooks):
         self.known: dict[str, tuple[int, list[int]]] = {}  # ids received and not yet recorded: (first index, ids)
         self.unlabelled: dict[str, list[tuple[int, int]]] = {}  # (position, slot) scored but waiting for their id
         self.lowered: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_lens rows, shifts) restored after the forward
-        self.failed: set[str] = set()  # requests ended for a broken invariant, until vLLM finishes them (_fail)
-        self.faults: dict[str, str] = {}  # why, per failed request not yet reported to the scheduler (take_faults)
 
     # ------------------------------------------------------------------ the runner's request state
     def sampling_params(self, rid: str) -> Any:
@@ -73,14 +71,9 @@ class RunnerV2Hooks(WorkerHooks):
 
     # ------------------------------------------------------------------ one request's fault
     def _fail(self, rid: str, reason: str) -> None:
-        """End one request for a broken invariant instead of the engine: nothing is raised inside vLLM's
-        ``execute_model``. Its held ids go now, its slot-table row at the next round (this round's recording may
-        still hold it) and it is recorded no more; its blocks follow the scheduler's count as before, so its forward
-        writes only into its own blocks. The reason rides on the round's output to the scheduler (:meth:`take_faults`),
-        which finishes the request with ``finish_reason="error"`` and frees its blocks."""
-        if rid not in self.failed:
-            self.failed.add(rid)
-            self.faults[rid] = reason
+        """:meth:`WorkerHooks._fail`; its held ids go now, its slot-table row at the next round (this round's
+        recording may still hold it) and it is recorded no more."""
+        super()._fail(rid, reason)
         self.known.pop(rid, None)
         self.unlabelled.pop(rid, None)
 
@@ -92,11 +85,6 @@ class RunnerV2Hooks(WorkerHooks):
             self.untracked.add(rid)
             self.known.pop(rid, None)
             self.unlabelled.pop(rid, None)
-
-    def take_faults(self) -> dict[str, str]:
-        """The requests failed since the last call, with why (handed to the scheduler with the round's output)."""
-        faults, self.faults = self.faults, {}
-        return faults
 
     # ------------------------------------------------------------------ per round
     def before_step(self, scheduler_output: Any) -> None:
