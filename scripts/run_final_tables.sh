@@ -22,6 +22,11 @@
 #        scripts/run_final_tables.sh carry
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${DRY:-}" ] && [ "${1:-}" != "--dry-run" ]; then  # a dry run is asked for by its flag only: a run reads final
+  echo "run_final_tables.sh: DRY=$DRY in the environment does not make a dry run (every run reads the final set, a line in" \
+       "reports/final-ledger.jsonl): pass --dry-run, or unset DRY to run the tables" >&2
+  exit 2
+fi
 DRY=""; [ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
 export OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY="nice -n 19 .venv/bin/python"

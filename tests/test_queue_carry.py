@@ -92,3 +92,12 @@ def test_a_carried_run_refills_only_an_unstarted_run_dir(tmp_path):
     assert (tmp_path / "run" / "cells" / "later.json").is_file()
     with pytest.raises(FileNotFoundError, match="run.json"):
         carried.save(tmp_path / "nowhere", tmp_path / "c2")
+
+
+def test_final_tables_refuse_dry_in_the_environment(scratch):
+    """``DRY=1`` is not the dry-run flag: the script stops before it reads anything, and says to pass ``--dry-run``
+    (each run reads the final set once, a ledger line)."""
+    env_dry = subprocess.run(["bash", "scripts/run_final_tables.sh", "copy"], cwd=scratch, capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), "DRY": "1"})
+    assert env_dry.returncode == 2 and "pass --dry-run" in env_dry.stderr
+    assert not (scratch / "runs").exists() and not (scratch / "reports").exists()
