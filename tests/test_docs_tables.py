@@ -99,6 +99,13 @@ def test_readme_rescue_row_is_the_committed_run():
     assert want in [line.strip() for line in (ROOT / "README.md").read_text().splitlines()]
 
 
+def test_seed_models_table_in_testbed_md_is_the_committed_records():
+    """docs/testbed.md's table of the seeds' LRMs and predictors is ``python -m eval.harness.seed_models``'s output."""
+    from eval.harness.seed_models import models_table
+
+    assert models_table(ROOT) in (ROOT / "docs/testbed.md").read_text()
+
+
 def test_tuning_tables_in_evaluation_md_come_from_the_committed_choices():
     """docs/evaluation.md's tuning tables (each family's grid and SepLLM's) are ``python -m eval.harness.tuning table``'s output."""
     import json

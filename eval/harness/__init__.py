@@ -3,8 +3,10 @@
 Benchmarks (:mod:`.benchmarks`), prompts (:mod:`.prompts`), method specs (:mod:`.methods`), the
 validated run config (:mod:`.config`), the resumable runner (:mod:`.runner`), its reports
 (:mod:`.report`, :mod:`.records`), the paired tables (:mod:`.compare`, :mod:`.stats`), the loop rule
-(:mod:`.loops`), the ``dynts eval`` command (:mod:`.cli`), the demo (:mod:`.demo`, ``dynts demo``) and the
-testbed error breakdown (:mod:`.testbed_errors`). The performance benches are :mod:`eval.perf`.
+(:mod:`.loops`), the ``dynts eval`` command (:mod:`.cli`), the demo (:mod:`.demo`, ``dynts demo``), the
+testbed error breakdown (:mod:`.testbed_errors`), settings tuned on dev (:mod:`.tuning`, :mod:`.tuning_grid`),
+the ledger of final reads (:mod:`.ledger`), runs carried between machines (:mod:`.carried`) and the per-seed
+verdicts and models (:mod:`.seeds`, :mod:`.seed_models`). The performance benches are :mod:`eval.perf`.
 
 May import ``dynts`` and ``data_pipeline``; never ``trainers``, :mod:`eval.analyses`, :mod:`eval.rescue` or
 :mod:`eval.perf` (they build on this room or beside it, not under it).
