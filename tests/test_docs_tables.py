@@ -77,17 +77,6 @@ def test_seed_verifier_table_in_rescue_md_comes_from_the_committed_answers():
     assert len(printed) == 10 and all(line in lines for line in printed)
 
 
-def test_seed_rescue_table_in_rescue_md_recomputes_from_the_records():
-    """docs/rescue.md's KV-Rescue table of seed 1's fair chain LRM is ``python -m eval.rescue.table ... --from-records``'s
-    output, row for row."""
-    from eval.rescue.table import markdown, rows
-
-    printed = markdown(rows([ROOT / "reports/rescue/dev-chain-fair-s1-B72-N4"], from_records=True)).splitlines()
-    data = [line for line in printed if line.startswith("| B = 72 |")]
-    lines = (ROOT / "docs/rescue.md").read_text().splitlines()
-    assert len(data) == 2 and all(line in lines for line in data)
-
-
 def test_readme_rescue_row_is_the_committed_run():
     """README's KV-Rescue row (seed 1's fair chain models) is ``reports/rescue/dev-chain-fair-s1-B72-N4/results.json``."""
     import json

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## The fair chain models on `dev`"
 
@@ -15,12 +17,17 @@ def section() -> str:
     return text.split(SECTION, 1)[1].split("\n## ", 1)[0]
 
 
-def test_fair_rescue_tables_recompute_from_the_records(capsys):
+@pytest.mark.parametrize("heading, run", [
+    ("### KV-Rescue at B = 72, with the controls", "dev-chain-fair-B72-N4"),  # the first fair chain LRM
+    ("### KV-Rescue on seed 1's fair chain LRM at B = 72", "dev-chain-fair-s1-B72-N4"),  # the final tables' one
+])
+def test_fair_rescue_tables_recompute_from_the_records(capsys, heading, run):
     from eval.rescue.table import main as table
 
-    table([str(ROOT / "reports/rescue/dev-chain-fair-B72-N4"), "--from-records"])
+    table([str(ROOT / "reports/rescue" / run), "--from-records"])
     printed = set(capsys.readouterr().out.splitlines())
-    rows = [line for line in section().splitlines() if line.startswith("| B = 72 |")]
+    sub = section().split(heading, 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in sub.splitlines() if line.startswith("| B = 72 |")]
     assert len(rows) == 2
     assert [r for r in rows if r not in printed] == []
 
