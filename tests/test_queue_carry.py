@@ -101,3 +101,19 @@ def test_final_tables_refuse_dry_in_the_environment(scratch):
                              timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), "DRY": "1"})
     assert env_dry.returncode == 2 and "pass --dry-run" in env_dry.stderr
     assert not (scratch / "runs").exists() and not (scratch / "reports").exists()
+
+
+def test_verdicts_write_each_family_whose_three_tables_exist(scratch):
+    """``verdicts`` writes a family's per-seed verdicts once its three dev tables are written and marks the other one
+    pending (it is rerun when that family's last table lands)."""
+    for seed, source in (("s1", "s1"), ("s2", "s2"), ("s3", "s2")):  # the copy family: three written tables
+        shutil.copytree(ROOT / "reports" / f"copy-dev-fair-scratch-{source}", scratch / "reports" / f"copy-dev-fair-scratch-{seed}")
+    shutil.copytree(ROOT / "reports" / "chain-dev-fair-s1", scratch / "reports" / "chain-dev-fair-s1")  # chain: one of three
+    out = _bash(scratch, "scripts/run_fair_seeds.sh", "verdicts")
+    log = (scratch / "runs" / "fair-seeds.log").read_text()
+    assert out.returncode == 0, log
+    text = (scratch / "reports" / "seed-verdicts.md").read_text()
+    assert "### chain-dev-fair: pending (no reports/chain-dev-fair-s2 reports/chain-dev-fair-s3 yet)" in text
+    copy = text.split("### copy-dev-fair-scratch (", 1)[1]
+    assert "| s3 |" in copy and "DynTS leads the best baseline at every budget of every seed:" in copy
+    assert "1 of 2 families complete" in log
