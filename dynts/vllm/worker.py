@@ -226,7 +226,8 @@ class WorkerHooks:
             if entry is None:
                 if rid not in self.failed:
                     self._fail(rid, "it evicts but the worker does not track it")
-                self._truncate_blocks(rid, math.ceil(n_keep / bs))  # the scheduler freed its tail blocks
+                if rid in self.runner.requests:  # the scheduler freed its tail blocks all the same
+                    self._truncate_blocks(rid, math.ceil(n_keep / bs))
                 continue
             entries[id(entry)] = rid
             due.append((entry, stored, n_keep))
