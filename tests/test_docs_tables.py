@@ -95,6 +95,23 @@ def test_seed_models_table_in_testbed_md_is_the_committed_records():
     assert models_table(ROOT) in (ROOT / "docs/testbed.md").read_text()
 
 
+def test_readme_seed_verdicts_are_the_committed_dev_tables():
+    """README's per-seed verdict rows are ``python -m eval.harness.seeds``'s over every committed dev table of each
+    family (seed 1 on), all of them: a seed's table committed without its README rows fails here."""
+    from eval.harness.records import read_records
+    from eval.harness.seeds import seed_table
+
+    text = (ROOT / "README.md").read_text().split("- **The ranking does not hold on chain", 1)[1].split("\n- **", 1)[0]
+    readme = [line.strip() for line in text.splitlines() if line.strip().startswith(("| chain | s", "| copy | s"))]
+    want = []
+    for family, stem in (("chain", "chain-dev-fair"), ("copy", "copy-dev-fair-scratch")):
+        dirs = [ROOT / "reports" / f"{stem}-s{seed}" for seed in (1, 2, 3)]
+        dirs = [d for d in dirs if (d / "results.json").is_file()]
+        printed = seed_table([read_records(d) for d in dirs], [d.name.rsplit("-", 1)[1] for d in dirs])
+        want += [f"| {family} " + line for line in printed.splitlines() if line.startswith("| s") and not line.startswith("| seed")]
+    assert len(want) >= 12 and readme == want
+
+
 def test_tuning_tables_in_evaluation_md_come_from_the_committed_choices():
     """docs/evaluation.md's tuning tables (each family's grid and SepLLM's) are ``python -m eval.harness.tuning table``'s output."""
     import json
