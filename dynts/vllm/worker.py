@@ -224,8 +224,7 @@ class WorkerHooks:
         for rid, stored, n_keep in events:
             entry = None if rid in self.failed else self.tracker.slots.get(rid)
             if entry is None:
-                if rid not in self.failed:
-                    self._fail(rid, "it evicts but the worker does not track it")
+                self._fail(rid, "it evicts but the worker does not track it")  # a request failed before keeps its reason
                 if rid in self.runner.requests:  # the scheduler freed its tail blocks all the same
                     self._truncate_blocks(rid, math.ceil(n_keep / bs))
                 continue
