@@ -64,7 +64,7 @@ table() {  # $1 family
     if [ -n "$DRY" ]; then echo "would restore $run from reports/final-$family/carried"
     else $PY -m eval.harness.carried restore "reports/final-$family/carried" "$run"; fi
   fi
-  if [ -d "$run/cells" ] && [ -n "$(ls -A "$run/cells" 2>/dev/null)" ]; then  # a killed run: continue it, and say so
+  if [ -f "$run/run.json" ]; then  # a run started here and was stopped (with or without finished cells): continue it, and say so
     reread=(--reread "resume $run, stopped before its last cell (its cells are kept; none is recomputed; a method added to the list since it started runs its cells now)")
   fi
   local cmd=($PY -m dynts.cli eval --final "${reread[@]}" --benchmark "$bench" --model "$model" --predictor "$pred"

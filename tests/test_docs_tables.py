@@ -1,9 +1,12 @@
-"""docs/evaluation.md's final tables on ``sealed`` are what ``eval.harness.compare --from-records --wide``
-prints from the committed per-problem records, row for row."""
+"""The docs' and README's measured tables are what the repo's printers print from the committed records, row for
+row: the final tables on ``final`` and the retired ones on ``sealed`` (``eval.harness.compare --from-records
+--wide``), the seeds' verdicts, the tunings, the demo, the GPU run and the rescue tables."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "### The final tables on `sealed`"
@@ -30,6 +33,55 @@ def test_sealed_tables_recompute_from_the_records(capsys):
     rows = sealed_section_rows()
     assert len(rows) >= 2 * 13 + 2 * 11, "docs/evaluation.md lost a final table on sealed"
     assert [r for r in rows if r not in recomputed] == []
+
+
+FINAL_SECTION = "### The final tables on `final`: k = 5"
+NOT_DATA = ("| method |", "|---", "| *B / full seq*")
+
+
+def final_part(family: str) -> str:
+    """The ``#### <Family>`` part of docs/evaluation.md's section on the final tables."""
+    text = (ROOT / "docs/evaluation.md").read_text()
+    section = text.split(FINAL_SECTION, 1)[1].split("\n### ", 1)[0]
+    return section.split(f"\n#### {family.capitalize()}\n", 1)[1].split("\n#### ", 1)[0]
+
+
+@pytest.mark.parametrize("family", ["chain", "copy"])
+def test_final_table_recomputes_from_the_records_or_is_still_running(family, capsys):
+    """A family's final table on ``final`` is ``compare --from-records --wide``'s output over its committed records,
+    row for row and in order; a table not written yet (no ``reports/final-<family>/results.json``) is said to be
+    running and shows no number."""
+    from eval.harness.compare import main as compare
+
+    report = ROOT / "reports" / f"final-{family}"
+    part = final_part(family)
+    rows = [line for line in part.splitlines() if line.startswith("| ") and not line.startswith(NOT_DATA)]
+    if not (report / "results.json").is_file():
+        assert part.lstrip().startswith("Still running") and rows == []
+        return
+    compare([str(report), "--from-records", "--wide"])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and not line.startswith(NOT_DATA)]
+    assert len(printed) > 30 and rows == printed
+    assert f"`reports/final-{family}/`" in part
+
+
+def test_readme_final_rows_are_the_committed_final_tables():
+    """README's final-table rows are ``python -m eval.harness.seeds reports/final-<family> --names <family>``'s, for
+    every family whose table is written; the README says a family without one is still running."""
+    from eval.harness.records import read_records
+    from eval.harness.seeds import seed_table
+
+    text = (ROOT / "README.md").read_text().split("**The final tables**", 1)[1].split("- **The ranking does not hold", 1)[0]
+    readme = [line for line in text.splitlines() if line.startswith(("| chain |", "| copy |"))]
+    want = []
+    for family in ("chain", "copy"):
+        report = ROOT / "reports" / f"final-{family}"
+        if (report / "results.json").is_file():
+            printed = seed_table([read_records(report)], [family]).splitlines()
+            want += [line for line in printed if line.startswith(f"| {family} |")]
+        else:
+            assert f"**The `{family}` final table is still running**" in text
+    assert want and readme == want
 
 
 def script(name: str):

@@ -282,8 +282,13 @@ def test_compare_states_who_leads_by_two_standard_errors(tmp_path, capsys):
     assert "| random | +60.0 ± 3.6 (leads) |" in table
     assert "| h2o+q | +3.0 ± 2.8 (within 2 SE) | -7.0 ± 2.2 (trails) |" in table
     assert "| full (no eviction) | 98.0 ± 1.0 |" in pivot(results) and "| random | 25.0 ± 3.0 |  |" in pivot(results)
-    with pytest.raises(ValueError, match="against='snapkv'"):
+    with pytest.raises(ValueError, match="--against: no bounded method 'snapkv'.*labels: dynts, random, h2o\\+q"):
         compare(results, "snapkv")
+    tuned = [{**c, "method": {"label": c["method"]["label"].replace("dynts", "dynts:retention=0.6").replace("h2o+q", "h2o+q:lw=8"),
+                              "name": c["method"]["label"].split("+")[0]}} for c in results]
+    assert compare(tuned, "dynts") == compare(results).replace("dynts", "dynts:retention=0.6").replace("h2o+q", "h2o+q:lw=8")
+    with pytest.raises(ValueError, match="2 methods named 'dynts'"):
+        compare(tuned + [{**tuned[1], "method": {"label": "dynts:retention=0.5", "name": "dynts"}}], "dynts")
     (tmp_path / "cells").mkdir()
     for i, r in enumerate(results):
         (tmp_path / "cells" / f"{i}.json").write_text(json.dumps(r))

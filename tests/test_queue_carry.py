@@ -79,6 +79,32 @@ def test_final_tables_carry_copies_an_unfinished_tables_cells(scratch):
     assert "1 finished cells" in out.stdout and not (scratch / "reports" / "final-copy").exists()
 
 
+def test_final_tables_continue_a_started_run_with_reread_even_before_its_first_cell(scratch):
+    """A run dir holding ``run.json`` was started by a run that read ``final`` (its ledger line), finished cells or
+    not: the table continues it with ``--reread`` saying so; a table never started reads without it."""
+    family = "chain"
+    need = [f"reports/tuning/{family}-fair/choices.json", f"reports/tuning/{family}-fair-sepllm/choices.json",
+            f"reports/{family}-dev-fair-s1/results.json"]
+    for path in need:
+        (scratch / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / path, scratch / path)
+    for name in (f"testbed-{family}-fair-s1-lrm", f"testbed-{family}-fair-s1-predictor"):
+        shutil.copytree(ROOT / "checkpoints" / name, scratch / "checkpoints" / name)
+    git = lambda *a: subprocess.run(["git", *a], cwd=scratch, check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    git("add", "reports", "checkpoints")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "choices")
+
+    fresh = _bash(scratch, "scripts/run_final_tables.sh", "--dry-run", family)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "--final --benchmark" in fresh.stdout and "--reread" not in fresh.stdout
+    (scratch / "runs" / f"final-{family}").mkdir(parents=True)
+    (scratch / "runs" / f"final-{family}" / "run.json").write_text("{}")  # started, stopped before any cell
+    started = _bash(scratch, "scripts/run_final_tables.sh", "--dry-run", family)
+    assert started.returncode == 0, started.stderr
+    assert "--final --reread resume\\ runs/final-chain" in started.stdout
+
+
 def test_a_carried_run_refills_only_an_unstarted_run_dir(tmp_path):
     from eval.harness import carried
 

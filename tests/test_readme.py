@@ -42,32 +42,3 @@ def test_readme_python_blocks_run(monkeypatch, capsys):
     assert printed.strip(), "the README examples print their results"
 
 
-MEASURED_ROW = re.compile(r"^\| (chain|copy) \| (\d+) \| ([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\| ([^|]+) \|$", re.M)
-MEASURED_SOURCE = {"chain": "reports/sealed-chain", "copy": "reports/sealed-copy"}
-MEASURED_METHODS = ("full (no eviction)", "dynts", "rkv+q", "snapkv+q", "h2o+q", "random")
-
-
-def test_readme_measured_table_recomputes_from_the_records(capsys):
-    """Every cell of "What is measured" is what ``eval.harness.compare --from-records --wide`` prints
-    from the committed per-problem records (the same command the README names)."""
-    from eval.harness.compare import main as compare
-
-    rows = MEASURED_ROW.findall((ROOT / "README.md").read_text())
-    assert {family for family, *_ in rows} == {"chain", "copy"}, "README.md lost its 'What is measured' table"
-    printed: dict[str, str] = {}
-    for family, source in MEASURED_SOURCE.items():
-        compare([str(ROOT / source), "--from-records", "--wide", "--question-tokens", "14"])
-        printed[family] = capsys.readouterr().out
-    for family, budget, *cells, verdicts in rows:
-        lines = printed[family].splitlines()
-        header = next(line for line in lines if line.startswith("| method |"))
-        column = [c.strip() for c in header.strip("|").split("|")].index(f"B = {budget}")
-        for method, cell in zip(MEASURED_METHODS, cells):
-            row = next(line for line in lines if line.startswith(f"| {method} |"))
-            values = [c.strip() for c in row.strip("|").split("|")]
-            value = values[1] if method.startswith("full") else values[column]
-            assert value.split(" [")[0] == cell.strip(), f"{family} B={budget} {method}: README {cell.strip()}, records {value}"
-        for method, verdict in zip(("rkv+q", "snapkv+q", "h2o+q"), verdicts.split(" / ")):
-            row = [line for line in lines if line.startswith(f"| {method} |")][-1]  # the "dynts minus" table
-            cell = [c.strip() for c in row.strip("|").split("|")][column].strip("*")
-            assert cell.endswith(verdict.strip()), f"{family} B={budget} dynts - {method}: README {verdict}, records {cell}"

@@ -2,7 +2,9 @@
 
 ``python -m eval.harness.compare RUN_DIR [RUN_DIR ...] [--against dynts] [--margin 3] [--write] [--from-records]``
 reads every finished cell of one or more runs on the same problems (``cells/*.json``, whichever command wrote them) with its per-problem results
-(``records/<key>.json``, :mod:`eval.harness.records`, else ``samples/<key>.jsonl``) and prints
+(``records/<key>.json``, :mod:`eval.harness.records`, else ``samples/<key>.jsonl``) and prints, against one
+method (``--against``: a label, or a method name exactly one label has, so ``dynts`` finds a tuned run's
+``dynts:local_window_share=...``; :func:`resolve_against`)
 
 1. pass@1 % and its bootstrap 95 % CI (questions resampled, 10,000 times, seed 0), one row per method,
    one column per budget (the full cache first);
@@ -37,7 +39,7 @@ from .records import eval_record, per_question, read_records, unpack_bits
 from .stats import ALPHA, MARGIN, bootstrap_ci, paired_test, table_verdicts
 
 __all__ = ["cells_from_records", "compare", "finished_cells", "main", "paired_tests", "paired_wide", "pivot",
-           "record_of_samples", "records_of", "selection_slots", "written"]
+           "record_of_samples", "records_of", "resolve_against", "selection_slots", "written"]
 
 def finished_cells(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every finished cell of a run directory, the full cache first, then by method and budget."""
@@ -92,6 +94,21 @@ def _cells(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[int], dic
     methods = list(dict.fromkeys(r["method"]["label"] for r in results))
     budgets = sorted({r["budget"] for r in results if r.get("budget") is not None})
     return methods, budgets, {(r["method"]["label"], r.get("budget")): r for r in results}
+
+
+def resolve_against(results: Sequence[dict[str, Any]], against: str) -> str:
+    """The label of the method ``against`` names: a label with bounded cells, or a method name that exactly one
+    bounded label has (``dynts`` for a tuned run's ``dynts:local_window_share=...``). Raises ``ValueError``
+    naming the labels otherwise."""
+    bounded = list(dict.fromkeys(r["method"]["label"] for r in results if r.get("budget") is not None))
+    if against in bounded:
+        return against
+    named = list(dict.fromkeys(r["method"]["label"] for r in results
+                               if r.get("budget") is not None and r["method"].get("name") == against))
+    if len(named) == 1:
+        return named[0]
+    which = f"{len(named)} methods named {against!r} ({', '.join(named)})" if named else f"no bounded method {against!r}"
+    raise ValueError(f"--against: {which} in these results; pass one of their labels: {', '.join(bounded)}")
 
 
 def _accuracy(cell: dict[str, Any], records: dict[str, dict[str, Any]]) -> str:
@@ -188,9 +205,8 @@ def compare(results: Sequence[dict[str, Any]], against: str = "dynts", records: 
     test, TOST, Holm, verdict: :func:`paired_tests`) where both cells have per-problem ``records``,
     else the unpaired SE of the difference."""
     records = records or {}
+    against = resolve_against(results, against)
     methods, budgets, cells = _cells(results)
-    if not any((against, b) in cells for b in budgets):
-        raise ValueError(f"against={against!r} has no bounded cell in these results; methods: {methods}")
     tests = paired_tests(results, against, records, margin, question_tokens=question_tokens)
     paired = [f"| {against} minus | B | points | paired 95 % CI | right only under {against} / the other (k = 1) | "
               f"McNemar exact p (k = 1) | sign test + / - (p) | Holm p | TOST ±{100 * margin:g} p (Holm) | verdict |",
@@ -233,6 +249,7 @@ def paired_wide(results: Sequence[dict[str, Any]], against: str = "dynts", recor
     from .report import against_full
 
     records = records or {}
+    against = resolve_against(results, against)
     methods, budgets, cells = _cells(results)
     tests = paired_tests(results, against, records, margin, question_tokens=question_tokens)
     short = {"leads": "leads", "trails": "trails", "inconclusive": "inconclusive"}
@@ -283,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                         help="dynts eval run directories (cells of several runs on the same problems form one table), "
                              "or report directories holding records/*.json")
-    parser.add_argument("--against", default="dynts", help="the method every other one is compared with")
+    parser.add_argument("--against", default="dynts",
+                        help="the method every other one is compared with: its label, or a method name one label has")
     parser.add_argument("--write", action="store_true",
                         help="render all finished cells as results.{json,csv,md} and plots (in the first RUN_DIR)")
     parser.add_argument("--from-records", action="store_true", help="recompute every table from records/*.json alone")
@@ -315,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
             from .report import write_reports
 
             write_reports(args.run_dirs[0], results)
+    try:
+        args.against = resolve_against(results, args.against)
+    except ValueError as e:
+        parser.error(str(e))
     if args.wide:
         tables = [pivot(results, records), paired_wide(results, args.against, records, args.margin / 100, args.question_tokens)]
     else:
