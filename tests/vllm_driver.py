@@ -10,7 +10,7 @@ runner's persistent buffer and the slot mappings landed in vLLM's persistent buf
 reads at replay), and whether any K/V copy ran inside the model's forward (``"buffers"``).
 ``"stale_shift": true`` makes the V2 worker use each request's shift one round late (the async bug the protocol
 must not have: the test that catches it). ``"lose_shipment": [rid, k]`` makes the V2 worker lose request ``rid``'s
-``k``-th shipment of token ids (a fault confined to one request); ``"forget_request": [rid, k]`` makes the V1 worker
+``k``-th shipment of token ids (a fault confined to one request); ``"forget_request": [rid, k]`` makes the worker
 lose its record of request ``rid`` before its ``k``-th event; ``"log_warnings"`` lists the plugin's warnings. Async scheduling is vLLM's default unless ``"engine"`` sets
 ``async_scheduling`` (on vLLM 0.34's CPU test bed, tests/support/vllm_cpu_testbed keeps vLLM's default, on).
 Prints ``{"outputs": {rid: {"token_ids", "finish_reason"} or {"error"}}, "max_stored": {rid: n},

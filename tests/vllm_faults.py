@@ -36,24 +36,28 @@ def make_marked_lost_shipment(marker: str, at: int) -> None:
 
 
 def make_forgotten_request(victim: str, at: int) -> None:
-    """Make the V1 worker lose its record of one request right before that request's ``at``-th eviction event
-    (counting from 1): the event then names a request the worker does not track, a fault confined to that request.
-    ``victim``: the request id as given to vLLM (vLLM may suffix it)."""
+    """Make the worker (V1 or V2 runner) lose its record of one request right before that request's ``at``-th
+    eviction event (counting from 1): the event then names a request the worker does not track, a fault confined
+    to that request. ``victim``: the request id as given to vLLM (vLLM may suffix it)."""
     from dynts.vllm.worker import WorkerHooks
+    from dynts.vllm.worker_v2 import RunnerV2Hooks
 
-    before_step = WorkerHooks.before_step
     seen: dict[str, int] = {}
 
-    def forgetful_before_step(self, scheduler_output):
-        plan = getattr(scheduler_output, "dynts_plan", None)
-        for rid, _, _ in (plan.events if plan is not None else ()):
-            if rid == victim or rid.startswith(victim + "-"):
-                seen[rid] = seen.get(rid, 0) + 1
-                if seen[rid] == at and rid in self.tracker.slots:
-                    self.tracker.release(rid)  # the worker's record of it is gone
-        before_step(self, scheduler_output)
+    def forgetful(before_step):
+        def forgetful_before_step(self, scheduler_output):
+            plan = getattr(scheduler_output, "dynts_plan", None)
+            for rid, _, _ in (plan.events if plan is not None else ()):
+                if rid == victim or rid.startswith(victim + "-"):
+                    seen[rid] = seen.get(rid, 0) + 1
+                    if seen[rid] == at and rid in self.tracker.slots:
+                        self.tracker.release(rid)  # the worker's record of it is gone
+            before_step(self, scheduler_output)
 
-    WorkerHooks.before_step = forgetful_before_step
+        return forgetful_before_step
+
+    for hooks in (WorkerHooks, RunnerV2Hooks):
+        hooks.before_step = forgetful(hooks.before_step)
 
 
 def _lose_shipment(is_victim, at: int) -> None:

@@ -168,6 +168,10 @@ class WorkerHooks:
         """The request's block ids in its one KV-cache group, in order."""
         return self.runner.requests[rid].block_ids[0]
 
+    def holds_blocks(self, rid: str) -> bool:
+        """Whether the runner holds the request's block lists (a failed request's are cut all the same)."""
+        return rid in self.runner.requests
+
     # ------------------------------------------------------------------ per round
     def settings_of(self, rid: str) -> Any:
         params = self.sampling_params(rid)
@@ -225,7 +229,7 @@ class WorkerHooks:
             entry = None if rid in self.failed else self.tracker.slots.get(rid)
             if entry is None:
                 self._fail(rid, "it evicts but the worker does not track it")  # a request failed before keeps its reason
-                if rid in self.runner.requests:  # the scheduler freed its tail blocks all the same
+                if self.holds_blocks(rid):  # the scheduler freed its tail blocks all the same
                     self._truncate_blocks(rid, math.ceil(n_keep / bs))
                 continue
             entries[id(entry)] = rid
@@ -318,12 +322,14 @@ class WorkerHooks:
 
     def entry_of(self, rid: str, prompt_length: int) -> tuple[Any, bool]:
         """``(entry, opened now)`` of a scheduled request; ``(None, False)`` for one that is not recorded (no
-        predictor and no event possible: :meth:`_never_evicts`)."""
+        predictor and no event possible: :meth:`_never_evicts`; or failed, :meth:`_fail`)."""
         if rid in self.untracked:
             return None, False
         entry = self.tracker.slots.get(rid)
         if entry is not None:
             return entry, False
+        if rid in self.failed:  # never reopened: vLLM finishes it this round
+            return None, False
         settings = self.settings_of(rid)
         if self.predictor is None and self._never_evicts(rid, settings, prompt_length):
             self.untracked.add(rid)

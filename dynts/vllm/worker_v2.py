@@ -57,6 +57,9 @@ class RunnerV2Hooks(WorkerHooks):
     def block_ids(self, rid: str) -> list[int]:
         return self.blocks[rid]
 
+    def holds_blocks(self, rid: str) -> bool:
+        return rid in self.blocks
+
     def _forget(self, rid: str) -> None:
         if rid in self.tracker.slots:
             self.tracker.release(rid)
@@ -105,20 +108,11 @@ class RunnerV2Hooks(WorkerHooks):
             self.shifts = dict(plan.shifts)
             if plan.events:
                 for rid, _, _ in plan.events:
-                    if rid in self.failed:
-                        continue
-                    if self.unlabelled.get(rid):
+                    if rid not in self.failed and self.unlabelled.get(rid):
                         self._fail(rid, "it evicts before the ids of its stored tokens arrived (the scheduler's plan "
                                         "is out of step with the worker)")
-                    elif rid not in self.tracker.slots:
-                        self._fail(rid, "it evicts but the worker does not track it")
                 self._drop_failed()
-                for rid, _, n_keep in plan.events:  # the scheduler freed a failed request's tail blocks all the same
-                    if rid in self.failed and rid in self.blocks:
-                        self._truncate_blocks(rid, -(-n_keep // self.block_size))
-                events = [event for event in plan.events if event[0] not in self.failed]
-                if events:
-                    self._evict(events)
+                self._evict(plan.events)  # a failed or untracked request's blocks are cut, nothing of it moves
         cached = scheduler_output.scheduled_cached_reqs
         for rid, new_blocks in zip(cached.req_ids, cached.new_block_ids):
             if new_blocks is not None and rid in self.blocks:
@@ -216,10 +210,13 @@ class RunnerV2Hooks(WorkerHooks):
         """Record the metadata of scored tokens whose ids just arrived (their scores are kept)."""
         forwards = []
         for rid, waiting in list(self.unlabelled.items()):
+            entry = self.tracker.slots.get(rid)
+            if entry is None:
+                self._fail(rid, "its scored tokens wait for their ids but the worker does not track it")
+                continue
             ids = self._take(rid, waiting[0][0], len(waiting))
             if not ids:
                 continue
-            entry = self.tracker.slots[rid]
             forwards.append(Forward(entry, waiting[0][0], waiting[0][1], ids))
             del waiting[: len(ids)]
             if not waiting:
