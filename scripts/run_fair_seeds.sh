@@ -91,6 +91,17 @@ wait_for_others() {  # $1: a lane's pattern; one job per lane on this machine: w
   done
 }
 
+# One job per core: wait while two heavy jobs run (a training, an evaluation of either queue, the final tables'). A dev
+# table runs beside the final tables once no training needs a core.
+wait_for_a_core() {
+  local n
+  while n=$(pgrep -fc "$TRAINING|$EVALUATION" || true); [ "$n" -ge 2 ]; do
+    if [ -n "$DRY" ]; then log "dry-run: would wait for a core ($n heavy jobs run)"; return; fi
+    log "$n heavy jobs run ($(pgrep -af "$TRAINING|$EVALUATION" | cut -c1-80 | paste -sd'|')); waiting 5 min for a core"
+    sleep 300 9>&-  # not holding the queue lock
+  done
+}
+
 tuning_complete() {  # $1: a tuning's report dir
   [ -f "$1/choices.json" ] && .venv/bin/python -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("complete"))' "$1/choices.json"
 }
@@ -192,7 +203,7 @@ train_predictor() {  # $1: configs/predictor/X.pipeline.yaml (dynts pipeline ski
 dev_table() {  # $1 name (report dir), $2 benchmark, $3 model, $4 predictor, $5 tuning report dir, $6 untuned methods
   local name=$1 bench=$2 model=$3 pred=$4 tuning=$5 untuned=$6 specs dynts tuned methods missing
   wait_for_exports "dev table $name" "$model" "$pred"
-  wait_for_others "$EVALUATION"
+  wait_for_a_core
   specs=".venv/bin/python -m eval.harness.tuning specs $tuning/choices.json $tuning-sepllm/choices.json --local-window 32 --retention 0.4 --window-shares"
   if ! tuning_complete "$tuning-sepllm" || ! dynts=$($specs --methods dynts) || ! tuned=$($specs --subsets "$TUNED_SUBSETS"); then
     log "dev table $name needs the complete tunings $tuning/choices.json and $tuning-sepllm/choices.json (step tune-$(basename "$tuning" | cut -d- -f1)); not running it"

@@ -143,3 +143,16 @@ def test_verdicts_write_each_family_whose_three_tables_exist(scratch):
     copy = text.split("### copy-dev-fair-scratch (", 1)[1]
     assert "| s3 |" in copy and "DynTS leads the best baseline at every budget of every seed:" in copy
     assert "1 of 2 families complete" in log
+
+
+def test_a_dev_table_waits_for_a_core_while_two_heavy_jobs_run(scratch):
+    """A dev table starts beside one other heavy job (the final tables, or a training), not beside two: the 2 cores
+    hold one job each."""
+    busy = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "dynts.cli eval"]) for _ in range(2)]
+    try:
+        out = _bash(scratch, "scripts/run_fair_seeds.sh", "--dry-run", "dev-chain-s1")
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert "dry-run: would wait for a core (" in out.stdout, out.stdout + out.stderr
