@@ -83,24 +83,21 @@ run() {  # a job: without the queue's lock (fd 9); --dry-run prints it instead
 
 TRAINING="testbed train|dynts.cli pipeline|trainers.testbed |train-predictor fit"
 EVALUATION="scripts/tune_baselines.py|dynts.cli eval"
-wait_for_others() {  # $1: a lane's pattern; one job per lane on this machine: wait while another job of the lane runs
-  while pgrep -f "$1" >/dev/null; do
-    if [ -n "$DRY" ]; then log "dry-run: would wait for $(pgrep -af "$1" | head -1 | cut -c1-120)"; return; fi
-    log "another job of this lane runs ($(pgrep -af "$1" | head -1 | cut -c1-120)); waiting 5 min"
+wait_while_running() {  # $1: a pattern of heavy jobs, $2: how many of them make this step wait, $3: what it waits for
+  local n
+  while n=$(pgrep -fc "$1" || true); [ "$n" -ge "$2" ]; do
+    if [ -n "$DRY" ]; then log "dry-run: would wait for $3 ($n running: $(pgrep -af "$1" | cut -c1-80 | paste -sd'|'))"; return; fi
+    log "$n running ($(pgrep -af "$1" | cut -c1-80 | paste -sd'|')); waiting 5 min for $3"
     sleep 300 9>&-  # not holding the queue lock
   done
 }
 
+# One job per lane: a step waits while another job of its lane ($1: the lane's pattern) runs.
+wait_for_others() { wait_while_running "$1" 1 "the other job of this lane"; }
+
 # One job per core: wait while two heavy jobs run (a training, an evaluation of either queue, the final tables'). A dev
 # table runs beside the final tables once no training needs a core.
-wait_for_a_core() {
-  local n
-  while n=$(pgrep -fc "$TRAINING|$EVALUATION" || true); [ "$n" -ge 2 ]; do
-    if [ -n "$DRY" ]; then log "dry-run: would wait for a core ($n heavy jobs run)"; return; fi
-    log "$n heavy jobs run ($(pgrep -af "$TRAINING|$EVALUATION" | cut -c1-80 | paste -sd'|')); waiting 5 min for a core"
-    sleep 300 9>&-  # not holding the queue lock
-  done
-}
+wait_for_a_core() { wait_while_running "$TRAINING|$EVALUATION" 2 "a core"; }
 
 tuning_complete() {  # $1: a tuning's report dir
   [ -f "$1/choices.json" ] && .venv/bin/python -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("complete"))' "$1/choices.json"
