@@ -18,7 +18,9 @@
 # cells (run.json, cells/, records/; not the samples' texts) to reports/final-<family>/carried/, to commit; a
 # table whose run dir is absent starts from them (with --reread, as any continued run), and they are deleted once
 # the table is written.
-# Usage: scripts/run_final_tables.sh [--dry-run] [chain] [copy]   (default: both, side by side)
+# --workers N: the table's cells run on N processes side by side (one core each; eval.harness.workers: the same
+# samples as one process, which either resumes), for a table that has the machine to itself.
+# Usage: scripts/run_final_tables.sh [--dry-run] [--workers N] [chain] [copy]   (default: both, side by side)
 #        scripts/run_final_tables.sh carry
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +30,11 @@ if [ -n "${DRY:-}" ] && [ "${1:-}" != "--dry-run" ]; then  # a dry run is asked 
   exit 2
 fi
 DRY=""; [ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
+WORKERS=1
+if [ "${1:-}" = "--workers" ]; then
+  [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || { echo "run_final_tables.sh: --workers takes a count >= 1, e.g. --workers 2; got '${2:-}'" >&2; exit 2; }
+  WORKERS=$2; shift 2
+fi
 export OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY="nice -n 19 .venv/bin/python"
 SUBSETS=best,token+q,head+q,token,head
@@ -69,7 +76,7 @@ table() {  # $1 family
   fi
   local cmd=($PY -m dynts.cli eval --final "${reread[@]}" --benchmark "$bench" --model "$model" --predictor "$pred"
              --method "full,$dynts,$tuned,$UNTUNED,$oracles" --budget "$budgets" --k 5 --local-window 32 --retention 0.4
-             --batch-size 100 --threads 1 --no-progress --run-dir "$run")
+             --batch-size 100 --threads 1 --workers "$WORKERS" --no-progress --run-dir "$run")
   if [ -n "$DRY" ]; then printf '%q ' "${cmd[@]}"; echo; return; fi
   echo "$(date -u +%FT%TZ) final $family: ${cmd[*]}"
   "${cmd[@]}"

@@ -111,6 +111,35 @@ def test_resume_between_and_inside_cells(tiny_testbed, tmp_path, monkeypatch):
     assert calls == []
 
 
+def test_workers_run_the_same_samples_and_resume_a_single_process_run(tiny_testbed, tmp_path, monkeypatch):
+    """Two worker processes produce the one-process run's samples and tables; each resumes the other's run dir."""
+    kw = dict(methods=["full", "window", "streamingllm"], budgets=[24, 30], k=1)
+    reference = tmp_path / "reference"
+    ref = run(config(tiny_testbed, reference, **kw))
+    parallel = tmp_path / "parallel"
+    run(config(tiny_testbed, parallel, methods=["full"], k=1))  # a finished cell, read back, not rerun
+    seen = []
+    results = run(config(tiny_testbed, parallel, workers=2, **kw), after_cell=lambda r: seen.append(r["key"]))
+    assert [r["key"] for r in results] == [r["key"] for r in ref]  # plan order
+    assert sorted(seen) == sorted(r["key"] for r in ref[1:])  # every cell run here, once
+    assert samples(parallel) == samples(reference)
+    timing = {"seconds", "tokens_per_second"}
+    assert [{k: v for k, v in a.items() if k not in timing} for a in results] == [
+        {k: v for k, v in b.items() if k not in timing} for b in ref]
+    assert json.loads((parallel / "results.json").read_text())[-1]["key"] == ref[-1]["key"]
+    calls = counting(monkeypatch)
+    run(config(tiny_testbed, parallel, **kw))  # one process resumes it: nothing left
+    assert calls == []
+
+
+def test_workers_refuse_a_bad_cell_before_generating(tiny_testbed, tmp_path):
+    with pytest.raises(ValueError, match=r"the longest testbed:n=3 prompt: budget=16 is smaller than question"):
+        run(config(tiny_testbed, tmp_path, budgets=[16, 24], k=1, workers=2))
+    assert not list(tmp_path.glob("cells/*"))  # no cell started, not even the full cache's
+    with pytest.raises(ValueError, match=r"workers=0 must be an integer >= 1"):
+        config(tiny_testbed, tmp_path, workers=0)
+
+
 def test_outputs_and_metrics(tiny_testbed, tmp_path):
     results = run(config(tiny_testbed, tmp_path, budgets=[24, 30], retentions=[0.4, 0.8], k=2))
     assert len(results) == 1 + 2 * 2

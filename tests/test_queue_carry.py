@@ -103,6 +103,11 @@ def test_final_tables_continue_a_started_run_with_reread_even_before_its_first_c
     started = _bash(scratch, "scripts/run_final_tables.sh", "--dry-run", family)
     assert started.returncode == 0, started.stderr
     assert "--final --reread resume\\ runs/final-chain" in started.stdout
+    assert "--workers 1 " in started.stdout
+    two = _bash(scratch, "scripts/run_final_tables.sh", "--dry-run", "--workers", "2", family)
+    assert two.returncode == 0 and "--workers 2 " in two.stdout, two.stderr
+    bad = _bash(scratch, "scripts/run_final_tables.sh", "--dry-run", "--workers", family)
+    assert bad.returncode == 2 and "--workers takes a count >= 1" in bad.stderr
 
 
 def test_a_carried_run_refills_only_an_unstarted_run_dir(tmp_path):

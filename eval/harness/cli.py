@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "text (full); auto = answer when the tokenizer knows the delimiter (reasoning models)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice; 1 is much faster for tiny models on a busy machine)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes running cells side by side, each loading the model once (one copy per worker, on "
+                        "--device); --threads is split among them; the samples are the same as with 1 (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list benchmarks, methods and ablation presets, then exit")
     add_final_arguments(p, "a final table")
@@ -171,6 +174,7 @@ def config_from_args(args: argparse.Namespace):
         top_p=args.top_p, top_k=args.top_k, greedy=args.greedy, predictor=args.predictor, seed=args.seed,
         run_dir=args.run_dir or "runs/eval", fields=fields, chat_template=not args.no_chat_template,
         think_end=args.think_end, grade_on=args.grade_on, progress=not args.no_progress,
+        workers=args.workers,
     )
     if args.run_dir is None:
         load = load_kwargs(args, given_only=True)

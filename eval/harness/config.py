@@ -66,6 +66,8 @@ class EvalConfig:
             closes its thinking is unanswered), ``full`` (the whole text) or ``auto`` (``answer`` when
             the tokenizer knows ``think_end``, else ``full``); see :mod:`data_pipeline.grading`.
         progress: show tqdm progress bars.
+        workers: processes running cells side by side, each loading the model once (:mod:`eval.harness.workers`);
+            the samples are the same as with one (the torch threads are split among them).
     """
 
     model: str
@@ -92,6 +94,7 @@ class EvalConfig:
     grade_on: str = "auto"
     progress: bool = True
     vacuous: str = "flag"
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if not self.benchmarks:
@@ -119,6 +122,8 @@ class EvalConfig:
             raise ValueError(f"greedy decoding with k={self.k} repeats identical samples; use k=1 or sampling")
         if not _is_int(self.batch_size) or self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size!r} must be an integer >= 1")
+        if not _is_int(self.workers) or self.workers < 1:
+            raise ValueError(f"workers={self.workers!r} must be an integer >= 1 (--workers: processes running cells side by side)")
         if self.limit is not None and (not _is_int(self.limit) or self.limit < 1):
             raise ValueError(f"limit={self.limit!r} must be a positive integer or None")
         if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):

@@ -45,7 +45,7 @@ from .methods import MethodSpec
 from .prompts import encode_prompts, user_message
 from .records import eval_record, write_record
 
-__all__ = ["Cell", "EvalConfig", "batch_seed", "fraction_budgets", "plan_cells", "run", "selection_slots", "summarize", "write_atomic"]
+__all__ = ["Cell", "EvalConfig", "batch_seed", "fraction_budgets", "load_benches", "plan_cells", "run", "run_cell", "selection_slots", "summarize", "write_atomic"]
 
 
 @dataclass(frozen=True)
@@ -352,6 +352,11 @@ def load_model(name_or_path: str, **load_options: Any):
     return dynts.load(name_or_path, **load_options)
 
 
+def load_benches(config: EvalConfig, specs: Sequence[str]) -> dict[str, Benchmark]:
+    """Each benchmark of ``specs`` (once), read with the run's fields and cut to its ``limit``."""
+    return {spec: load_benchmark(spec, config.fields).head(config.limit) for spec in dict.fromkeys(specs)}
+
+
 def _contexts(
     config: EvalConfig, benches: dict[str, Benchmark], todo: Sequence[Cell], load_options: dict[str, Any] | None = None,
     loaded: tuple[Any, Any] | None = None,
@@ -393,7 +398,7 @@ def run(
     sequence sizes the fraction budgets (:func:`fraction_budgets`)."""
     from .report import write_reports
 
-    benches = {spec: load_benchmark(spec, config.fields).head(config.limit) for spec in dict.fromkeys(config.benchmarks)}
+    benches = load_benches(config, config.benchmarks)
     _check_run_dir(config, load_options)
     results: dict[str, dict] = {}
     cells = plan_cells(config)
@@ -421,13 +426,25 @@ def _run_cells(config: EvalConfig, benches: dict[str, Benchmark], cells: Sequenc
         if cell.key not in results and path.is_file():
             results[cell.key] = json.loads(path.read_text())
     todo = [c for c in cells if c.key not in results]
-    contexts = _contexts(config, benches, todo, load_options, loaded) if todo else {}
-    bar = tqdm if config.progress else None
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc="cells", disable=not config.progress) as outer:
-        for cell in todo:
-            results[cell.key] = run_cell(contexts[cell.benchmark], cell, config, bar)
+
+        def finished(cell: Cell, result: dict[str, Any]) -> None:
+            results[cell.key] = result
             write_reports(config.run_dir, [results[c.key] for c in cells if c.key in results], plots=False)
             if after_cell:
-                after_cell(results[cell.key])
+                after_cell(result)
             outer.update(1)
+
+        if config.workers > 1 and len(todo) > 1:
+            from .workers import run_in_workers
+
+            if loaded is not None:
+                raise ValueError(f"workers={config.workers}: each worker process loads the model itself; pass no loaded "
+                                 "model, or workers=1")
+            run_in_workers(config, todo, load_options, finished)
+            return results
+        contexts = _contexts(config, benches, todo, load_options, loaded) if todo else {}
+        bar = tqdm if config.progress else None
+        for cell in todo:
+            finished(cell, run_cell(contexts[cell.benchmark], cell, config, bar))
     return results

@@ -1,0 +1,72 @@
+"""Cells side by side in worker processes (``dynts eval --workers N``).
+
+Each worker is a spawned process that loads the model and predictor once (with the run's load options: one copy of
+the model per worker, on the same device), tokenizes the prompts and checks every cell left to run, so a cell the
+run refuses fails every worker before any of them generates. It then runs the cells it is handed, one at a time,
+through :func:`eval.harness.runner.run_cell`, writing only that cell's files, exactly as a single process does.
+
+A batch draws from the run's seed and its index only (:func:`eval.harness.runner.batch_seed`), so a cell's samples do
+not depend on which worker ran it or when: with the same torch threads per process, a run with workers is
+sample-for-sample the run without them, and either one resumes the other's run dir. The parent renders the tables
+and calls ``after_cell`` as cells finish (in the order they finish); the run returns its cells in plan order.
+
+Threads: the parent's torch threads (``--threads T``, or torch's default) are split, ``max(1, T // N)`` per worker.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .config import EvalConfig
+
+__all__ = ["run_in_workers", "worker_threads"]
+
+_WORKER: dict[str, Any] = {}  # this worker process's loaded contexts and config, or the error that stopped it
+
+
+def worker_threads(workers: int, threads: int | None = None) -> int:
+    """Torch threads of each of ``workers`` processes sharing ``threads`` (default: this process's)."""
+    return max(1, (torch.get_num_threads() if threads is None else threads) // workers)
+
+
+def _start(config: EvalConfig, cells: Sequence[Any], load_options: dict[str, Any] | None, threads: int) -> None:
+    """Worker initializer: load once, tokenize and check every cell; an error is kept and raised by each task."""
+    from .runner import _contexts, load_benches
+
+    torch.set_num_threads(threads)
+    try:
+        benches = load_benches(config, [c.benchmark for c in cells])
+        _WORKER.update(config=config, contexts=_contexts(config, benches, cells, load_options))
+    except Exception as err:  # raised in the parent by the first task, with its own type and message
+        _WORKER["error"] = err
+
+
+def _run(cell: Any) -> dict[str, Any]:
+    from .runner import run_cell
+
+    if "error" in _WORKER:
+        raise _WORKER["error"]
+    return run_cell(_WORKER["contexts"][cell.benchmark], cell, _WORKER["config"])
+
+
+def run_in_workers(config: EvalConfig, cells: Sequence[Any], load_options: dict[str, Any] | None,
+                   finished: Callable[[Any, dict[str, Any]], None]) -> None:
+    """Run ``cells`` (:class:`eval.harness.runner.Cell`) on ``config.workers`` spawned processes, handed out in plan
+    order; ``finished(cell, result)`` is called here as each one ends. The first cell that fails stops the handing
+    out: cells already running finish (their files are kept for a resume), then its error is raised here."""
+    workers = min(config.workers, len(cells))
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
+                               initargs=(config, list(cells), load_options, worker_threads(workers)))
+    try:
+        pending: dict[Future, Any] = {pool.submit(_run, cell): cell for cell in cells}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in [f for f in pending if f in done]:  # in plan order among those that ended together
+                cell = pending.pop(future)
+                finished(cell, future.result())  # a worker's error is raised here
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
