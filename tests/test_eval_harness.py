@@ -140,6 +140,17 @@ def test_workers_refuse_a_bad_cell_before_generating(tiny_testbed, tmp_path):
         config(tiny_testbed, tmp_path, workers=0)
 
 
+def test_workers_spread_over_the_gpus_and_split_the_threads():
+    from eval.harness.workers import worker_load_options, worker_threads
+
+    assert [worker_load_options({"device": "cuda", "dtype": "bfloat16"}, i, 2) for i in range(3)] == [
+        {"device": f"cuda:{g}", "dtype": "bfloat16"} for g in (0, 1, 0)]
+    assert worker_load_options({"device": "cuda:1"}, 1, 4) == {"device": "cuda:1"}  # a placement the user chose
+    assert worker_load_options({"device": "cuda"}, 1, 1) == {"device": "cuda"}
+    assert worker_load_options(None, 0, 8) == {}
+    assert (worker_threads(2, 1), worker_threads(2, 8), worker_threads(3, 8)) == (1, 4, 2)
+
+
 def test_outputs_and_metrics(tiny_testbed, tmp_path):
     results = run(config(tiny_testbed, tmp_path, budgets=[24, 30], retentions=[0.4, 0.8], k=2))
     assert len(results) == 1 + 2 * 2

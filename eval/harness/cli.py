@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice; 1 is much faster for tiny models on a busy machine)")
     p.add_argument("--workers", type=int, default=1,
-                   help="processes running cells side by side, each loading the model once (one copy per worker, on "
-                        "--device); --threads is split among them; the samples are the same as with 1 (default 1)")
+                   help="processes running cells side by side, each loading the model once (one copy per worker; "
+                        "--device cuda spreads them over the GPUs); --threads is split among them; the samples are "
+                        "the same as with 1 (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list benchmarks, methods and ablation presets, then exit")
     add_final_arguments(p, "a final table")

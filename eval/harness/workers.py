@@ -11,6 +11,8 @@ sample-for-sample the run without them, and either one resumes the other's run d
 and calls ``after_cell`` as cells finish (in the order they finish); the run returns its cells in plan order.
 
 Threads: the parent's torch threads (``--threads T``, or torch's default) are split, ``max(1, T // N)`` per worker.
+Devices: ``--device cuda`` (no index) spreads the workers over the visible GPUs, worker ``i`` on ``cuda:(i mod GPUs)``;
+any other placement is every worker's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from .config import EvalConfig
 
-__all__ = ["run_in_workers", "worker_threads"]
+__all__ = ["run_in_workers", "worker_load_options", "worker_threads"]
 
 _WORKER: dict[str, Any] = {}  # this worker process's loaded contexts and config, or the error that stopped it
 
@@ -33,14 +35,23 @@ def worker_threads(workers: int, threads: int | None = None) -> int:
     return max(1, (torch.get_num_threads() if threads is None else threads) // workers)
 
 
-def _start(config: EvalConfig, cells: Sequence[Any], load_options: dict[str, Any] | None, threads: int) -> None:
+def worker_load_options(load_options: dict[str, Any] | None, index: int, gpus: int) -> dict[str, Any]:
+    """Worker ``index``'s load options: ``device="cuda"`` puts it on GPU ``index mod gpus`` when ``gpus > 1``."""
+    options = dict(load_options or {})
+    if options.get("device") == "cuda" and gpus > 1:
+        options["device"] = f"cuda:{index % gpus}"
+    return options
+
+
+def _start(config: EvalConfig, cells: Sequence[Any], load_options: dict[str, Any] | None, threads: int, indices: Any) -> None:
     """Worker initializer: load once, tokenize and check every cell; an error is kept and raised by each task."""
     from .runner import _contexts, load_benches
 
     torch.set_num_threads(threads)
     try:
+        options = worker_load_options(load_options, indices.get(), torch.cuda.device_count())
         benches = load_benches(config, [c.benchmark for c in cells])
-        _WORKER.update(config=config, contexts=_contexts(config, benches, cells, load_options))
+        _WORKER.update(config=config, contexts=_contexts(config, benches, cells, options))
     except Exception as err:  # raised in the parent by the first task, with its own type and message
         _WORKER["error"] = err
 
@@ -59,8 +70,12 @@ def run_in_workers(config: EvalConfig, cells: Sequence[Any], load_options: dict[
     order; ``finished(cell, result)`` is called here as each one ends. The first cell that fails stops the handing
     out: cells already running finish (their files are kept for a resume), then its error is raised here."""
     workers = min(config.workers, len(cells))
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
-                               initargs=(config, list(cells), load_options, worker_threads(workers)))
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    indices = context.Queue()  # each worker takes its index (its GPU) from here
+    for index in range(workers):
+        indices.put(index)
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
+                               initargs=(config, list(cells), load_options, worker_threads(workers), indices))
     try:
         pending: dict[Future, Any] = {pool.submit(_run, cell): cell for cell in cells}
         while pending:
