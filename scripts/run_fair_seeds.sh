@@ -60,6 +60,8 @@ if [ -z "$DRY" ]; then
 fi
 export MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # FAIR_SEEDS_TRAIN_THREADS: a training's torch threads (default 1; 2 while the evaluation lane has nothing to run)
+# FAIR_SEEDS_EVAL_WORKERS: a dev table's cells on that many processes, one core each (dynts eval --workers; default 1;
+# 2 when it has the machine to itself: the same samples)
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 DYNTS_TRAIN_THREADS=${FAIR_SEEDS_TRAIN_THREADS:-1} DYNTS_THREADS=1
 PY="nice -n 19 .venv/bin/python"
 # as scripts/run_testbed_regime.sh: W_l = 32, retention 0.4, k = 5, the budgets as shares of the full cache's mean sequence
@@ -72,7 +74,7 @@ UNTUNED=window,streamingllm,sepllm
 CHAIN_UNTUNED=$UNTUNED
 COPY_UNTUNED=$UNTUNED
 TUNING=${FAIR_SEEDS_TUNING:-reports/tuning}  # where the tunings go (another directory only to try the script with --dry-run)
-K5="--k 5 --local-window 32 --retention 0.4 --batch-size 100 --threads 1 --no-progress --budget-fraction $FRACTIONS"
+K5="--k 5 --local-window 32 --retention 0.4 --batch-size 100 --threads 1 --workers ${FAIR_SEEDS_EVAL_WORKERS:-1} --no-progress --budget-fraction $FRACTIONS"
 
 log() { echo "$(date -u +%FT%TZ) [fair-seeds] $*"; }
 trap 'log "FAILED (exit $?) at line $LINENO: $BASH_COMMAND; rerun scripts/run_fair_seeds.sh to continue"' ERR
