@@ -112,12 +112,18 @@ def test_resume_between_and_inside_cells(tiny_testbed, tmp_path, monkeypatch):
 
 
 def test_workers_run_the_same_samples_and_resume_a_single_process_run(tiny_testbed, tmp_path, monkeypatch):
-    """Two worker processes produce the one-process run's samples and tables; each resumes the other's run dir."""
+    """Two worker processes produce the one-process run's samples and tables, this process loading no model; each
+    kind of run resumes the other's run dir."""
     kw = dict(methods=["full", "window", "streamingllm"], budgets=[24, 30], k=1)
     reference = tmp_path / "reference"
     ref = run(config(tiny_testbed, reference, **kw))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the parent of the workers loaded the model")
+
+    monkeypatch.setattr(harness, "load_model", no_load)
     parallel = tmp_path / "parallel"
-    run(config(tiny_testbed, parallel, methods=["full"], k=1))  # a finished cell, read back, not rerun
+    run(config(tiny_testbed, parallel, methods=["full"], k=1, workers=2))  # one cell: one worker; read back below
     seen = []
     results = run(config(tiny_testbed, parallel, workers=2, **kw), after_cell=lambda r: seen.append(r["key"]))
     assert [r["key"] for r in results] == [r["key"] for r in ref]  # plan order
@@ -127,6 +133,7 @@ def test_workers_run_the_same_samples_and_resume_a_single_process_run(tiny_testb
     assert [{k: v for k, v in a.items() if k not in timing} for a in results] == [
         {k: v for k, v in b.items() if k not in timing} for b in ref]
     assert json.loads((parallel / "results.json").read_text())[-1]["key"] == ref[-1]["key"]
+    monkeypatch.undo()
     calls = counting(monkeypatch)
     run(config(tiny_testbed, parallel, **kw))  # one process resumes it: nothing left
     assert calls == []

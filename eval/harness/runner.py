@@ -435,7 +435,7 @@ def _run_cells(config: EvalConfig, benches: dict[str, Benchmark], cells: Sequenc
                 after_cell(result)
             outer.update(1)
 
-        if config.workers > 1 and len(todo) > 1:
+        if config.workers > 1 and todo:  # even one cell: this process never loads the model beside the workers' copies
             from .workers import run_in_workers
 
             if loaded is not None:
