@@ -113,8 +113,8 @@ def test_resume_between_and_inside_cells(tiny_testbed, tmp_path, monkeypatch):
 
 def test_workers_run_the_same_samples_and_resume_a_single_process_run(tiny_testbed, tmp_path, monkeypatch):
     """Two worker processes produce the one-process run's samples and tables, this process loading no model; each
-    kind of run resumes the other's run dir."""
-    kw = dict(methods=["full", "window", "streamingllm"], budgets=[24, 30], k=1)
+    kind of run resumes the other's run dir. A plugin method (the oracle) is registered in the workers too."""
+    kw = dict(methods=["full", "window", "oracle-step"], budgets=[24, 30], k=1)
     reference = tmp_path / "reference"
     ref = run(config(tiny_testbed, reference, **kw))
 
@@ -145,6 +145,19 @@ def test_workers_refuse_a_bad_cell_before_generating(tiny_testbed, tmp_path):
     assert not list(tmp_path.glob("cells/*"))  # no cell started, not even the full cache's
     with pytest.raises(ValueError, match=r"workers=0 must be an integer >= 1"):
         config(tiny_testbed, tmp_path, workers=0)
+
+
+def test_workers_run_a_final_table_read_once_through_the_ledger(tiny_testbed, tmp_path, final_ledger):
+    """The final set is read by this process inside the ledger block and handed to the workers, which never read it
+    (a worker reading it would be refused: the ledger's handle is this process's)."""
+    from eval.harness.ledger import final_run, read_ledger
+
+    cfg = config(tiny_testbed, tmp_path / "run", benchmarks=["testbed:n=2,set=final"], k=1, workers=2)
+    with final_run("pytest", ["--final"], enabled=True, out=str(cfg.run_dir)) as entry:
+        results = run(cfg, after_cell=lambda r: entry["cells"].append(r["key"]))
+    (line,) = read_ledger()
+    assert line["status"] == "finished" and sorted(line["cells"]) == sorted(r["key"] for r in results)
+    assert [s["set"] for s in line["sets"]] == ["final"] and len(results) == 2
 
 
 def test_workers_spread_over_the_gpus_and_split_the_threads():

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from data_pipeline.grading import ChoiceGrader, Grader, MathGrader, TestbedGrader
 
-from .loops import tail_repeats, testbed_loops
+from .loops import StepKeyRepeats, token_tail_loops
 
 __all__ = [
     "BUILTIN",
@@ -69,7 +69,7 @@ class Benchmark:
     max_new_tokens: int = 16384
     source: str = ""
     skipped: tuple[str, ...] = ()
-    loops: Callable[[str, Sequence[int]], bool] = lambda text, ids: tail_repeats(ids)
+    loops: Callable[[str, Sequence[int]], bool] = token_tail_loops
 
     def __post_init__(self) -> None:
         if not self.examples:
@@ -306,7 +306,7 @@ def load_testbed(options: dict[str, str] | None = None) -> Benchmark:
     return Benchmark(
         f"testbed{suffix}", examples, TestbedGrader(family=opts["family"]), instruction=None,
         max_new_tokens=opts["max_think"] + 200, source="data_pipeline.testbed.task",
-        loops=lambda text, ids: testbed_loops(text, opts["family"]),
+        loops=StepKeyRepeats(opts["family"]),
     )
 
 

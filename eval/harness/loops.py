@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["tail_repeats", "testbed_loops"]
+__all__ = ["StepKeyRepeats", "tail_repeats", "testbed_loops", "token_tail_loops"]
 
 
 def tail_repeats(ids: Sequence[int], max_pattern: int = 256, min_count: int = 3, min_span: int = 64) -> bool:
@@ -38,3 +39,22 @@ def testbed_loops(text: str, family: str = "copy") -> bool:
 
     keys = [k for *_, k, _v in task.parse_steps(text, family)]
     return len(set(keys)) < len(keys)
+
+
+# ``Benchmark.loops`` checks, ``(text, generated ids) -> bool``: module-level (picklable), so a benchmark can be handed
+# to another process (``dynts eval --workers``)
+
+
+def token_tail_loops(text: str, ids: Sequence[int]) -> bool:
+    """A text benchmark's check: the generated ids end in a repeated pattern (:func:`tail_repeats`)."""
+    return tail_repeats(ids)
+
+
+@dataclass(frozen=True)
+class StepKeyRepeats:
+    """A testbed benchmark's check: the trace writes some step key of ``family`` twice (:func:`testbed_loops`)."""
+
+    family: str = "copy"
+
+    def __call__(self, text: str, ids: Sequence[int]) -> bool:
+        return testbed_loops(text, self.family)

@@ -441,7 +441,7 @@ def _run_cells(config: EvalConfig, benches: dict[str, Benchmark], cells: Sequenc
             if loaded is not None:
                 raise ValueError(f"workers={config.workers}: each worker process loads the model itself; pass no loaded "
                                  "model, or workers=1")
-            run_in_workers(config, todo, load_options, finished)
+            run_in_workers(config, todo, benches, load_options, finished)
             return results
         contexts = _contexts(config, benches, todo, load_options, loaded) if todo else {}
         bar = tqdm if config.progress else None

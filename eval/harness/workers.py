@@ -2,7 +2,9 @@
 
 Each worker is a spawned process that loads the model and predictor once (with the run's load options: one copy of
 the model per worker, on the same device), tokenizes the prompts and checks every cell left to run, so a cell the
-run refuses fails every worker before any of them generates. It then runs the cells it is handed, one at a time,
+run refuses fails every worker before any of them generates. The benchmarks are the ones this process loaded, handed
+over as they are: a final-only set is read here, once, inside the run's ledger block
+(:func:`eval.harness.ledger.final_run`), and no worker reads it again. It then runs the cells it is handed, one at a time,
 through :func:`eval.harness.runner.run_cell`, writing only that cell's files, exactly as a single process does.
 
 A batch draws from the run's seed and its index only (:func:`eval.harness.runner.batch_seed`), so a cell's samples do
@@ -43,14 +45,16 @@ def worker_load_options(load_options: dict[str, Any] | None, index: int, gpus: i
     return options
 
 
-def _start(config: EvalConfig, cells: Sequence[Any], load_options: dict[str, Any] | None, threads: int, indices: Any) -> None:
+def _start(config: EvalConfig, cells: Sequence[Any], benches: dict[str, Any], load_options: dict[str, Any] | None,
+           threads: int, indices: Any) -> None:
     """Worker initializer: load once, tokenize and check every cell; an error is kept and raised by each task."""
-    from .runner import _contexts, load_benches
+    from .runner import _contexts
 
     torch.set_num_threads(threads)
     try:
         options = worker_load_options(load_options, indices.get(), torch.cuda.device_count())
-        benches = load_benches(config, [c.benchmark for c in cells])
+        for cell in cells:
+            cell.method.evictor()  # registers a plugin method here too (eval.harness.methods.PLUGINS: the oracles)
         _WORKER.update(config=config, contexts=_contexts(config, benches, cells, options))
     except Exception as err:  # raised in the parent by the first task, with its own type and message
         _WORKER["error"] = err
@@ -64,10 +68,11 @@ def _run(cell: Any) -> dict[str, Any]:
     return run_cell(_WORKER["contexts"][cell.benchmark], cell, _WORKER["config"])
 
 
-def run_in_workers(config: EvalConfig, cells: Sequence[Any], load_options: dict[str, Any] | None,
+def run_in_workers(config: EvalConfig, cells: Sequence[Any], benches: dict[str, Any], load_options: dict[str, Any] | None,
                    finished: Callable[[Any, dict[str, Any]], None]) -> None:
-    """Run ``cells`` (:class:`eval.harness.runner.Cell`) on ``config.workers`` spawned processes, handed out in plan
-    order; ``finished(cell, result)`` is called here as each one ends. The first cell that fails stops the handing
+    """Run ``cells`` (:class:`eval.harness.runner.Cell`) of ``benches`` (spec -> loaded
+    :class:`~eval.harness.benchmarks.Benchmark`) on ``config.workers`` spawned processes, handed out in plan order;
+    ``finished(cell, result)`` is called here as each one ends. The first cell that fails stops the handing
     out: cells already running finish (their files are kept for a resume), then its error is raised here."""
     workers = min(config.workers, len(cells))
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
@@ -75,7 +80,8 @@ def run_in_workers(config: EvalConfig, cells: Sequence[Any], load_options: dict[
     for index in range(workers):
         indices.put(index)
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
-                               initargs=(config, list(cells), load_options, worker_threads(workers), indices))
+                               initargs=(config, list(cells), {c.benchmark: benches[c.benchmark] for c in cells}, load_options,
+                                         worker_threads(workers), indices))
     try:
         pending: dict[Future, Any] = {pool.submit(_run, cell): cell for cell in cells}
         while pending:
