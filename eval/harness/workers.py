@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import multiprocessing
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from .config import EvalConfig
+
+if TYPE_CHECKING:  # runner imports this module lazily; these names are for the signatures only
+    from .benchmarks import Benchmark
+    from .runner import Cell
 
 __all__ = ["run_in_workers", "worker_load_options", "worker_threads"]
 
@@ -45,7 +49,7 @@ def worker_load_options(load_options: dict[str, Any] | None, index: int, gpus: i
     return options
 
 
-def _start(config: EvalConfig, cells: Sequence[Any], benches: dict[str, Any], load_options: dict[str, Any] | None,
+def _start(config: EvalConfig, cells: Sequence[Cell], benches: dict[str, Benchmark], load_options: dict[str, Any] | None,
            threads: int, indices: Any) -> None:
     """Worker initializer: load once, tokenize and check every cell; an error is kept and raised by each task."""
     from .runner import _contexts
@@ -60,7 +64,7 @@ def _start(config: EvalConfig, cells: Sequence[Any], benches: dict[str, Any], lo
         _WORKER["error"] = err
 
 
-def _run(cell: Any) -> dict[str, Any]:
+def _run(cell: Cell) -> dict[str, Any]:
     from .runner import run_cell
 
     if "error" in _WORKER:
@@ -68,10 +72,9 @@ def _run(cell: Any) -> dict[str, Any]:
     return run_cell(_WORKER["contexts"][cell.benchmark], cell, _WORKER["config"])
 
 
-def run_in_workers(config: EvalConfig, cells: Sequence[Any], benches: dict[str, Any], load_options: dict[str, Any] | None,
-                   finished: Callable[[Any, dict[str, Any]], None]) -> None:
-    """Run ``cells`` (:class:`eval.harness.runner.Cell`) of ``benches`` (spec -> loaded
-    :class:`~eval.harness.benchmarks.Benchmark`) on ``config.workers`` spawned processes, handed out in plan order;
+def run_in_workers(config: EvalConfig, cells: Sequence[Cell], benches: dict[str, Benchmark],
+                   load_options: dict[str, Any] | None, finished: Callable[[Cell, dict[str, Any]], None]) -> None:
+    """Run ``cells`` of ``benches`` (spec -> the benchmark this process loaded) on ``config.workers`` spawned processes, handed out in plan order;
     ``finished(cell, result)`` is called here as each one ends. The first cell that fails stops the handing
     out: cells already running finish (their files are kept for a resume), then its error is raised here."""
     workers = min(config.workers, len(cells))
@@ -83,7 +86,7 @@ def run_in_workers(config: EvalConfig, cells: Sequence[Any], benches: dict[str, 
                                initargs=(config, list(cells), {c.benchmark: benches[c.benchmark] for c in cells}, load_options,
                                          worker_threads(workers), indices))
     try:
-        pending: dict[Future, Any] = {pool.submit(_run, cell): cell for cell in cells}
+        pending: dict[Future, Cell] = {pool.submit(_run, cell): cell for cell in cells}
         while pending:
             done, _ = wait(pending, return_when=FIRST_EXCEPTION)
             for future in [f for f in pending if f in done]:  # in plan order among those that ended together
