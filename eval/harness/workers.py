@@ -74,9 +74,10 @@ def _run(cell: Cell) -> dict[str, Any]:
 
 def run_in_workers(config: EvalConfig, cells: Sequence[Cell], benches: dict[str, Benchmark],
                    load_options: dict[str, Any] | None, finished: Callable[[Cell, dict[str, Any]], None]) -> None:
-    """Run ``cells`` of ``benches`` (spec -> the benchmark this process loaded) on ``config.workers`` spawned processes, handed out in plan order;
-    ``finished(cell, result)`` is called here as each one ends. The first cell that fails stops the handing
-    out: cells already running finish (their files are kept for a resume), then its error is raised here."""
+    """Run ``cells`` of ``benches`` (spec -> the benchmark this process loaded) on ``config.workers`` spawned
+    processes, handed out in plan order; ``finished(cell, result)`` is called here as each one ends. The first cell
+    that fails stops the handing out: cells already running finish (their files are kept for a resume), then its
+    error is raised here."""
     workers = min(config.workers, len(cells))
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     indices = context.Queue()  # each worker takes its index (its GPU) from here
