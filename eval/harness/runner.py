@@ -45,7 +45,7 @@ from .methods import MethodSpec
 from .prompts import encode_prompts, user_message
 from .records import eval_record, write_record
 
-__all__ = ["Cell", "EvalConfig", "batch_seed", "fraction_budgets", "load_benches", "plan_cells", "run", "run_cell", "selection_slots", "summarize", "write_atomic"]
+__all__ = ["Cell", "EvalConfig", "batch_seed", "fraction_budgets", "plan_cells", "run", "run_cell", "selection_slots", "summarize", "write_atomic"]
 
 
 @dataclass(frozen=True)
@@ -352,11 +352,6 @@ def load_model(name_or_path: str, **load_options: Any):
     return dynts.load(name_or_path, **load_options)
 
 
-def load_benches(config: EvalConfig, specs: Sequence[str]) -> dict[str, Benchmark]:
-    """Each benchmark of ``specs`` (once), read with the run's fields and cut to its ``limit``."""
-    return {spec: load_benchmark(spec, config.fields).head(config.limit) for spec in dict.fromkeys(specs)}
-
-
 def _contexts(
     config: EvalConfig, benches: dict[str, Benchmark], todo: Sequence[Cell], load_options: dict[str, Any] | None = None,
     loaded: tuple[Any, Any] | None = None,
@@ -398,7 +393,7 @@ def run(
     sequence sizes the fraction budgets (:func:`fraction_budgets`)."""
     from .report import write_reports
 
-    benches = load_benches(config, config.benchmarks)
+    benches = {spec: load_benchmark(spec, config.fields).head(config.limit) for spec in dict.fromkeys(config.benchmarks)}
     _check_run_dir(config, load_options)
     results: dict[str, dict] = {}
     cells = plan_cells(config)
