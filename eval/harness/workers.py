@@ -1,11 +1,12 @@
 """Cells side by side in worker processes (``dynts eval --workers N``).
 
 Each worker is a spawned process that loads the model and predictor once (with the run's load options: one copy of
-the model per worker, on the same device), tokenizes the prompts and checks every cell left to run, so a cell the
-run refuses fails every worker before any of them generates. The benchmarks are the ones this process loaded, handed
-over as they are: a final-only set is read here, once, inside the run's ledger block
-(:func:`eval.harness.ledger.final_run`), and no worker reads it again. It then runs the cells it is handed, one at a time,
-through :func:`eval.harness.runner.run_cell`, writing only that cell's files, exactly as a single process does.
+the model per worker), tokenizes the prompts and checks every cell left to run, so a cell the run refuses fails every
+worker before any of them generates. It then runs the cells it is handed, one at a time, through
+:func:`eval.harness.runner.run_cell`, writing only that cell's files, exactly as a single process does.
+
+The benchmarks are the ones this process loaded, handed over as they are: a final-only set is read here, once, inside
+the run's ledger block (:func:`eval.harness.ledger.final_run`), and no worker reads it again.
 
 A batch draws from the run's seed and its index only (:func:`eval.harness.runner.batch_seed`), so a cell's samples do
 not depend on which worker ran it or when: with the same torch threads per process, a run with workers is
