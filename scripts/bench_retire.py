@@ -24,7 +24,7 @@ from dynts.predictor import load_predictor
 from dynts.prompts import pad_id, pad_rows
 from eval.harness.benchmarks import load_benchmark
 from eval.harness.prompts import encode_prompts, user_message
-from eval.harness.runner import load_model
+from eval.harness.cell_run import load_model
 
 STATS = ("lengths", "evictions", "evicted_tokens", "peak_cache_tokens", "peak_kv_bytes")
 

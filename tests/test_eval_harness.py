@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import dynts
-import eval.harness.runner as harness
+import eval.harness.cell_run as cell_run
 from eval.harness.config import EvalConfig
-from eval.harness.runner import plan_cells, run
+from eval.harness.plan import plan_cells
+from eval.harness.runner import run
 from pipeline_utils import tiny_eval_testbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +38,7 @@ def config(root, run_dir, **kw):
 
 def counting(monkeypatch, fail_at: int | None = None) -> list:
     """Count generate batches; raise on call number ``fail_at`` (simulating a kill)."""
-    calls, real = [], harness._run_batch
+    calls, real = [], cell_run._run_batch
 
     def wrapped(*args, **kwargs):
         calls.append(args[-1])
@@ -45,7 +46,7 @@ def counting(monkeypatch, fail_at: int | None = None) -> list:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(harness, "_run_batch", wrapped)
+    monkeypatch.setattr(cell_run, "_run_batch", wrapped)
     return calls
 
 
@@ -121,7 +122,7 @@ def test_workers_run_the_same_samples_and_resume_a_single_process_run(tiny_testb
     def no_load(*args, **kwargs):
         raise AssertionError("the parent of the workers loaded the model")
 
-    monkeypatch.setattr(harness, "load_model", no_load)
+    monkeypatch.setattr(cell_run, "load_model", no_load)
     parallel = tmp_path / "parallel"
     run(config(tiny_testbed, parallel, methods=["full"], k=1, workers=2))  # one cell: one worker; read back below
     seen = []

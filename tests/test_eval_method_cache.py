@@ -16,7 +16,8 @@ import dynts
 from dynts.evictors.base import EVICTORS
 from eval.harness.config import EvalConfig
 from eval.harness.methods import CACHE_OPTIONS, PLUGINS, MethodSpec, parse_method, parse_methods
-from eval.harness.runner import plan_cells, run
+from eval.harness.plan import plan_cells
+from eval.harness.runner import run
 from pipeline_utils import tiny_eval_testbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")

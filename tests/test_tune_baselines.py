@@ -195,7 +195,7 @@ class FakeHarness:
 
     def __call__(self, config, after_cell=None, loaded=None):
         from dynts.io import write_atomic
-        from eval.harness.runner import plan_cells
+        from eval.harness.plan import plan_cells
 
         self.loaded.append(loaded)
         results = []

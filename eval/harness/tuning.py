@@ -209,7 +209,7 @@ def run_grid(grid: Grid, out: str | Path, run_dir: str | Path | None = None, res
     from dynts.io import write_atomic
 
     from .methods import parse_method
-    from .runner import plan_cells
+    from .plan import plan_cells
 
     if grid.problems.get("set") != DEV or not grid.benchmark.endswith(f",set={DEV}"):
         raise ValueError(f"tuning reads set={DEV} only, not {grid.problems.get('set')!r}")

@@ -3,12 +3,12 @@
 Each worker is a spawned process that loads the model and predictor once (with the run's load options: one copy of
 the model per worker), tokenizes the prompts and checks every cell left to run, so a cell the run refuses fails every
 worker before any of them generates. It then runs the cells it is handed, one at a time, through
-:func:`eval.harness.runner.run_cell`, writing only that cell's files, exactly as a single process does.
+:func:`eval.harness.cell_run.run_cell`, writing only that cell's files, exactly as a single process does.
 
 The benchmarks are the ones this process loaded, handed over as they are: a final-only set is read here, once, inside
 the run's ledger block (:func:`eval.harness.ledger.final_run`), and no worker reads it again.
 
-A batch draws from the run's seed and its index only (:func:`eval.harness.runner.batch_seed`), so a cell's samples do
+A batch draws from the run's seed and its index only (:func:`eval.harness.cell_run.batch_seed`), so a cell's samples do
 not depend on which worker ran it or when: with the same torch threads per process, a run with workers is
 sample-for-sample the run without them, and either one resumes the other's run dir. The parent renders the tables
 and calls ``after_cell`` as cells finish (in the order they finish); the run returns its cells in plan order.
@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import multiprocessing
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from .benchmarks import Benchmark
+from .cell_run import load_contexts, run_cell
 from .config import EvalConfig
-
-if TYPE_CHECKING:  # runner imports this module lazily; these names are for the signatures only
-    from .benchmarks import Benchmark
-    from .runner import Cell
+from .plan import Cell
 
 __all__ = ["run_in_workers", "worker_load_options", "worker_threads"]
 
@@ -53,21 +52,17 @@ def worker_load_options(load_options: dict[str, Any] | None, index: int, gpus: i
 def _start(config: EvalConfig, cells: Sequence[Cell], benches: dict[str, Benchmark], load_options: dict[str, Any] | None,
            threads: int, indices: Any) -> None:
     """Worker initializer: load once, tokenize and check every cell; an error is kept and raised by each task."""
-    from .runner import _contexts
-
     torch.set_num_threads(threads)
     try:
         options = worker_load_options(load_options, indices.get(), torch.cuda.device_count())
         for cell in cells:
             cell.method.evictor()  # registers a plugin method here too (eval.harness.methods.PLUGINS: the oracles)
-        _WORKER.update(config=config, contexts=_contexts(config, benches, cells, options))
+        _WORKER.update(config=config, contexts=load_contexts(config, benches, cells, options))
     except Exception as err:  # raised in the parent by the first task, with its own type and message
         _WORKER["error"] = err
 
 
 def _run(cell: Cell) -> dict[str, Any]:
-    from .runner import run_cell
-
     if "error" in _WORKER:
         raise _WORKER["error"]
     return run_cell(_WORKER["contexts"][cell.benchmark], cell, _WORKER["config"])
