@@ -53,8 +53,6 @@ def _append_line(path: Path, obj: dict) -> None:
         os.fsync(f.fileno())
 
 
-
-
 @dataclass
 class CellContext:
     """What all cells of one benchmark share: the loaded model, tokenizer and predictor, and the tokenized prompts."""
