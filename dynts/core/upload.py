@@ -7,6 +7,11 @@ for the forward in flight -- under vLLM's async scheduling, the next step's). A 
 only once the copy that last read it has run (a CUDA event per buffer, polled, never waited on: a busy ring
 grows by one buffer instead). Elsewhere (CPU) the copy is a plain one and nothing is pinned.
 
+The buffers outlive the call that made them and are shared by threads, so they are made and written under
+``torch.inference_mode(False)``: a buffer made inside ``torch.inference_mode()`` (vLLM's worker, a user's
+evaluation block) would be an inference tensor that no later call outside inference mode may write. The
+uploaded tensors are plain tensors, usable in either mode.
+
 :func:`staging_active` tells a sync counter (``eval.perf.syncs``) that the code running is this audited path.
 """
 
@@ -66,7 +71,7 @@ class HostStaging:
     def upload(self, data: np.ndarray) -> torch.Tensor:
         """``data`` (any integer array) as an int64 tensor of its shape on the device: one copy, never waited on."""
         flat = np.ascontiguousarray(data, dtype=np.int64).reshape(-1)
-        with self._lock, _staging():
+        with self._lock, _staging(), torch.inference_mode(False):
             i = self._buffer(flat.size)
             host = self._ring[i][0]
             staged = host[: flat.size]

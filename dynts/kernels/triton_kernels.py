@@ -71,13 +71,15 @@ _TABLES: dict[tuple, torch.Tensor] = {}
 
 def _device_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Device int64 tensor of ``values`` (buffer addresses, layer numbers), cached: preallocated buffers
-    keep their addresses between events, so the host-to-device copy happens once, not at every event."""
+    keep their addresses between events, so the host-to-device copy happens once, not at every event. Made
+    outside inference mode: a cached table serves later calls whatever their mode."""
     key = (str(device), *values)
     table = _TABLES.get(key)
     if table is None:
         if len(_TABLES) > 64:
             _TABLES.clear()
-        table = _TABLES[key] = torch.tensor(values, dtype=torch.int64, device=device)
+        with torch.inference_mode(False):
+            table = _TABLES[key] = torch.tensor(values, dtype=torch.int64, device=device)
     return table
 
 
