@@ -10,6 +10,10 @@ Only the answer rows ``[b, heads, N_answer, T]`` are ever computed (through
 into a ``[b, T]`` accumulator at once: memory stays linear in ``T`` (``scripts/bench_importance.py``).
 Question tokens are scored too (the paper's Fig. 2, left); answer positions get 0.
 
+Cost at 7B x 16k tokens: one forward (~2.3e14 FLOPs, well under a second of H100 compute) plus the
+answer rows, ``28 x 28 x N_answer x 16k`` probabilities (~4e7 for a 100-token answer): linear in ``T`` for
+a fixed answer length, memory ``O(b * heads * N_answer * T)``.
+
 The final hidden states of the same forward (the input of the LM head, what the
 :class:`~dynts.ImportancePredictor` reads) can be returned alongside, for predictor training.
 """
@@ -21,10 +25,9 @@ from typing import Sequence
 
 import torch
 
-from .attention import recording_attention
-from .prompts import pad_rows
+from ..attention import recording_attention
 
-__all__ = ["Importance", "answer_importance", "final_hidden_states", "sequence_importance"]
+__all__ = ["Importance", "answer_importance", "check_batch", "decoder_body", "final_hidden_states"]
 
 
 @dataclass
@@ -40,10 +43,34 @@ class Importance:
     hidden_states: torch.Tensor | None = None
 
 
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
     """The transformer body without the LM head (skips ``T x vocab`` logits)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+def check_batch(input_ids: torch.Tensor, answer_start, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(answer_start [b], attention_mask [b, T])`` on ``input_ids``' device, checked: 2-D ids, LEFT padding,
+    one answer start per row after the row's first real token."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    b, length = input_ids.shape
+    device = input_ids.device
+    starts = torch.as_tensor(answer_start, dtype=torch.long, device=device).reshape(-1)
+    if starts.numel() != b:
+        raise ValueError(f"answer_start has {starts.numel()} entries but input_ids has {b} rows; give one per row")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    elif attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    attention_mask = attention_mask.to(device)
+    if attention_mask[:, -1].eq(0).any():
+        raise ValueError("input_ids must be LEFT-padded (answers end every row); pad on the left")
+    first_real = attention_mask.long().argmax(dim=1)
+    if (starts <= first_real).any() or (starts > length).any():
+        raise ValueError(f"answer_start={starts.tolist()} must lie after the first real token and at most at the end "
+                         f"(length {length})")
+    return starts, attention_mask
 
 
 @torch.no_grad()
@@ -56,7 +83,7 @@ def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     device = model.get_input_embeddings().weight.device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    out = decoder_body(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
 
 
@@ -83,26 +110,12 @@ def answer_importance(
     Returns:
         :class:`Importance` with ``scores [b, T]`` (float32, sum over layers, heads and answer rows).
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    starts, attention_mask = check_batch(input_ids, answer_start, attention_mask)
     b, length = input_ids.shape
     device = input_ids.device
-    starts = torch.as_tensor(answer_start, dtype=torch.long, device=device).reshape(-1)
-    if starts.numel() != b:
-        raise ValueError(f"answer_start has {starts.numel()} entries but input_ids has {b} rows; give one per row")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    elif attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-    attention_mask = attention_mask.to(device)
-    if attention_mask[:, -1].eq(0).any():
-        raise ValueError("input_ids must be LEFT-padded (answers end every row); pad on the left")
-    first_real = attention_mask.long().argmax(dim=1)
-    if (starts <= first_real).any() or (starts >= length).any():
-        raise ValueError(
-            f"answer_start={starts.tolist()} must lie after the first real token and before the end "
-            f"(length {length}): the answer needs at least one earlier token to attend to"
-        )
+    if (starts >= length).any():
+        raise ValueError(f"answer_start={starts.tolist()} must lie before the end (length {length}): the answer "
+                         "needs at least one row")
     rows = int(length - starts.min())
     # row r of the recorded block is column length - rows + r; it is an answer row of sequence b
     # when that column is >= answer_start[b]
@@ -121,52 +134,3 @@ def answer_importance(
     scores.masked_fill_(answer | attention_mask.eq(0), 0.0)
     hidden = last_hidden if return_hidden_states else None
     return Importance(scores=scores, hidden_states=hidden)
-
-
-def sequence_importance(
-    model: torch.nn.Module,
-    sequences: Sequence[Sequence[int]],
-    answer_starts: Sequence[int],
-    *,
-    max_batch_tokens: int = 16384,
-    return_hidden_states: bool = False,
-    pad_token_id: int = 0,
-) -> list[Importance]:
-    """:func:`answer_importance` for unpadded sequences of different lengths.
-
-    Sequences are grouped (by length) into left-padded batches of at most ``max_batch_tokens``
-    padded tokens (one sequence per batch when it alone is longer). ``answer_starts[i]`` indexes
-    ``sequences[i]``. Returns one :class:`Importance` per sequence, in input order, with
-    ``scores [T_i]`` and ``hidden_states [T_i, d]`` (or ``None``).
-    """
-    if len(sequences) != len(answer_starts):
-        raise ValueError(f"got {len(sequences)} sequences but {len(answer_starts)} answer_starts; give one per sequence")
-    if max_batch_tokens < 1:
-        raise ValueError(f"max_batch_tokens={max_batch_tokens} must be >= 1")
-    device = next(model.parameters()).device
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    results: list[Importance | None] = [None] * len(sequences)
-    batch: list[int] = []
-
-    def flush() -> None:
-        ids, mask = pad_rows([sequences[i] for i in batch], pad_token_id)
-        width = ids.shape[1]
-        starts = [width - len(sequences[i]) + int(answer_starts[i]) for i in batch]
-        out = answer_importance(
-            model, ids.to(device), starts, mask.to(device), return_hidden_states=return_hidden_states
-        )
-        for row, i in enumerate(batch):
-            n = len(sequences[i])
-            hidden = out.hidden_states[row, width - n :] if out.hidden_states is not None else None
-            results[i] = Importance(scores=out.scores[row, width - n :], hidden_states=hidden)
-        batch.clear()
-
-    for i in order:
-        if not sequences[i]:
-            raise ValueError(f"sequences[{i}] is empty")
-        if batch and len(sequences[i]) * (len(batch) + 1) > max_batch_tokens:
-            flush()
-        batch.append(i)
-    if batch:
-        flush()
-    return results  # type: ignore[return-value]
