@@ -49,10 +49,16 @@ class PRMConfig(LMConfig):
     expect_weight: float = 0.0  # auxiliary: after the first fresh layer, predict the frozen LM's distribution at t-1
     order_prob: float = 0.0  # rows cut after a step that is, half the time, a repeat / skip / rekey (trainers.testbed_prm_order)
     init_prm_from: str | None = None  # start from a trained PRM directory (same architecture): a fine-tune
+    traces: dict[str, Any] | None = None  # policy traces with process labels (trainers.testbed_prm_traces.TraceConfig)
+    trace_prob: float = 0.0  # each row is a policy trace with this probability (else a corrupted reference trace)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.order_prob <= 1.0:
             raise ValueError(f"order_prob={self.order_prob} must be in [0, 1]")
+        if not 0.0 <= self.trace_prob <= 1.0:
+            raise ValueError(f"trace_prob={self.trace_prob} must be in [0, 1]")
+        if self.trace_prob > 0 and not self.traces:
+            raise ValueError("trace_prob > 0 needs a traces: block (trainers.testbed_prm_traces.TraceConfig: out_dir, base, helper, ...)")
         if self.init_prm_from and self.init_from:
             raise ValueError("give init_from (an LM backbone) or init_prm_from (a trained PRM to fine-tune), not both")
         if self.init_prm_from and self.expect_weight > 0:
@@ -167,6 +173,14 @@ class CorruptStream(IterableDataset):
 
     def __init__(self, cfg: PRMConfig, start_step: int) -> None:
         self.cfg, self.start_step = cfg, start_step
+        self.traces: list[tuple[list[str], list[int]]] = []
+        if cfg.trace_prob > 0:
+            from trainers.testbed_prm_traces import load_trace_rows
+
+            self.traces = [(r["tokens"], r["labels"]) for r in load_trace_rows(cfg.traces["out_dir"])]  # type: ignore[index]
+            if not self.traces:
+                raise ValueError(f"traces.out_dir={cfg.traces['out_dir']!r} holds no traces: generate them first "  # type: ignore[index]
+                                 "(dynts testbed traces --config CONFIG)")
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         d = self.cfg.data
@@ -178,6 +192,9 @@ class CorruptStream(IterableDataset):
             lo, hi, size = max(d.min_think, center - d.length_spread), min(d.max_think, center + d.length_spread), d.long_batch
         rows = []
         for r in range(size):
+            if self.traces and step >= self.cfg.prm_short_steps and rng.random() < self.cfg.trace_prob:
+                rows.append(self.traces[rng.randrange(len(self.traces))])  # a policy trace, labelled by the oracle
+                continue
             p = task.make_problem(f"train:prm:{self.cfg.seed}:{step}:{r}", min_think=lo, max_think=hi, family=d.family)
             row = corrupt(p, rng, self.cfg.corrupt_prob, self.cfg.token_labels, self.cfg.digit_labels)
             if self.cfg.order_prob > 0 and rng.random() < self.cfg.order_prob:

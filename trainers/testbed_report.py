@@ -105,12 +105,14 @@ def run_policy(
     max_new_tokens: int = 1100,
     min_think: int = 0,
     k: int = 1,
+    eviction: dict[str, Any] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """Generate ``k`` traces per problem with ``dynts.generate`` under one eviction policy
     (``min_think``: ``</think>`` is banned for the first that many tokens). The texts come back
     problem-major (problem ``i``'s samples at ``i * k ... i * k + k - 1``); ``accuracy`` is pass@1, the
     mean over problems of each problem's mean over its samples, and ``records`` hold every sample's
-    bits, its batch seed and its row in that batch (its random stream: distinct per sample)."""
+    bits, its batch seed and its row in that batch (its random stream: distinct per sample). ``eviction``:
+    further eviction keywords of ``dynts.generate`` (``predictor``, ``retention``)."""
     if k < 1:
         raise ValueError(f"k={k!r}: samples per problem must be >= 1")
     names = [p.name for p in problems]
@@ -130,7 +132,7 @@ def run_policy(
         chats = [[{"role": "user", "content": p.question}] for p in problems[i : i + batch_size]]
         seeds += [seed + i] * len(chats)
         rows += list(range(len(chats)))
-        kw: dict[str, Any] = {} if method == "full" else {"budget": budget, "local_window": local_window}
+        kw: dict[str, Any] = {} if method == "full" else {"budget": budget, "local_window": local_window, **(eviction or {})}
         if min_think:
             kw["logits_processor"] = LogitsProcessorList([BanUntil(tokenizer.convert_tokens_to_ids(task.END_THINK), min_think, task.QUESTION_TOKENS)])
         out = generate(model, tokenizer, chats, method=method, method_options=options, max_new_tokens=max_new_tokens, **kw, **SAMPLING)

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["answer_requests_from_samples", "answers_table", "auroc_text", "choose_verifier", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers",
+__all__ = ["answer_requests_from_samples", "answers_table", "auroc_text", "choose_verifier", "delimiter_test", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers",
            "split_steps"]
 
 
@@ -59,7 +59,8 @@ def split_steps(ids: Sequence[int], is_delimiter) -> tuple[list[list[int]], list
     return steps, current
 
 
-def _delimiter_test(tokenizer: Any, delimiter: str):
+def delimiter_test(tokenizer: Any, delimiter: str):
+    """``token_id -> bool``: whether the token's text contains ``delimiter`` (as the search cuts steps)."""
     vocab = tokenizer.get_vocab()
     ids = {i for tok, i in vocab.items() if delimiter in tokenizer.convert_tokens_to_string([tok])}
     if not ids:
@@ -87,7 +88,7 @@ def answer_requests_from_samples(run_dir: str | Path, tokenizer: Any, delimiter:
     bench = load_benchmark(spec)
     examples = {e.id: e for e in bench.examples}
     prompts = dict(zip(examples, encode_prompts(tokenizer, [user_message(e, bench) for e in bench.examples])))
-    is_delimiter = _delimiter_test(tokenizer, delimiter)
+    is_delimiter = delimiter_test(tokenizer, delimiter)
     end_think = tokenizer.convert_tokens_to_ids(task.END_THINK)
     eos = tokenizer.eos_token_id
     requests, labels, groups = [], [], []
@@ -129,7 +130,7 @@ def gate_answer_requests(config: str | Path, n: int, tokenizer: Any, delimiter: 
     cfg = PRMConfig.from_dict(yaml.safe_load(Path(config).read_text()))
     if cfg.answer_prob <= 0:
         raise ValueError(f"{config}: answer_prob is 0, so its gate rows carry no answers")
-    is_delimiter = _delimiter_test(tokenizer, delimiter)
+    is_delimiter = delimiter_test(tokenizer, delimiter)
     requests, labels, groups = [], [], []
     rows = heldout(task.GATE, n, cfg)
     for index, (toks, labs) in enumerate(rows):

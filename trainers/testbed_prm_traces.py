@@ -1,0 +1,211 @@
+"""Policy traces with process labels: the training rows of a step-judging testbed PRM.
+
+A PRM that KV-Rescue trusts alone has to catch the errors the search actually proposes: the evicted
+base's (lost operands, loops, premature answers under every base evictor of the tables) and the
+full-context helper's arithmetic slips. So its rows are the policies' own traces, not corrupted
+reference traces: each :class:`TracePolicy` (a model, an eviction method, a budget) generates ``k``
+traces per problem with :func:`trainers.testbed_report.run_policy` (``dynts.generate``) on
+``train:prm-traces:...`` problems, and every step is labelled by the testbed's oracle
+(:func:`process_labels`):
+
+* a thinking step (the words after the previous ``;`` up to its own ``;``) is right when the exact step
+  check (:func:`eval.rescue.verifiers.testbed_step_verifier`) passes it given the steps committed before
+  it: the next key, operands copied from the question or the committed results, the value computed;
+* the answer (``</think> rK= v``, the PRM's ``;`` appended as the search's scorer appends it) is right
+  when the grader (:func:`data_pipeline.testbed.task.check_answer`) accepts the whole trace.
+
+Shards (``<out_dir>/<policy>/<shard>.jsonl``: one ``{"tokens", "labels", "policy", "problem"}`` per
+trace) are written atomically and skipped when present, so :func:`generate_traces` resumes after a
+kill and stops itself after ``max_seconds`` (``dynts testbed traces --config CONFIG --max-minutes 14``).
+The PRM trainer reads them with :func:`load_trace_rows` (``PRMConfig.trace_prob``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from data_pipeline.testbed import task
+
+__all__ = ["TraceConfig", "TracePolicy", "generate_traces", "load_trace_rows", "process_labels", "trace_row"]
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class TracePolicy:
+    """One source of traces: ``model`` (``"base"`` or ``"helper"``) decoding under ``method`` (a
+    ``dynts eval`` method spec, :func:`eval.harness.methods.parse_method`) at ``budget`` (None: full cache)."""
+
+    model: str
+    method: str = "full"
+    budget: int | None = None
+
+    @property
+    def name(self) -> str:
+        spec = self.method.split(":", 1)[0]
+        return f"{self.model}-{spec}" + (f"-B{self.budget}" if self.budget is not None else "")
+
+
+@dataclass
+class TraceConfig:
+    """What :func:`generate_traces` generates: the base under every ``methods`` x ``budgets`` and at full
+    cache, the helper at full cache; ``shards`` shards of ``shard_problems`` problems x ``k`` traces each
+    per policy (``helper_shards`` / ``full_shards`` for the two full-cache policies)."""
+
+    out_dir: str
+    base: str
+    helper: str
+    predictor: str | None = None
+    family: str = "chain"
+    methods: list[str] = field(default_factory=lambda: ["dynts", "rkv+q", "snapkv+q", "h2o+q", "sepllm", "window", "streamingllm"])
+    budgets: list[int] = field(default_factory=lambda: [72, 119, 167])
+    local_window: int = 32
+    retention: float = 0.4
+    shards: int = 1
+    full_shards: int = 1
+    helper_shards: int = 1
+    shard_problems: int = 25
+    k: int = 2
+    min_think: int = 150
+    max_think: int = 900
+    namespace: str = "train:prm-traces"
+    seed: int = 0
+    batch_size: int = 50
+
+    def __post_init__(self) -> None:
+        task.check_family(self.family, "traces.family")
+        if not self.namespace.startswith("train") and self.namespace.split(":")[0] not in ("dev", "test", task.GATE):
+            raise ValueError(f"traces.namespace={self.namespace!r}: use 'train:...' for training rows, or dev / test / "
+                             f"{task.GATE} for held-out rows (the final-only sets are not for PRM traces)")
+        for name in ("shards", "full_shards", "helper_shards", "shard_problems", "k", "batch_size"):
+            if getattr(self, name) < 0 or (name in ("shard_problems", "k", "batch_size") and getattr(self, name) < 1):
+                raise ValueError(f"traces.{name}={getattr(self, name)!r} must be a positive count")
+        if any(b < 1 for b in self.budgets):
+            raise ValueError(f"traces.budgets={self.budgets!r}: every budget must be >= 1")
+        if any(m.split(":")[0] == "dynts" for m in self.methods) and not self.predictor:
+            raise ValueError("traces.methods has dynts: give traces.predictor (the base's trained predictor directory)")
+
+    def policies(self) -> list[tuple[TracePolicy, int]]:
+        """Every policy with its shard count (evicted base policies first, then the two full caches)."""
+        out = [(TracePolicy("base", m, b), self.shards) for m in self.methods for b in self.budgets]
+        return out + [(TracePolicy("base"), self.full_shards), (TracePolicy("helper"), self.helper_shards)]
+
+    def problems(self, policy: TracePolicy, shard: int) -> list[task.Problem]:
+        """The shard's problems: ``train:...`` seeds of their own per policy and shard; a held-out namespace
+        (``dev``) draws its fixed set, shard ``s`` taking problems ``s * shard_problems ...``."""
+        if self.namespace.startswith("train"):
+            seeds = [f"{self.namespace}:{self.family}:{policy.name}:{shard}:{i}" for i in range(self.shard_problems)]
+            return [task.make_problem(s, min_think=self.min_think, max_think=self.max_think, family=self.family, name=s)
+                    for s in seeds]
+        everything = task.problem_set(self.namespace, (shard + 1) * self.shard_problems, self.min_think, self.max_think,
+                                      family=self.family)
+        return everything[shard * self.shard_problems :]
+
+
+def process_labels(question: str, generated: Sequence[str], family: str = "chain") -> tuple[list[str], list[int]]:
+    """``(tokens, labels)`` of one trace: ``tokens`` is the prompt (``<bos> question <think>``) and the
+    generated words up to the answer's value (or the last ``;`` when the trace never closed its thinking),
+    with ``;`` appended after the answer; ``labels`` is 1 / 0 at each step's ``;`` and at that final ``;``
+    (the oracle, module docstring), ``IGNORE`` elsewhere."""
+    from eval.rescue.verifiers import testbed_step_verifier
+
+    words = [w for w in generated if w not in (task.EOS, task.PAD)]
+    prompt = [task.BOS, *question.split(), task.THINK]
+    close = words.index(task.END_THINK) if task.END_THINK in words else None
+    thinking = words[:close] if close is not None else words
+    tokens, labels = list(prompt), [IGNORE] * len(prompt)
+    steps: list[str] = []
+    start = 0
+    for i, w in enumerate(thinking):
+        if w != task.SEP:
+            continue
+        step = " ".join(thinking[start : i + 1])
+        labels += [IGNORE] * (i - start) + [int(testbed_step_verifier(question, [*steps, step], family))]
+        tokens += thinking[start : i + 1]
+        steps.append(step)
+        start = i + 1
+    if close is None:
+        return tokens, labels
+    answer = words[start:]
+    answer = answer[: answer.index(task.END_THINK) + 3]  # filler, </think>, rK=, v
+    right = task.check_answer(question, " ".join([*thinking, *answer]), family)
+    tokens += [*answer, task.SEP]
+    labels += [IGNORE] * len(answer) + [int(right)]
+    return tokens, labels
+
+
+def trace_row(problem: task.Problem, text: str, policy: TracePolicy) -> dict[str, Any]:
+    tokens, labels = process_labels(problem.question, text.split(), problem.family)
+    return {"tokens": tokens, "labels": labels, "policy": policy.name, "problem": problem.name}
+
+
+def _shard_path(cfg: TraceConfig, policy: TracePolicy, shard: int) -> Path:
+    return Path(cfg.out_dir) / policy.name / f"{shard:03d}.jsonl"
+
+
+def generate_traces(cfg: TraceConfig, max_seconds: float | None = None, threads: int = 1, log=print) -> dict[str, Any]:
+    """Generate the missing shards of ``cfg`` (each written atomically), policy by policy; after the first
+    shard, start none once ``max_seconds`` have passed. Returns counts of what is done and left."""
+    import torch
+
+    import dynts
+    from dynts.io import write_atomic
+    from eval.harness.methods import parse_method
+    from trainers.testbed_report import run_policy
+
+    torch.set_num_threads(threads)
+    start = time.monotonic()
+    models: dict[str, Any] = {}
+    done = left = made = 0
+    for policy, shards in cfg.policies():
+        for shard in range(shards):
+            path = _shard_path(cfg, policy, shard)
+            if path.exists():
+                done += 1
+                continue
+            if made and max_seconds is not None and time.monotonic() - start > max_seconds:
+                left += 1
+                continue
+            if policy.model not in models:
+                models[policy.model] = dynts.load(cfg.base if policy.model == "base" else cfg.helper)
+            model, tokenizer = models[policy.model]
+            spec = parse_method(policy.method)
+            kw: dict[str, Any] = {}
+            if policy.budget is not None:
+                kw = {"budget": policy.budget, "local_window": spec.local_window_at(policy.budget) or cfg.local_window,
+                      "eviction": {"retention": spec.retention or cfg.retention,
+                                   **({"predictor": cfg.predictor} if spec.name == "dynts" else {})}}
+            problems = cfg.problems(policy, shard)
+            seed = cfg.seed + 1000 * shard + sum(map(ord, policy.name))
+            tick = time.monotonic()
+            texts, result = run_policy(model, tokenizer, problems, spec.name, dict(spec.options) or None, seed=seed,
+                                       batch_size=cfg.batch_size, max_new_tokens=cfg.max_think + 200, k=cfg.k, **kw)
+            rows = [trace_row(p, t, policy) for p, t in zip([p for p in problems for _ in range(cfg.k)], texts)]
+            write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+            made += 1
+            steps = [lab for r in rows for lab in r["labels"] if lab != IGNORE]
+            log(f"{path}: {len(rows)} traces, accuracy {result['accuracy']:.3f}, {len(steps)} labelled steps "
+                f"({steps.count(0)} wrong), {time.monotonic() - tick:.0f} s")
+    return {"shards_done": done + made, "shards_made": made, "shards_left": left, "seconds": time.monotonic() - start}
+
+
+def load_trace_rows(out_dir: str | Path, policies: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Every trace row under ``out_dir`` (optionally only ``policies``' names), in a fixed order."""
+    root = Path(out_dir)
+    if not root.is_dir():
+        raise ValueError(f"trace directory {str(root)!r} does not exist: generate it first "
+                         "(dynts testbed traces --config CONFIG)")
+    rows = []
+    for path in sorted(root.glob("*/*.jsonl")):
+        if policies is None or path.parent.name in policies:
+            rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows
+
+
+def iter_labelled(rows: Sequence[dict[str, Any]]) -> Iterator[tuple[list[str], list[int]]]:
+    for r in rows:
+        yield r["tokens"], r["labels"]
