@@ -1,16 +1,21 @@
-"""Add answer-to-thinking importance (and optionally fp16 final hidden states) to a trace dataset.
+"""Add importance labels (and optionally fp16 final hidden states) to a trace dataset.
 
 Input: the trace dataset of :mod:`data_pipeline.traces`. Output: the same rows and columns plus
 ``importance`` (``list[float]``, one per ``input_ids`` entry, 0.0 on answer positions) and, with
 ``save_hidden``, ``hidden`` (``[len(input_ids), d]`` float16, the post-norm final hidden states the
-predictor reads). One forward per batch of traces (:func:`dynts.importance.sequence_importance`),
-answer rows only; shards are atomic and the job resumes (:mod:`data_pipeline.shards`).
+predictor reads). ``label`` chooses what ``importance`` holds (:data:`dynts.importance.LABELS`; default
+``answer``, the DynTS paper's answer-to-thinking attention; each label's equation and cost at 7B x 16k
+tokens are in its module of :mod:`dynts.importance`). One forward per batch of traces
+(:func:`dynts.importance.sequence_importance`; ``counterfactual`` runs one per scored token: small models
+only); shards are atomic and the job resumes (:mod:`data_pipeline.shards`). An output directory holds one
+label: ``label.json`` records it, and another label there is refused.
 
-Run: ``python -m data_pipeline.importance_data --config configs/predictor/testbed.yaml``.
+Run: ``python -m data_pipeline.importance_data --config configs/predictor/testbed.yaml [--label future]``.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,7 @@ from datasets import Array2D, Dataset, Features, Sequence as ListOf, Value, load
 from data_pipeline.loading import default_dtype, is_bundled_toy
 from data_pipeline.shards import ShardStore, settings_from_dict, stage_main
 from data_pipeline.traces import KEY, TRACE_FEATURES
-from dynts.importance import sequence_importance
+from dynts.importance import LABELS, label_settings, sequence_importance
 from dynts.predictor import BaseModelFingerprint
 
 __all__ = ["ImportanceConfig", "add_importance", "importance_features", "load_trace_dataset"]
@@ -44,6 +49,9 @@ class ImportanceConfig:
         device: ``cpu`` / ``cuda`` / ``auto`` (without ``device_map``).
         device_map: shard the model over GPUs (``dynts.load``, e.g. ``auto`` for 32B).
         threads: ``torch.set_num_threads`` for this job.
+        label: what ``importance`` holds, one of :data:`dynts.importance.LABELS` (default ``answer``).
+        label_settings: the label's settings (e.g. ``{window: 16, reduce: max}`` for ``future``;
+            :func:`dynts.importance.label_settings`); empty for ``answer``.
     """
 
     model: str = "testbed"
@@ -56,8 +64,13 @@ class ImportanceConfig:
     device: str = "auto"
     device_map: str | dict | None = None
     threads: int | None = None
+    label: str = "answer"
+    label_settings: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.label not in LABELS:
+            raise ValueError(f"label={self.label!r} must be one of {LABELS}")
+        label_settings(self.label, self.label_settings)  # refuses unknown or bad settings now, not after the traces load
         self.dtype = default_dtype(self.model, self.dtype)
         if self.save_hidden is None:
             self.save_hidden = is_bundled_toy(self.model)
@@ -98,11 +111,30 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_label(cfg: ImportanceConfig) -> None:
+    """Write ``<output_dir>/label.json`` (label and settings) on first use; refuse an output directory
+    that holds another label's shards."""
+    want = {"label": cfg.label, "label_settings": cfg.label_settings or {}}
+    marker = Path(cfg.output_dir) / "label.json"
+    if marker.is_file():
+        have = json.loads(marker.read_text())
+        if have != want:
+            raise ValueError(f"{cfg.output_dir} holds importance labelled {have}, not {want}; "
+                             "give this label its own output_dir")
+        return
+    if (Path(cfg.output_dir) / "shards").is_dir() and any((Path(cfg.output_dir) / "shards").iterdir()) and cfg.label != "answer":
+        raise ValueError(f"{cfg.output_dir} holds shards from before labels were recorded (answer labels); "
+                         f"give label={cfg.label!r} its own output_dir")
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(want, indent=1) + "\n")
+
+
 def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dict[str, Any]:
     """Score every trace; skip what is done. Returns the merged dataset's ``stats.json``."""
     cfg = config if isinstance(config, ImportanceConfig) else ImportanceConfig.from_dict(config)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    check_label(cfg)
     if ShardStore(cfg.output_dir, importance_features(), KEY).is_complete():
         # a finished stage never loads the model (DDP children re-run the whole pipeline)
         return ShardStore(cfg.output_dir, importance_features(), KEY).stats()
@@ -121,7 +153,8 @@ def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dic
     for start in range(0, len(todo), cfg.shard_size):
         rows = traces.select(todo[start : start + cfg.shard_size])
         scored = sequence_importance(
-            model, rows["input_ids"], rows["answer_start"], max_batch_tokens=cfg.max_batch_tokens,
+            model, rows["input_ids"], rows["answer_start"], label=cfg.label, prompt_lengths=rows["question_len"],
+            settings=cfg.label_settings, max_batch_tokens=cfg.max_batch_tokens,
             return_hidden_states=cfg.save_hidden, pad_token_id=pad,
         )
         records = []
@@ -140,7 +173,9 @@ def add_importance(config: ImportanceConfig | dict[str, Any], model=None) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage_main(argv, "Add answer-to-thinking importance to a trace dataset (resumable).", "importance", add_importance)
+    label = {"choices": LABELS, "help": "what the importance column holds (default: the config's label, else answer)"}
+    return stage_main(argv, "Add importance labels to a trace dataset (resumable).", "importance", add_importance,
+                      overrides={"label": label})
 
 
 if __name__ == "__main__":

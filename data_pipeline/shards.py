@@ -140,18 +140,27 @@ def _fsync_dir(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def stage_main(argv: list[str] | None, description: str, section: str, run: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+def stage_main(
+    argv: list[str] | None, description: str, section: str, run: Callable[[dict[str, Any]], dict[str, Any]],
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> int:
     """Command line of one pipeline stage: ``--config`` names a YAML whose ``section`` (or its top
-    level) holds the stage's settings; ``run(settings)`` returns the stats printed as JSON."""
+    level) holds the stage's settings; ``run(settings)`` returns the stats printed as JSON.
+    ``overrides``: setting name -> ``argparse`` keywords of an option ``--<name>`` that, when given,
+    replaces that setting of the YAML."""
     import argparse
 
     import yaml
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help=f"YAML with a {section}: section (or the settings at top level)")
+    for name, options in (overrides or {}).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, **options)
     args = parser.parse_args(argv)
     values = yaml.safe_load(Path(args.config).read_text()) or {}
-    stats = run(values.get(section, values))
+    settings = dict(values.get(section, values))
+    settings.update({name: getattr(args, name) for name in overrides or {} if getattr(args, name) is not None})
+    stats = run(settings)
     print(json.dumps({k: v for k, v in stats.items() if k != "config"}, indent=2))
     return 0
 

@@ -353,3 +353,48 @@ def test_recompute_leaves_a_sharded_backbone_where_it_is(work):
     assert place_backbone(model, torch.device("meta")) is model
     plain, _ = dynts.load(str(work["model"]))
     assert next(place_backbone(plain, torch.device("meta")).parameters()).device.type == "meta"
+
+
+# ---------------------------------------------------------------- labels beyond the answer
+
+
+def test_importance_stage_takes_a_label_and_an_output_dir_holds_one(work, tmp_path):
+    from data_pipeline.importance_data import ImportanceConfig, main as importance_main
+
+    traces_dir = str(work["imp"].parents[1] / "traces/dataset")
+    answer = dynts_dataset(work["imp"])
+    config = write_yaml(tmp_path / "imp.yaml", {"importance": dict(
+        model=str(work["model"]), traces_dir=traces_dir, output_dir=str(tmp_path / "future"), dtype="float32",
+        label_settings={"window": 2})})
+    assert importance_main(["--config", str(config), "--label", "future"]) == 0
+    future = dynts_dataset(tmp_path / "future/dataset")
+    assert json.loads((tmp_path / "future/label.json").read_text()) == {"label": "future", "label_settings": {"window": 2}}
+    assert json.loads((tmp_path / "future/dataset/stats.json").read_text())["config"]["label"] == "future"
+    row_a, row_f = answer[0], future[0]
+    assert row_a["input_ids"] == row_f["input_ids"] and len(row_f["importance"]) == len(row_f["input_ids"])
+    assert row_f["importance"] != row_a["importance"] and max(row_f["importance"][row_f["answer_start"]:]) == 0.0
+    with pytest.raises(ValueError, match="its own output_dir"):  # the same directory, another label
+        add_importance(dict(model=str(work["model"]), traces_dir=traces_dir, output_dir=str(tmp_path / "future"),
+                            dtype="float32", label="golden"))
+    with pytest.raises(ValueError, match="label="):
+        ImportanceConfig(label="attention")
+    with pytest.raises(ValueError, match="windw"):
+        ImportanceConfig(label="future", label_settings={"windw": 2})
+    with pytest.raises(SystemExit):  # argparse refuses a label it does not know
+        importance_main(["--config", str(config), "--label", "attention"])
+
+
+def test_pipeline_label_option_replaces_the_configs_label(work, tmp_path, capsys):
+    from trainers.pipeline import main as pipeline_main
+
+    shutil.copytree(work["root"] / "traces", tmp_path / "traces")
+    pipeline = write_yaml(tmp_path / "pipeline.yaml", {
+        "traces": dict(work["traces"], output_dir=str(tmp_path / "traces")),
+        "importance": {"output_dir": str(tmp_path / "imp-golden"), "save_hidden": False, "dtype": "float32",
+                       "label_settings": {"budget": 24, "local_window": 2}},
+        "train": {"config": str(write_yaml(tmp_path / "train.yaml", train_config(work, tmp_path / "run")))},
+    })
+    assert pipeline_main(["--config", str(pipeline), "--stages", "traces,importance", "--label", "golden"]) == 0
+    assert json.loads((tmp_path / "imp-golden/label.json").read_text())["label"] == "golden"
+    scores = dynts_dataset(tmp_path / "imp-golden/dataset")[0]["importance"]
+    assert max(scores) <= 1.0 + 1.001e-3 and min(scores) >= 0.0  # survival shares (+ the tie-break), the question at 1

@@ -18,6 +18,10 @@ Config (YAML)::
       config: configs/predictor/testbed.yaml   # a train-predictor (LightningCLI) config
       args: []                                 # extra CLI arguments, e.g. ["--trainer.devices=2"]
     export_dir: checkpoints/testbed-predictor  # overrides the train config's model.export_dir
+
+``--label`` replaces ``importance.label`` (:data:`dynts.importance.LABELS`; default ``answer``). An importance
+``output_dir`` holds one label (``label.json``): a new label needs its own ``importance.output_dir`` and a train
+config whose dataset is that directory's ``dataset``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from dynts.importance.labels import LABELS
 
 __all__ = ["STAGES", "main", "run_pipeline"]
 
@@ -113,8 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dynts pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="pipeline YAML (e.g. configs/predictor/testbed.pipeline.yaml)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--label", choices=LABELS, default=None,
+                        help="the importance label the predictor learns (replaces importance.label; default answer)")
     args = parser.parse_args(argv)
-    summary = run_pipeline(args.config, tuple(s.strip() for s in args.stages.split(",") if s.strip()))
+    config: str | dict[str, Any] = args.config
+    if args.label is not None:
+        config = yaml.safe_load(Path(args.config).read_text()) or {}
+        config.setdefault("importance", {})
+        config["importance"] = {**(config["importance"] or {}), "label": args.label}
+    summary = run_pipeline(config, tuple(s.strip() for s in args.stages.split(",") if s.strip()))
     if summary:
         print(json.dumps(summary, indent=2, default=str))
     return 0

@@ -38,6 +38,12 @@ def label_settings(label: str, values: dict[str, Any] | None = None) -> Any:
         if values:
             raise ValueError(f"the answer label takes no settings, got {sorted(values)}")
         return None
+    from dataclasses import fields
+
+    known = {f.name for f in fields(SETTINGS[label])}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {label} label settings {unknown}; valid: {sorted(known)}")
     return SETTINGS[label](**values)
 
 
