@@ -46,7 +46,18 @@ def traces_settings(importance_dataset: str | Path) -> dict[str, Any]:
         out["questions_used"] = traces["questions"]
     if "records" in stats:
         out["kept_traces"] = stats["records"]
+    label = (stats.get("config") or {}).get("label")
+    if label is not None:
+        out["importance label"] = label
     return out
+
+
+LABEL_SENTENCES = {  # the first line of the card's label paragraph (dynts.importance.LABELS)
+    "answer": "Labels: answer-to-thinking attention importance from one forward per trace (`dynts.importance`),",
+    "future": "Labels: the far reads later thinking rows make of each token, from one forward per trace (`dynts.importance.future`),",
+    "golden": "Labels: the share of a replayed bounded cache's events an oracle keeps each token at (`dynts.importance.golden`),",
+    "counterfactual": "Labels: the rise in the continuation's loss when each token is evicted (`dynts.importance.counterfactual`),",
+}
 
 
 def _row(values: dict[str, Any]) -> str:
@@ -101,7 +112,7 @@ def model_card(
         "",
         "## Training data",
         "",
-        "Labels: answer-to-thinking attention importance from one forward per trace (`dynts.importance`),",
+        LABEL_SENTENCES[(traces or {}).get("importance label", "answer")],
         f"normalised with `{config.label_transform}`; the predictor sees thinking tokens only.",
         "",
     ]
