@@ -1,4 +1,4 @@
-"""Peak memory of answer-to-thinking importance vs a plain forward.
+"""Peak memory of the importance labels vs a plain forward.
 
 Each variant runs in its own subprocess on the same random model and input; the peak resident
 memory (``VmHWM``, reset through ``/proc/self/clear_refs`` right before the forward) minus the
@@ -6,13 +6,15 @@ resident memory just before it is the variant's extra memory:
 
 - ``plain``: one no-grad forward of the decoder (SDPA), what any prefill costs;
 - ``rows``: :func:`dynts.importance.answer_importance` (same forward + the answer rows only);
+- ``future`` / ``golden``: :func:`dynts.importance.future_importance` / ``golden_importance`` (same forward +
+  every row, ``chunk_rows`` at a time; golden at 25 % of the tokens);
 - ``eager``: the brute force, eager attention with ``output_attentions=True`` (``T x T`` per layer);
   opt-in with ``--eager`` because it needs gigabytes at 8k tokens.
 
 Usage::
 
     MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \\
-        flock /tmp/dynts-cpu.lock python scripts/bench_importance.py --tokens 8192 --answer 64 [--eager]
+        flock /tmp/dynts-cpu.lock python scripts/bench_importance.py --tokens 8192 --answer 64 [--labels] [--eager]
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def child(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from dynts.importance import answer_importance
+    from dynts.importance import FutureSettings, GoldenSettings, answer_importance, future_importance, golden_importance
 
     model = _model(args)
     ids = torch.randint(3, min(1000, model.config.vocab_size), (1, args.tokens))
@@ -71,6 +73,11 @@ def child(args) -> dict:
             model.model(input_ids=ids, use_cache=False)
         elif args.variant == "rows":
             answer_importance(model, ids, [start])
+        elif args.variant == "future":
+            future_importance(model, ids, [start], settings=FutureSettings(chunk_rows=args.chunk_rows))
+        elif args.variant == "golden":
+            settings = GoldenSettings(future=FutureSettings(chunk_rows=args.chunk_rows))
+            golden_importance(model, ids, [start], [16], settings=settings)
         else:
             out = model.model(input_ids=ids, use_cache=False, output_attentions=True)
             scores = torch.stack(out.attentions)[:, :, :, start:, :].sum(dim=(0, 2, 3))
@@ -89,12 +96,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="also run the brute-force eager output_attentions")
-    parser.add_argument("--variant", choices=["plain", "rows", "eager"], help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-rows", type=int, default=64, help="attention rows at a time (future, golden)")
+    parser.add_argument("--labels", action="store_true", help="also the future and golden labels (every row)")
+    parser.add_argument("--variant", choices=["plain", "rows", "future", "golden", "eager"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(child(args)))
         return
-    variants = ["plain", "rows"] + (["eager"] if args.eager else [])
+    variants = ["plain", "rows"] + (["future", "golden"] if args.labels else []) + (["eager"] if args.eager else [])
     results = {}
     for variant in variants:
         cmd = [sys.executable, __file__, "--variant", variant] + sys.argv[1:]
@@ -110,6 +119,9 @@ def main() -> None:
         print(f"{name:<8} {r['extra_bytes'] / mib:>15.1f} {r['seconds']:>8.2f}")
     plain = max(results["plain"]["extra_bytes"], 1)
     print(f"rows / plain peak: {results['rows']['extra_bytes'] / plain:.2f}x (target < 2x)")
+    for name in ("future", "golden"):
+        if name in results:
+            print(f"{name} / plain peak: {results[name]['extra_bytes'] / plain:.2f}x")
     if "eager" in results:
         print(f"eager / plain peak: {results['eager']['extra_bytes'] / plain:.2f}x")
 
