@@ -1,7 +1,7 @@
 """CUDA-only checks (``pytest -m cuda``; skipped without a GPU, run by ``scripts/gpu_check.py``).
 
-* the Triton kernels (keep-top selection, in-place compaction) against the torch reference on the
-  hardware, not the interpreter;
+* the Triton kernels (keep-top selection up to 64k slots, in-place compaction) against the torch reference on
+  the hardware, not the interpreter; after the start-up warm-up, rounds of any budget or width compile nothing;
 * a bounded cache that never evicts: bf16 logits within 4 ulps of a plain forward, float32 tokens
   identical to plain ``generate``; the compiled decode step (CUDA graphs) is token-identical to the
   eager bounded cache;
@@ -36,9 +36,9 @@ def _priorities(g: torch.Generator, b: int, n: int) -> tuple[torch.Tensor, torch
 
 
 @needs_triton
-@pytest.mark.parametrize("n", [17, 1000, 5000])
+@pytest.mark.parametrize("n", [17, 1000, 5000, 65536])
 def test_triton_keep_top_matches_torch_on_gpu(n):
-    from dynts.kernels.triton_kernels import keep_top_triton
+    from dynts.kernels.triton_select import keep_top_triton
 
     g = torch.Generator().manual_seed(n)
     p, valid = _priorities(g, 6, n)
@@ -46,6 +46,37 @@ def test_triton_keep_top_matches_torch_on_gpu(n):
         expected = keep_top_torch(p, valid, n_keep)
         got = keep_top_triton(p.cuda(), valid.cuda(), n_keep)
         assert torch.equal(got.cpu(), expected)
+
+
+@needs_triton
+def test_after_the_warm_up_rounds_of_any_budget_or_width_compile_nothing():
+    """The warm-up compiles the paged move and keep-top once; rounds of other budgets, row lengths and kept widths
+    (divisible by 16 or not) reuse them."""
+    from dynts.kernels import compiled_variants, keep_top_indices, warm_up_kernels
+    from dynts.kernels.paged import PagedKV
+    from dynts.vllm.layouts import geometry_paged
+    from eval.perf.vllm_hooks_bench import vllm_kv_caches
+
+    block = 16
+    caches = vllm_kv_caches(3, 2 * 80 + 1, 2, block, 2 * 128, torch.bfloat16, "cuda", "LBNHC")
+    for kv in caches:
+        kv.normal_()
+    paged = PagedKV(caches, block, geometry_paged(caches[0]))
+    before = [kv.clone() for kv in caches]
+    assert warm_up_kernels(paged)["kernels"] == ["paged_move", "keep_top"]
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))  # the warm-up moved nothing
+    warmed = compiled_variants()
+    assert warmed["paged_move"] and warmed["keep_top"], warmed
+    g = torch.Generator().manual_seed(0)
+    for n, n_keep in [(17, 1), (100, 33), (1024, 512), (4097, 2049), (70000, 65536)]:
+        p, valid = _priorities(g, 3, n)
+        assert torch.equal(keep_top_indices(p.cuda(), valid.cuda(), n_keep).cpu(), keep_top_torch(p, valid, n_keep))
+    blocks = torch.randperm(2 * 80, generator=g).view(2, 80).cuda() + 1
+    for width in (17, 32, 100, 1000):
+        kept = (torch.arange(width) + 3).repeat(2, 1).cuda()  # every slot moves 3 back
+        paged.move_(kept, blocks)
+    torch.cuda.synchronize()
+    assert compiled_variants() == warmed
 
 
 @needs_triton

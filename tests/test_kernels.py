@@ -47,6 +47,15 @@ def test_forcing_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
         backend_for(torch.zeros(1))
 
 
+def test_warm_up_compiles_nothing_on_the_torch_path(monkeypatch):
+    from dynts.kernels import warm_up_kernels
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert warm_up_kernels(device="cpu")["kernels"] == []
+    with pytest.raises(ValueError, match="paged="):
+        warm_up_kernels()
+
+
 def test_keep_top_order_ties_to_recent_pads_first():
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([[1.0, 5.0, 1.0, float("inf"), 1.0, -0.0, 0.0, 2.0]])
@@ -101,6 +110,25 @@ def interpreter_report() -> dict:
         p, valid = random_priorities(g, 3, n)
         ref, got = keep_top_torch(p, valid, n_keep), keep_top_indices(p, valid, n_keep)
         report["keep_top"].append({"n": n, "n_keep": n_keep, "equal": torch.equal(ref, got), "ref": ref.tolist(), "got": got.tolist()})
+    # tiled keep-top: rows across tile boundaries (a 16-slot tile walks up to 7 tiles), bfloat16 and float32
+    # priorities, a row over one default tile and a 64k budget; one compiled kernel serves every length
+    from dynts.kernels.triton_select import KEEP_TOP_TILE, keep_top_triton
+
+    report["keep_top_tiles"] = []
+    cases = [(3, n, n_keep, 16, dtype) for n, n_keep in [(15, 7), (16, 16), (17, 1), (33, 20), (100, 69)]
+             for dtype in (torch.float32, torch.bfloat16)]
+    cases += [(2, 2 * KEEP_TOP_TILE + 904, 4100, KEEP_TOP_TILE, torch.bfloat16), (1, 65536, 40000, KEEP_TOP_TILE, torch.float32)]
+    for b, n, n_keep, tile, dtype in cases:
+        p, valid = random_priorities(g, b, n)
+        p = p.to(dtype)
+        equal = torch.equal(keep_top_torch(p, valid, n_keep), keep_top_triton(p, valid, n_keep, tile))
+        report["keep_top_tiles"].append({"n": n, "n_keep": n_keep, "tile": tile, "dtype": str(dtype), "equal": equal})
+    report["keep_top_refusals"] = []
+    for n_keep, tile in [(9, 16), (4, 24)]:
+        try:
+            keep_top_triton(torch.zeros(2, 8), torch.ones(2, 8, dtype=torch.bool), n_keep, tile)
+        except ValueError as err:
+            report["keep_top_refusals"].append(str(err))
     for dtype, length, k in [(torch.float32, 17, 9), (torch.bfloat16, 70, 66), (torch.float16, 12, 12)]:
         buffers = [torch.randn(2, 2, 72, 24, generator=g).to(dtype) for _ in range(3)]
         buffers.append(torch.randn(2, 2, 72, 8, generator=g).to(dtype))  # a second layout (other head_dim)
@@ -160,6 +188,10 @@ def test_triton_interpreter_matches_torch():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     for case in report["keep_top"]:
         assert case["equal"], case
+    assert len(report["keep_top_tiles"]) == 12 and max(c["n"] for c in report["keep_top_tiles"]) == 65536
+    for case in report["keep_top_tiles"]:
+        assert case["equal"], case
+    assert [r.split()[0] for r in report["keep_top_refusals"]] == ["n_keep=9", "tile=24"], report["keep_top_refusals"]
     for case in report["compact"]:
         assert case["max_abs_error"] == 0.0, case  # a gather moves values, it never rounds them
     assert any(case.get("per_head") for case in report["compact"])

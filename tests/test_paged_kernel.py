@@ -126,6 +126,25 @@ def interpreter_report() -> list[dict]:
             paged.move_(kept, order)
             report.append({"layout": layout, "dtype": str(dtype), "triton": paged.triton,
                            "equal": all(torch.equal(a, b) for a, b in zip(caches, expected))})
+    # wider rounds (kept widths over the move's 32-slot tile, several of them in one engine: the width is a
+    # run-time value), each after a warm-up that must leave the caches untouched
+    from dynts.kernels import warm_up_kernels
+
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(4)
+        caches = filled(vllm_kv_caches(2, 3 * 30 + 1, 2, BLOCK, 2 * 8, dtype, "cpu", "LBNHC"), g)
+        before = [kv.clone() for kv in caches]
+        paged = PagedKV(caches, BLOCK, geometry_paged(caches[0]))
+        warmed = warm_up_kernels(paged)
+        untouched = all(torch.equal(a, b) for a, b in zip(caches, before))
+        for blocks_per_row in (10, 30):
+            order, _, _, kept, _ = round_case(g, rows=3, blocks_per_row=blocks_per_row)
+            expected = [kv.clone() for kv in caches]
+            PagedKV(expected, BLOCK, geometry_paged(expected[0])).move_torch_(kept, order)
+            paged.move_(kept, order)
+            report.append({"layout": "LBNHC", "dtype": str(dtype), "triton": paged.triton, "width": kept.shape[1],
+                           "warmed": warmed["kernels"], "aligned": paged.aligned, "untouched": untouched,
+                           "equal": all(torch.equal(a, b) for a, b in zip(caches, expected))})
     return report
 
 
@@ -137,9 +156,13 @@ def test_triton_kernel_equals_the_torch_path_bitwise():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 4 * len(DTYPES)
+    assert len(report) == 4 * len(DTYPES) + 4
     for case in report:
         assert case["triton"] and case["equal"], case
+    wide = [case for case in report if "width" in case]
+    assert max(case["width"] for case in wide) > 2 * 32  # rounds over several of the move's tiles
+    for case in wide:
+        assert case["warmed"] == ["paged_move", "keep_top"] and case["untouched"] and case["aligned"], case
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-report"]:

@@ -13,10 +13,11 @@ import os
 
 import torch
 
-__all__ = ["BACKEND_ENV", "BACKENDS", "backend_for", "triton_available"]
+__all__ = ["ALIGNMENT", "BACKEND_ENV", "BACKENDS", "backend_for", "contiguous_aligned", "triton_available"]
 
 BACKEND_ENV = "DYNTS_KERNELS"
 BACKENDS = ("auto", "torch", "triton")
+ALIGNMENT = 16  # bytes: the address alignment the Triton kernels are compiled for (Triton's own specialisation)
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,3 +47,11 @@ def backend_for(tensor: torch.Tensor) -> str:
             )
         return "triton"
     return "triton" if tensor.is_cuda and triton_available() else "torch"
+
+
+def contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at an :data:`ALIGNMENT`-byte address (a copy where it is not). Triton compiles a kernel
+    once per alignment of its pointer arguments: tensors passed through here always hit the variant compiled at
+    start-up (a fresh allocation is always aligned; only a view at an odd offset is copied)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()

@@ -103,11 +103,11 @@ class PagedKV:
         self.device = first.device
         self.views = [geometry.views(kv, block_size) for kv in caches]
         self.triton = backend_for(first) == "triton"
-        self.pointers = None
+        self.pointers, self.aligned = None, False
         if self.triton:
-            from .triton_paged import layer_pointers
+            from .triton_paged import layer_pointers, layers_aligned
 
-            self.pointers = layer_pointers(caches)
+            self.pointers, self.aligned = layer_pointers(caches), layers_aligned(caches)
 
     def move_(self, kept: torch.Tensor, blocks: torch.Tensor) -> None:
         """Move logical slot ``kept[r, i]`` to logical slot ``i`` of request row ``r``, in every layer, in place.
@@ -128,6 +128,20 @@ class PagedKV:
             move_paged_triton_(self, kept, blocks)
         else:
             self.move_torch_(kept, blocks)
+
+    def warm_up(self, blocks_dtype: torch.dtype = torch.int64) -> bool:
+        """Compile the Triton move for these caches now, not at the first eviction round: one launch of a round that
+        moves nothing (one row keeping its slots in place: every load and store is masked off), so the caches are
+        neither read nor written. ``blocks_dtype``: the dtype the rounds' block lists arrive in (the worker's pinned
+        staging uploads int64). Returns whether a kernel was launched (``False`` on the torch path: nothing to
+        compile)."""
+        if not self.triton:
+            return False
+        width = 2 * 32 + 1  # more than one tile of the move (any width: the kernel is compiled for none)
+        kept = torch.arange(width, device=self.device)[None]
+        blocks = torch.zeros(1, -(-width // self.block_size), dtype=blocks_dtype, device=self.device)
+        self.move_(kept, blocks)
+        return True
 
     def move_torch_(self, kept: torch.Tensor, blocks: torch.Tensor) -> None:
         """The torch reference of :meth:`move_` (every pair moved, identities too, in chunks of :data:`MOVE_CHUNK`

@@ -43,7 +43,7 @@ def keep_top_indices(priority: torch.Tensor, valid: torch.Tensor, n_keep: int) -
     if n_keep < 0:
         raise ValueError(f"n_keep={n_keep} must be >= 0")
     if min(n_keep, priority.shape[1]) > 0 and backend_for(priority) == "triton":
-        from .triton_kernels import keep_top_triton
+        from .triton_select import keep_top_triton
 
         return keep_top_triton(priority, valid, min(n_keep, priority.shape[1]))
     return keep_top_torch(priority, valid, n_keep)

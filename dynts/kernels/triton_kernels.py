@@ -5,8 +5,7 @@
   slots are one ``[b, k]`` set for every buffer (token-level selection) or ``[b, L, h, k]`` (per layer
   and KV head): a program reads its indices at ``batch, layer of its buffer, head`` through strides
   (0 for the dimensions a token-level set does not have).
-* :func:`keep_top_triton` selects the ``n_keep`` best slots of each row, one program per row, with
-  the same total order as :func:`dynts.kernels.select.keep_top_torch`.
+(Keep-top selection, the event's other kernel, is :mod:`dynts.kernels.triton_select`.)
 
 In-place gather safety. ``kept`` is ascending with ``kept[i] >= i`` (``k <= length`` distinct
 indices). Slot ``s`` is written only by output ``i = s`` and read only by the output ``j`` with
@@ -25,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["compact_triton_", "keep_top_triton"]
+__all__ = ["compact_triton_"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -118,66 +117,3 @@ def compact_triton_(buffers: list[torch.Tensor], kept: torch.Tensor, length: int
             table, layer_table, kept, k, kept.stride(0), layer_stride, head_stride, heads, capacity, head_dim,
             DTYPE=_TL_DTYPES[dtype], BLOCK_N=64, BLOCK_D=triton.next_power_of_2(head_dim),
         )
-
-
-@triton.jit
-def _keep_top_kernel(
-    prio_ptr,  # float [b, n]
-    valid_ptr,  # int8 [b, n]
-    out_ptr,  # int64 [b, n_keep]
-    n,
-    n_keep,
-    prio_stride,
-    valid_stride,
-    out_stride,
-    BLOCK: tl.constexpr,
-    LOG_BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    inb = offs < n
-    p = tl.load(prio_ptr + row * prio_stride + offs, mask=inb, other=0.0).to(tl.float32)
-    valid = tl.load(valid_ptr + row * valid_stride + offs, mask=inb, other=0) != 0
-    p = tl.where(valid, p, float("-inf"))
-    p = tl.where(p == 0.0, 0.0, p)  # -0.0 ties with 0.0
-    # order-preserving map float32 -> [0, 2^32): flip the magnitude bits of negatives, shift by 2^31
-    bits = p.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
-    key = tl.where(p != p, 4294967295, key)  # NaN above +inf, all NaNs tie
-    key = tl.where(inb, key, -1)  # out-of-row lanes below everything
-    # threshold: the largest T with #{key >= T} >= n_keep (bisection over the 32-bit key space)
-    lo = tl.sum(offs * 0, axis=0).to(tl.int64)
-    hi = lo + 4294967295
-    for _ in range(32):
-        mid = (lo + hi + 1) >> 1
-        ok = tl.sum((key >= mid).to(tl.int32), axis=0) >= n_keep
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    above = key > lo
-    tied = key == lo
-    need = n_keep - tl.sum(above.to(tl.int32), axis=0)
-    # ties go to the most recent slots: the largest I with #{tied, slot >= I} >= need
-    lo_i = tl.sum(offs * 0, axis=0)
-    hi_i = lo_i + BLOCK - 1
-    for _ in range(LOG_BLOCK + 1):
-        mid = (lo_i + hi_i + 1) >> 1
-        ok = tl.sum((tied & (offs >= mid)).to(tl.int32), axis=0) >= need
-        lo_i = tl.where(ok, mid, lo_i)
-        hi_i = tl.where(ok, hi_i, mid - 1)
-    keep = above | (tied & (offs >= lo_i))
-    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    tl.store(out_ptr + row * out_stride + slot, offs.to(tl.int64), mask=keep)
-
-
-def keep_top_triton(priority: torch.Tensor, valid: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """Triton path of :func:`dynts.kernels.keep_top_indices` (same signature and result)."""
-    b, n = priority.shape
-    priority = priority.float().contiguous()
-    valid = valid.to(torch.int8).contiguous()
-    out = torch.empty(b, n_keep, dtype=torch.int64, device=priority.device)
-    block = max(16, triton.next_power_of_2(n))
-    _keep_top_kernel[(b,)](
-        priority, valid, out, n, n_keep, priority.stride(0), valid.stride(0), out.stride(0),
-        BLOCK=block, LOG_BLOCK=block.bit_length() - 1, num_warps=4 if block <= 2048 else 8,
-    )
-    return out

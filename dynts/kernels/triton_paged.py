@@ -13,6 +13,14 @@ logical slots ``>= its first output`` and earlier tiles wrote only slots below i
 tile is loaded, then ``tl.debug_barrier()``, then stored. Requests own disjoint blocks and heads disjoint
 elements, so programs never race. Identity moves (``kept[i] == i``: the question window, the padding of
 a request that keeps fewer than ``K``) are skipped.
+
+Compiled once per engine. The round's widths (``K`` kept slots, ``M`` blocks per row) are run-time values that
+Triton does not specialise on (``do_not_specialize``), and everything else the kernel is compiled for -- the
+element width, ``head_dim``, the block size, the cache strides, the alignment of the layers' addresses -- is
+fixed by the engine's caches: :meth:`dynts.kernels.paged.PagedKV.warm_up` compiles it at start-up with a
+round that moves nothing. Every layer's address is checked once to be 16-byte aligned (the CUDA allocator's
+blocks always are); then the kernel is told so (``tl.multiple_of``), which a pointer loaded from a table
+otherwise hides from the compiler, so a slot's ``head_dim`` elements move in vector loads and stores.
 """
 
 from __future__ import annotations
@@ -21,12 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["layer_pointers", "move_paged_triton_"]
+from .dispatch import ALIGNMENT, contiguous_aligned
+
+__all__ = ["layer_pointers", "layers_aligned", "move_paged_triton_"]
 
 _AS_INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}  # element size -> the integer type moved
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k", "kept_stride", "blocks_stride"])
 def _move_paged_kernel(
     layers_ptr,  # int64 [L]: each layer's cache address
     kept_ptr,  # int64 [R, K]
@@ -45,13 +55,17 @@ def _move_paged_kernel(
     value_slot,
     value_dim,
     ELEM: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every layer's address is a multiple of ALIGNMENT bytes
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     layer = tl.program_id(0)
-    row = tl.program_id(1)
+    row = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
-    base = tl.load(layers_ptr + layer).to(tl.pointer_type(ELEM)) + head.to(tl.int64) * head_stride
+    base = tl.load(layers_ptr + layer).to(tl.pointer_type(ELEM))
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)  # dispatch.ALIGNMENT (a pointer's divisibility is in bytes)
+    base += head.to(tl.int64) * head_stride
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < head_dim
     key_d = (key_offset + offs_d * key_dim).to(tl.int64)
@@ -75,15 +89,22 @@ def _move_paged_kernel(
         tl.store(base + dst_v[:, None] + value_d[None, :], values, mask=mask)
 
 
+def layers_aligned(caches: list[torch.Tensor]) -> bool:
+    """Whether every layer's address is a multiple of :data:`~dynts.kernels.dispatch.ALIGNMENT` bytes (read once)."""
+    return all(kv.data_ptr() % ALIGNMENT == 0 for kv in caches)
+
+
 def layer_pointers(caches: list[torch.Tensor]) -> torch.Tensor:
-    """The layers' cache addresses as a device int64 tensor (one upload, when the caches are set up)."""
-    return torch.tensor([kv.data_ptr() for kv in caches], dtype=torch.int64, device=caches[0].device)
+    """The layers' cache addresses as a device int64 tensor (one upload, when the caches are set up; made outside
+    inference mode, so that rounds in either mode read it)."""
+    with torch.inference_mode(False):
+        return torch.tensor([kv.data_ptr() for kv in caches], dtype=torch.int64, device=caches[0].device)
 
 
 def move_paged_triton_(paged, kept: torch.Tensor, blocks: torch.Tensor) -> None:
     """Move every kept slot of ``paged`` (a :class:`~dynts.kernels.paged.PagedKV`) in one launch."""
-    kept = kept.contiguous()
-    blocks = blocks.contiguous()
+    kept = contiguous_aligned(kept)
+    blocks = contiguous_aligned(blocks)
     g = paged.geometry
     element = paged.caches[0].element_size()
     if element not in _AS_INT:
@@ -93,5 +114,6 @@ def move_paged_triton_(paged, kept: torch.Tensor, blocks: torch.Tensor) -> None:
     _move_paged_kernel[(len(paged.caches), rows, heads)](
         paged.pointers, kept, blocks, k, kept.stride(0), blocks.stride(0), paged.block_size,
         g.block, g.head, g.head_dim, g.key_offset, g.key_slot, g.key_dim, g.value_offset, g.value_slot, g.value_dim,
-        ELEM=_AS_INT[element], BLOCK_N=32, BLOCK_D=triton.next_power_of_2(g.head_dim),
+        ELEM=_AS_INT[element], ALIGNED=paged.aligned, BLOCK_N=32,
+        BLOCK_D=triton.next_power_of_2(g.head_dim),
     )
