@@ -33,12 +33,12 @@ test: install
 bench: install
 	$(BIN)/python scripts/bench_decode.py
 
-# The core tests on the other supported transformers releases (dynts/hf_compat.py: >=5.17,<5.25; the venv
-# runs the newest, 5.24): the floor 5.17.0 and 5.19.0 (vLLM 0.32 pins <5.20). Each release installs once,
-# --no-deps, under $(VENV)/transformers-<release> (~14 s, once) and goes first on PYTHONPATH; 199 tests, ~45 s
-# per release on 2 cores. `make test` runs this too.
+# The core tests on the supported transformers releases (dynts/hf_compat.py: >=5.17,<5.26; the venv runs the newest,
+# 5.25, as `pip install` gives vLLM-free users): the floor 5.17.0, 5.19.0 (vLLM 0.32 pins <5.20) and the newest,
+# 5.25.0. Each release installs once, --no-deps, under $(VENV)/transformers-<release> (~14 s, once) and goes first
+# on PYTHONPATH; ~200 tests, ~1 min per release on 2 cores. `make test` runs this too.
 #   make check-transformers TF=5.22.0   (any other release, e.g. a spot check)
-TF ?= 5.17.0 5.19.0
+TF ?= 5.17.0 5.19.0 5.25.0
 TF_PINS_5.17.0 := huggingface-hub==1.33.0  # 5.17 needs huggingface-hub<2 (the GPU image pairs them)
 CORE_TESTS := tests/test_exactness.py tests/test_eviction.py tests/test_baselines.py tests/test_transformers_range.py tests/test_retire.py
 

@@ -1,17 +1,17 @@
 """The transformers releases dynts supports, checked once at ``import dynts``, and the one thing they differ in.
 
-Supported: ``transformers>=5.17,<5.25`` (:data:`SUPPORTED_TRANSFORMERS`; keep it in sync with the core
-dependency in ``pyproject.toml``). Outside it ``import dynts`` raises ``ImportError`` naming the release
-found and the fix, for every path (``dynts.generate``, ``dynts.attach``, KV-Rescue, the CLI...):
-the bounded cache relies on transformers' cache-layer contract, and a release where it changed would
-give wrong tokens without an error. :mod:`dynts.serving` (transformers' continuous batching, private
-internals) keeps its own stricter pin in :mod:`dynts.serving.compat`.
+Supported: ``transformers>=5.17,<5.26`` (:data:`SUPPORTED_TRANSFORMERS`; ``tests/test_transformers_range.py``
+fails when the core dependency in ``pyproject.toml`` says otherwise). Outside it ``import dynts`` raises
+``ImportError`` naming the release found and the fix, for every path (``dynts.generate``, ``dynts.attach``,
+KV-Rescue, the CLI...): the bounded cache relies on transformers' cache-layer contract, and a release where it
+changed would give wrong tokens without an error. :mod:`dynts.serving` (transformers' continuous batching,
+private internals) keeps its own stricter pin in :mod:`dynts.serving.compat`.
 
-What the bounded cache relies on, release by release (read in the sources of 5.17.0 ... 5.24.0 and
-tested: ``make check-transformers`` runs the core tests on 5.17.0 and 5.19.0, the venv runs 5.24):
+What the bounded cache relies on, release by release (read in the sources of 5.17.0 ... 5.25.0 and
+tested: ``make check-transformers`` runs the core tests on 5.17.0, 5.19.0 and 5.25.0, the venv runs 5.25):
 
 ============================  ===========================  ===================================
-contract                      5.17 - 5.23                  5.24
+contract                      5.17 - 5.23                  5.24 - 5.25
 ============================  ===========================  ===================================
 cache keyword of ``forward``  ``past_key_values``          ``cache`` (``past_key_values``: a
 and ``generate``                                           deprecated alias until 5.40)
@@ -23,9 +23,13 @@ a ``cache=`` keyword          swallowed by ``forward``'s   the cache
                               raises ValueError
 ``get_mask_sizes``            ``Cache.get_mask_sizes(q, layer_idx)`` calls
                               ``layer.get_mask_sizes(q)``: same in all
-``get_query_offset``          ``get_seq_length(layer_idx)`` (tokens seen): same in all
+``get_query_offset``          ``get_seq_length(layer_idx)`` (tokens seen): same in all; 5.25 reads
+                              ``layers[layer_idx]`` directly (5.24 skipped a linear layer to the
+                              first attention layer; every ``BoundedLayer`` is an attention
+                              layer) and ``generate`` asks it of every cache
 2-D / 4-D ``attention_mask``  2-D is ``[b, seen + q]`` indexed at ``kv_offset + j``; 4-D
-                              passes through unchanged: same in all
+                              passes through unchanged: same in all (5.25's mask builders also
+                              list the deprecated ``past_key_values`` in their signature)
 full-attention layer lookup   ``is_sliding`` (to 5.22), with ``is_linear`` / ``is_dummy``
                               (5.23+): all False for ``BoundedLayer``, same layer 0
 attention registration        ``AttentionInterface`` / ``AttentionMaskInterface.register``,
@@ -49,13 +53,13 @@ import transformers
 __all__ = ["INSTALL_HINT", "SUPPORTED_TRANSFORMERS", "cache_keyword", "check_transformers_version", "route_cache_keyword"]
 
 # Inclusive lower bound, exclusive upper bound (pyproject.toml's core dependency says the same).
-SUPPORTED_TRANSFORMERS = ("5.17.0", "5.25.0")
-INSTALL_HINT = "pip install 'transformers>=5.17,<5.25'"
+SUPPORTED_TRANSFORMERS = ("5.17.0", "5.26.0")
+INSTALL_HINT = "pip install 'transformers>=5.17,<5.26'"
 
 
 def _release(version: str) -> tuple[int, int, int]:
-    """``(major, minor, micro)`` of a version string (pre/dev/local suffixes dropped: ``5.25.0.dev0`` ->
-    ``(5, 25, 0)``, above the range, as it should be)."""
+    """``(major, minor, micro)`` of a version string (pre/dev/local suffixes dropped: ``5.26.0.dev0`` ->
+    ``(5, 26, 0)``, above the range, as it should be)."""
     match = re.match(r"\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
     if match is None:
         raise ImportError(f"dynts cannot read the transformers version {version!r}; {INSTALL_HINT}")
@@ -77,7 +81,7 @@ def check_transformers_version(version: str | None = None) -> None:
 
 def cache_keyword(model) -> str:
     """The keyword ``model``'s ``forward`` (and so ``model.generate``) takes its cache under:
-    ``"cache"`` (transformers 5.24) or ``"past_key_values"`` (5.17-5.23, remote-code models)."""
+    ``"cache"`` (transformers 5.24+) or ``"past_key_values"`` (5.17-5.23, remote-code models)."""
     parameters = inspect.signature(model.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 

@@ -92,7 +92,7 @@ def test_gpu_check_runs_the_core_on_any_supported_release(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.0" if name == "transformers" else real(name))
     versions = gpu_check.check_versions()
     assert versions["refused"] == []
-    assert any("transformers 5.17.0 is outside the supported transformers<5.25,>=5.24" in r
+    assert any("transformers 5.17.0 is outside the supported transformers<5.26,>=5.24" in r
                for r in versions["serving_refused"]), versions["serving_refused"]
 
 

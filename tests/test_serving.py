@@ -45,8 +45,9 @@ def alone(model, prompt, method, budget, local_window, max_new_tokens, predictor
 def test_internals_used_still_exist():
     assert missing_internals() == []
     check_transformers_version("5.24.0")
-    for bad in ("5.23.1", "5.25.0", "6.0.0"):
-        with pytest.raises(ImportError, match="transformers>=5.24.0,<5.25.0"):
+    check_transformers_version("5.25.0")
+    for bad in ("5.23.1", "5.26.0", "6.0.0"):
+        with pytest.raises(ImportError, match="transformers>=5.24.0,<5.26.0"):
             check_transformers_version(bad)
 
 
@@ -204,6 +205,20 @@ def test_sliding_window_models_are_rejected():
     config = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16, max_window_layers=0)
     model = Qwen2ForCausalLM(config).eval()
     with pytest.raises(ValueError, match="full-attention models only"):
+        init_evicting_batching(model, EvictionSettings("window", 32, 4))
+
+
+def test_mla_models_are_rejected():
+    """Multi-head latent attention (DeepSeek-V3's): transformers 5.25's engine caches a latent row per token,
+    no per-head K/V to gather; refused before any engine is built, on every supported release."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
+                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                              n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="multi-head latent attention"):
         init_evicting_batching(model, EvictionSettings("window", 32, 4))
 
 

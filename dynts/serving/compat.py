@@ -3,7 +3,10 @@
 The engine's internals are private and change between minor releases (``RequestState.position_offset``,
 the allocators' block tables, the batch processor's hooks), so the serving extra pins a range and
 checks it at import with a clear error. :func:`missing_internals` lists what is used, so a test can
-fail loudly when an upgrade removes one of them.
+fail loudly when an upgrade removes one of them. Read in the sources of 5.24.0 and 5.25.0: 5.25 adds an
+allocator for MLA layers (``MLACacheAllocator``, one latent row per token, registered under
+``full_attention``), which :class:`~dynts.serving.processor.EvictingBatchProcessor` refuses, and syncs the
+device where 5.24 synced the IO streams; everything listed here is the same in both.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from packaging.version import Version
 __all__ = ["SUPPORTED_TRANSFORMERS", "check_transformers_version", "missing_internals"]
 
 # Inclusive lower bound, exclusive upper bound (keep in sync with the ``serve`` extra in pyproject.toml).
-SUPPORTED_TRANSFORMERS = ("5.24.0", "5.25.0")
+SUPPORTED_TRANSFORMERS = ("5.24.0", "5.26.0")
 
 
 def check_transformers_version(version: str | None = None) -> None:

@@ -30,13 +30,19 @@ __all__ = ["EvictingBatchingManager", "check_model", "engine_config", "init_evic
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Raise ``ValueError`` for models whose layers are not all full attention."""
-    groups = group_layers_by_attn_type(model.config.get_text_config())
+    """Raise ``ValueError`` for models whose layers are not all full attention with per-head K/V (no MLA)."""
+    text_config = model.config.get_text_config()
+    groups = group_layers_by_attn_type(text_config)
     other = sorted(set(groups) - {"full_attention"})
     if other:
         raise ValueError(
             f"dynts serving supports full-attention models only; this model has {other} layers (the engine's "
             "sliding-window allocator is a ring buffer that never frees blocks early); use dynts.generate instead"
+        )
+    if getattr(text_config, "kv_lora_rank", None) is not None:  # the engine's own test for MLA layers
+        raise ValueError(
+            "dynts serving evicts per-head keys and values; this model's layers are multi-head latent attention "
+            "(transformers 5.25's engine caches one compressed latent row per token for them, MLACacheAllocator)"
         )
 
 
