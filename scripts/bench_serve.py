@@ -96,7 +96,7 @@ def plot(runs: list[dict], requests: int, generate: int, num_blocks: int, path: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 3.5), layout="constrained")  # room for every label (eval/figures.py)
     for r in runs:
         ax.plot([t for t, _, _ in r["trace"]], [b for _, b, _ in r["trace"]], label=r["name"])
     ax.axhline(num_blocks, color="gray", ls="--", lw=0.8, label="pool")
@@ -104,8 +104,8 @@ def plot(runs: list[dict], requests: int, generate: int, num_blocks: int, path: 
     ax.set_ylabel("KV blocks in use")
     ax.set_title(f"{requests} requests x {generate} tokens, pool of {num_blocks} blocks")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
     print(f"plot: {path}")
 
 

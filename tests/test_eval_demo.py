@@ -4,12 +4,15 @@ a tiny random stand-in placed where the bundled checkpoints live (``$DYNTS_CHECK
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from dynts.models import TESTBED
 from eval.harness import demo
 from pipeline_utils import tiny_eval_testbed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_checkpoints(root, predictor: bool, families=("copy", "chain")):
@@ -83,5 +86,32 @@ def test_demo_runs_every_method(tmp_path, monkeypatch, capsys, one_thread, predi
         assert f"full cache (no eviction): pass@1 {100 * full['pass@1']:.1f} %" in captured.out
     if not predictor:
         assert "skipping dynts on copy" in captured.err and "skipping dynts on chain" in captured.err
-    assert "| full |" in captured.out and "accuracy_vs_budget.png" in captured.out
-    assert "| tokens vs full |" in captured.out and "| loop % |" in captured.out and "| local window |" in captured.out
+    assert "| full " in captured.out and "accuracy_vs_budget.png" in captured.out
+    assert "| tokens vs full |" in captured.out and "| loops % |" in captured.out and "tuned on dev" in captured.out
+    assert max(map(len, captured.out.splitlines())) <= demo.WIDTH + len(str(tmp_path))  # only a path may run longer
+
+
+@pytest.mark.parametrize("family", ["copy", "chain"])
+def test_demo_prints_the_committed_demo_within_120_columns(family):
+    """The demo's printout of its committed records (``reports/demo/<family>``): every line fits 120 columns, each
+    method goes by its short name, and the tuned settings behind those names are printed under the table."""
+    import argparse
+
+    from eval.harness.report import short_label
+
+    results = json.loads((ROOT / "reports" / "demo" / family / "results.json").read_text())
+    args = argparse.Namespace(n=100, budget=96, local_window=32, retention=0.4)
+    text = demo.family_summary(family, results, args, True, Path("runs/demo") / family)
+    assert max(len(line) for line in text.splitlines()) <= 120, max(text.splitlines(), key=len)
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(results)  # the header, the rule and one row per method
+    names = [line.split("|")[1].strip() for line in table[2:]]
+    assert names == [short_label(r["method"]["label"]) for r in results]
+    assert {"dynts", "snapkv (head+q)" if family == "copy" else "snapkv (token+q)"} <= set(names)
+    for spec in demo.FAMILIES[family].tuned:  # each tuned option is printed under the table
+        for item in spec.partition(":")[2].split(","):
+            key, _, value = item.partition("=")
+            if key not in ("local_window_share", "retention"):
+                assert f"{key}={value}" in text
+    full = results[0]
+    assert f" {100 * full['pass@1']:.1f} ± {100 * full['pass@1_se']:.1f} |" in table[2]  # the rows follow the rule

@@ -1,4 +1,4 @@
-"""Figures of the analyses (matplotlib, Agg backend): each writes a PNG and the plotted data as CSV.
+"""Figures of the analyses (:mod:`eval.figures`: labels inside the image): each writes a PNG and the plotted data as CSV.
 
 - :func:`plot_pareto`: accuracy vs. share of thinking tokens kept, top / bottom / random, with the
   full-thinking accuracy as a dashed line (DynTS paper Fig. 3 left, Fig. 12).
@@ -13,11 +13,9 @@ import csv
 from pathlib import Path
 from typing import Any, Sequence
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from eval.figures import new_figure, save_png
 
 __all__ = ["plot_importance_strips", "plot_pareto", "plot_pos_deciles", "write_csv"]
 
@@ -48,7 +46,7 @@ def plot_pareto(summary: Sequence[dict[str, Any]], out: str | Path, *, stem: str
     png, table = _paths(out, stem)
     rows = list(summary)
     write_csv(table, rows)
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = new_figure(5.5, 3.8)
     for strategy in ("top", "bottom", "random"):
         pts = sorted((r["percent"], r["accuracy"]) for r in rows if r["strategy"] == strategy)
         if pts:
@@ -63,9 +61,7 @@ def plot_pareto(summary: Sequence[dict[str, Any]], out: str | Path, *, stem: str
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(title or "Pareto retention: question + p% of thinking")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_png(fig, png)
     return png, table
 
 
@@ -77,7 +73,7 @@ def plot_pos_deciles(rows: Sequence[dict[str, Any]], out: str | Path, *, stem: s
     parts = [r["part"] for r in rows]
     content = np.nan_to_num(np.array([r["content_ratio"] for r in rows], dtype=float))
     function = np.nan_to_num(np.array([r["function_ratio"] for r in rows], dtype=float))
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = new_figure(5.5, 3.8)
     ax.bar(parts, content, color="tab:orange", label="content words (NOUN, VERB, ADJ, ADV, PROPN)")
     ax.bar(parts, function, bottom=content, color="tab:grey", alpha=0.6, label="function words")
     for x, c in zip(parts, content):
@@ -88,9 +84,7 @@ def plot_pos_deciles(rows: Sequence[dict[str, Any]], out: str | Path, *, stem: s
     ax.set_ylim(0, 1.18)
     ax.legend(fontsize=7, loc="upper right")
     ax.set_title(title or "Content-word ratio by importance decile")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_png(fig, png)
     return png, table
 
 
@@ -112,14 +106,12 @@ def plot_importance_strips(
     if len(labels) != matrix.shape[0]:
         raise ValueError(f"{len(labels)} labels for {matrix.shape[0]} strips")
     write_csv(table, [{"trace": lab, **{f"bin_{j}": float(v) for j, v in enumerate(row)}} for lab, row in zip(labels, matrix)])
-    fig, ax = plt.subplots(figsize=(7, 0.35 * matrix.shape[0] + 1.2))
+    fig, ax = new_figure(7, 0.35 * matrix.shape[0] + 1.2)
     im = ax.imshow(matrix, aspect="auto", cmap="magma", interpolation="nearest", vmin=0.0)
     ax.set_yticks(range(len(labels)))
     ax.set_yticklabels(labels, fontsize=6)
     ax.set_xlabel("decoding step (binned; left = first thinking token)")
     fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01, label="importance / max")
     ax.set_title(title or "Importance of thinking tokens over decoding steps")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_png(fig, png)
     return png, table

@@ -6,8 +6,9 @@ question) and ``chain`` (``testbed-chain-fair``: ``checkpoints/testbed-chain-fai
 ``testbed-chain-fair-s1-predictor``: steps read earlier results, the regime attention-based scorers were designed
 for). DynTS, H2O, SnapKV, R-KV and SepLLM run at the settings their dev tuning chose (each attention baseline's
 best of its token-level and per-head forms, with and without the question protected); every other registered method
-at its defaults. Prints, per family, the LRM's full-cache score and accuracy, tokens/s and peak KV per method, and the
-plots.
+at its defaults. Prints, per family, the LRM's full-cache score and a table that fits 120 columns (each method by its
+short name: pass@1 ± SE, tokens vs full, loops, evictions, tokens/s, peak KV), the tuned settings under it, and
+where the plot and ``results.md`` (every column, the full method labels) are.
 
 Run: ``python -m eval.harness.demo`` (about 5 min of CPU on one core, chain two thirds of it). It
 is one ``dynts eval`` run per family underneath (``runs/demo/<family>``, resumable); ``dynts eval --model
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from typing import NamedTuple
@@ -28,9 +30,7 @@ from eval.harness.ledger import add_final_arguments
 
 __all__ = ["main"]
 
-# The columns of the demo's table (eval.harness.report.COLUMNS keys).
-TABLE = ["method", "local_window", "retention", "pass@1", "pass@1_se", "parse_rate", "mean_generated_tokens", "tokens_vs_full", "truncated_rate",
-         "loop_rate", "evictions_per_sample", "tokens_per_second", "peak_kv_mib_per_sequence", "peak_cache_tokens"]
+WIDTH = 120  # the demo's printed lines fit a terminal this wide
 
 
 class Family(NamedTuple):
@@ -148,7 +148,6 @@ def run_family(family: str, args: argparse.Namespace, load_options: dict) -> int
     from dynts.models import checkpoints_dir
 
     from .config import EvalConfig
-    from .report import markdown_table
     from .runner import run
 
     model, predictor_name, options = FAMILIES[family].model, FAMILIES[family].predictor, FAMILIES[family].options
@@ -185,16 +184,31 @@ def run_family(family: str, args: argparse.Namespace, load_options: dict) -> int
     except ValueError as err:
         print(f"demo: error: {err}", file=sys.stderr)
         return 2
-    full = next((r for r in results if r["method"]["name"] == "full"), None)
-    print(f"\n{family} family: testbed toy LRM `{model}`, {args.n} problems, budget B={args.budget} (local window "
-          f"{args.local_window}, retention {args.retention}), sampling T=0.6 top-p 0.95 top-k 20, k=1")
-    if full is not None:
-        print(f"full cache (no eviction): pass@1 {100 * full['pass@1']:.1f} %, the ceiling the other rows are read against")
-    print(markdown_table(results, TABLE))
-    if not have_predictor:
-        print(f"(dynts not shown: its trained predictor checkpoints/{predictor_name} is not there yet)")
-    print(f"\nplot: {run_dir / 'accuracy_vs_budget.png'}\nall numbers: {run_dir / 'results.md'}")
+    print(family_summary(family, results, args, have_predictor, run_dir))
     return 0
+
+
+def family_summary(family: str, results: list[dict], args: argparse.Namespace, have_predictor: bool,
+                   run_dir: Path) -> str:
+    """What the demo prints for one family, every line at most :data:`WIDTH` characters: the setting, the
+    full cache's score, the compact table (short method names), the tuned settings behind the names, and where
+    the plot and the table with every column are."""
+    from .report import compact_table, settings_note
+
+    wrap = lambda text: textwrap.fill(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False)  # noqa: E731
+    lines = ["", wrap(f"{family} family: testbed toy LRM `{FAMILIES[family].model}`, {args.n} problems, budget "
+                      f"B={args.budget}, sampling T=0.6 top-p 0.95 top-k 20, k=1")]
+    full = next((r for r in results if r["method"]["name"] == "full"), None)
+    if full is not None:
+        lines.append(f"full cache (no eviction): pass@1 {100 * full['pass@1']:.1f} %, the ceiling the other rows are read against")
+    lines += [compact_table(results),
+              wrap(f"tuned on dev (W_l: local window): {settings_note(results)}; the others at W_l={args.local_window} "
+                   f"retention={args.retention}")]
+    if not have_predictor:
+        lines.append(f"(dynts not shown: its trained predictor checkpoints/{FAMILIES[family].predictor} is not there yet)")
+    lines += ["", f"plot: {run_dir / 'accuracy_vs_budget.png'}",
+              f"every column, full method labels: {run_dir / 'results.md'}"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -72,13 +72,10 @@ def oracle_choice_table(rows: dict[str, dict[str, Any]]) -> str:
 def plot_oracle_choice(rows: dict[str, dict[str, Any]], path: str | Path, kvr: dict[str, float] | None = None) -> Path:
     """Grouped bars per base method: evicted base, helper, oracle choice, KV-Rescue (if given) and
     full cache, with one standard error; the recovered fraction above each group."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from eval.figures import new_figure, save_png
 
     keys = [("A_evict", "evicted base"), ("A_helper", "helper (full cache)"), ("A_oracle", "oracle choice"), ("A_full", "full cache")]
-    fig, ax = plt.subplots(figsize=(1.9 + 2.2 * len(rows), 3.6))
+    fig, ax = new_figure(1.9 + 2.2 * len(rows), 3.6)
     width = 0.8 / (len(keys) + (kvr is not None))
     for g, (method, r) in enumerate(rows.items()):
         bars = [(label, r[k], r["se"][k]) for k, label in keys]
@@ -94,9 +91,4 @@ def plot_oracle_choice(rows: dict[str, dict[str, Any]], path: str | Path, kvr: d
     ax.set_ylabel("pass@1 (%)")
     ax.set_title("Oracle choice between the evicted base and the helper (KV-Rescue Fig. 1a)", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_png(fig, path, dpi=130)
