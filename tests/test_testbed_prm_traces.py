@@ -102,8 +102,9 @@ def test_trace_config_refuses_final_sets_and_dynts_without_predictor():
     assert [(p.name, n) for p, n in cfg.policies()] == [("base-window-B72", 1), ("base-window-B119", 1), ("base-full", 2),
                                                          ("helper-full", 3)]
     assert all(q.name.startswith("train:prm-traces:chain:base-full:1:") for q in cfg.problems(TracePolicy("base"), 1))
-    dev = TraceConfig(**kw, namespace="dev", shard_problems=3)
-    assert [q.name for q in dev.problems(TracePolicy("base"), 1)] == [q.name for q in task.problem_set("dev", 6, family="chain")[3:]]
+    dev = TraceConfig(**kw, namespace="dev", shard_problems=3, budgets=[72])  # policies: window B72, base full, helper full
+    names = [q.name for q in task.problem_set("dev", 9, family="chain")]
+    assert [[q.name for q in dev.problems(p, 0)] for p, _ in dev.policies()] == [names[:3], names[3:6], names[6:]]
 
 
 def test_shards_are_written_once_and_resumed(tmp_path, monkeypatch):
@@ -215,3 +216,29 @@ def test_step_requests_give_the_prm_the_rows_it_is_trained_on(tmp_path):
                 for j, lab in enumerate(row["labels"]) if lab != IGNORE]
     assert [(tokenizer.convert_ids_to_tokens(prm.encode(r)), lab) for r, lab in zip(requests, labels)] == expected
     assert requests[-1].candidate[-1] == tokenizer.eos_token_id
+
+
+def test_grouped_auroc_interval_is_the_bootstrap_of_the_plain_auroc():
+    """eval.rescue.answers.grouped_auroc scores every resample at once; each equals torchmetrics' AUROC of the
+    items of the drawn groups (ties half), so its interval is the plain bootstrap's."""
+    import random
+
+    import torch
+
+    from eval.rescue.answers import grouped_auroc, weighted_aurocs
+    from trainers.testbed_prm import auroc
+
+    rng = random.Random(3)
+    labels = [int(rng.random() < 0.7) for _ in range(120)]
+    scores = [round(rng.random() * 0.6 + 0.3 * y, 1) for y in labels]  # many ties
+    groups = [str(rng.randrange(25)) for _ in labels]
+    keys = list(dict.fromkeys(groups))
+    member = torch.tensor([keys.index(g) for g in groups])
+    draws = [rng.choices(range(len(keys)), k=len(keys)) for _ in range(20)]
+    counts = torch.tensor([[d.count(g) for g in range(len(keys))] for d in draws], dtype=torch.float64)
+    fast = weighted_aurocs(scores, labels, member, counts).tolist()
+    for d, value in zip(draws, fast):
+        idx = [i for g in d for i in range(len(groups)) if keys.index(groups[i]) == g]
+        assert value == pytest.approx(auroc([scores[i] for i in idx], [labels[i] for i in idx]), abs=1e-6)
+    result = grouped_auroc(scores, labels, groups, resamples=200)
+    assert result["auroc"] == auroc(scores, labels) and result["ci95"][0] <= result["auroc"] <= result["ci95"][1]

@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     traces.add_argument("--namespace", default=None, help="held-out traces: dev (or test); default: the config's train namespace")
     traces.add_argument("--out-dir", default=None, help="default: the config's traces.out_dir")
     traces.add_argument("--shards", type=int, default=None, help="shards per policy (every policy; default: the config's)")
+    traces.add_argument("--shard-problems", type=int, default=None, help="problems per shard (default: the config's)")
+    traces.add_argument("--k", type=int, default=None, help="traces per problem (default: the config's)")
     sample = sub.add_parser("sample", help="print a generated problem and the model's trace")
     sample.add_argument("--seed", type=int, default=0, help="problem seed")
     sample.add_argument("--model", default="testbed", help="testbed, testbed-helper or a local HF directory")
@@ -91,7 +93,7 @@ def _traces(args: argparse.Namespace) -> int:
     block = load_config(args.config).get("traces")
     if not block:
         raise SystemExit(f"dynts testbed traces: {args.config} has no traces: block")
-    overrides = {"namespace": args.namespace, "out_dir": args.out_dir}
+    overrides = {"namespace": args.namespace, "out_dir": args.out_dir, "shard_problems": args.shard_problems, "k": args.k}
     if args.shards is not None:
         overrides.update(shards=args.shards, full_shards=args.shards, helper_shards=args.shards)
     cfg = TraceConfig(**{**block, **{k: v for k, v in overrides.items() if v is not None}})

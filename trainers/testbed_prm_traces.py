@@ -96,14 +96,17 @@ class TraceConfig:
 
     def problems(self, policy: TracePolicy, shard: int) -> list[task.Problem]:
         """The shard's problems: ``train:...`` seeds of their own per policy and shard; a held-out namespace
-        (``dev``) draws its fixed set, shard ``s`` taking problems ``s * shard_problems ...``."""
+        (``dev``) draws its fixed set, each policy and shard its own block of ``shard_problems`` problems (policy
+        ``p`` of :meth:`policies`, shard ``s``: block ``p * max_shards + s``)."""
         if self.namespace.startswith("train"):
             seeds = [f"{self.namespace}:{self.family}:{policy.name}:{shard}:{i}" for i in range(self.shard_problems)]
             return [task.make_problem(s, min_think=self.min_think, max_think=self.max_think, family=self.family, name=s)
                     for s in seeds]
-        everything = task.problem_set(self.namespace, (shard + 1) * self.shard_problems, self.min_think, self.max_think,
+        policies = self.policies()
+        block = [p for p, _ in policies].index(policy) * max(n for _, n in policies) + shard
+        everything = task.problem_set(self.namespace, (block + 1) * self.shard_problems, self.min_think, self.max_think,
                                       family=self.family)
-        return everything[shard * self.shard_problems :]
+        return everything[block * self.shard_problems :]
 
 
 def process_labels(question: str, generated: Sequence[str], family: str = "chain") -> tuple[list[str], list[int]]:

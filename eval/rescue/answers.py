@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["answer_requests_from_samples", "answers_table", "auroc_text", "choose_verifier", "delimiter_test", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers",
+__all__ = ["answer_requests_from_samples", "answers_table", "auroc_text", "choose_verifier", "delimiter_test", "gate_answer_requests", "grouped_auroc", "main", "score_verifiers", "weighted_aurocs",
            "split_steps"]
 
 
@@ -171,23 +171,52 @@ def score_verifiers(names: Sequence[str], requests: Sequence[Any], delimiter: st
     return out
 
 
+def weighted_aurocs(scores: Sequence[float], labels: Sequence[int], member: "torch.Tensor", counts: "torch.Tensor") -> "torch.Tensor":
+    """AUROC of ``scores`` for ``labels`` in each of ``R`` resamples of groups, tied scores counted half (the
+    Mann-Whitney statistic): item ``i`` belongs to group ``member[i]`` and resample ``r`` draws group ``g``
+    ``counts[r, g]`` times. Every resample at once through the ``[G, G]`` matrix of positive-negative pairs
+    between groups. ``[R]`` float64, NaN where a resample draws one class only."""
+    import torch
+
+    s = torch.as_tensor(list(scores), dtype=torch.float64)
+    y = torch.as_tensor(list(labels), dtype=torch.bool)
+    c = counts.to(torch.float64)
+    G = c.shape[1]
+    values, index = torch.unique(s, return_inverse=True)  # ascending distinct scores; index: each item's
+    negatives = torch.zeros(len(values), G, dtype=torch.float64)
+    negatives.index_put_((index[~y], member[~y]), torch.ones(int((~y).sum()), dtype=torch.float64), accumulate=True)
+    below = negatives.cumsum(0) - negatives  # per distinct score: each group's negatives strictly below it
+    per_positive = below[index[y]] + 0.5 * negatives[index[y]]  # [positives, G]: pairs won (ties half)
+    pairs = torch.zeros(G, G, dtype=torch.float64).index_add_(0, member[y], per_positive)  # [positive group, negative group]
+    wins = torch.einsum("rg,gh,rh->r", c, pairs, c)
+    n_pos = torch.zeros(G, dtype=torch.float64).index_add_(0, member[y], torch.ones(int(y.sum()), dtype=torch.float64))
+    n_neg = torch.zeros(G, dtype=torch.float64).index_add_(0, member[~y], torch.ones(int((~y).sum()), dtype=torch.float64))
+    total = (c @ n_pos) * (c @ n_neg)
+    return torch.where(total > 0, wins / total.clamp(min=1e-300), torch.full_like(total, float("nan")))
+
+
 def grouped_auroc(scores: Sequence[float], labels: Sequence[int], groups: Sequence[str], resamples: int = 1000,
                   seed: int = 0) -> dict[str, Any]:
-    """AUROC (:func:`trainers.testbed_prm.auroc`) and its bootstrap 95 % interval over groups (problems)."""
+    """AUROC (:func:`trainers.testbed_prm.auroc`) and its bootstrap 95 % interval over groups (problems): each
+    resample draws the groups with replacement (``random.Random(seed)``) and scores every item of a drawn group
+    (:func:`weighted_aurocs`, all resamples at once)."""
+    import torch
+
     from trainers.testbed_prm import auroc
 
     by: dict[str, list[int]] = {}
     for i, g in enumerate(groups):
         by.setdefault(g, []).append(i)
     keys = list(by)
+    slot = {k: j for j, k in enumerate(keys)}
+    member = torch.tensor([slot[g] for g in groups], dtype=torch.long)
     rng = random.Random(seed)
-    draws = []
-    for _ in range(resamples):
-        idx = [i for k in rng.choices(keys, k=len(keys)) for i in by[k]]
-        value = auroc([scores[i] for i in idx], [labels[i] for i in idx])
-        if value == value:  # not NaN (one class missing)
-            draws.append(value)
-    draws.sort()
+    counts = torch.zeros(resamples, len(keys), dtype=torch.float64)
+    for r in range(resamples):
+        for k in rng.choices(keys, k=len(keys)):
+            counts[r, slot[k]] += 1
+    values = weighted_aurocs(scores, labels, member, counts) if resamples else torch.zeros(0)
+    draws = sorted(v for v in values.tolist() if v == v)  # not NaN (one class missing)
     ci = [draws[int(0.025 * (len(draws) - 1))], draws[int(0.975 * (len(draws) - 1))]] if draws else None
     return {"auroc": auroc(scores, labels), "ci95": ci, "answers": len(labels), "wrong": list(labels).count(0)}
 
