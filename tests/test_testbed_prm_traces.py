@@ -99,10 +99,10 @@ def test_trace_config_refuses_final_sets_and_dynts_without_predictor():
     with pytest.raises(ValueError, match="shard_problems"):
         TraceConfig(**kw, shard_problems=0)
     cfg = TraceConfig(**kw, budgets=[72, 119], shards=1, full_shards=2, helper_shards=3)
-    assert [(p.name, n) for p, n in cfg.policies()] == [("base-window-B72", 1), ("base-window-B119", 1), ("base-full", 2),
-                                                         ("helper-full", 3)]
+    assert [(p.name, n) for p, n in cfg.policies()] == [("base-full", 2), ("helper-full", 3), ("base-window-B72", 1),
+                                                         ("base-window-B119", 1)]
     assert all(q.name.startswith("train:prm-traces:chain:base-full:1:") for q in cfg.problems(TracePolicy("base"), 1))
-    dev = TraceConfig(**kw, namespace="dev", shard_problems=3, budgets=[72])  # policies: window B72, base full, helper full
+    dev = TraceConfig(**kw, namespace="dev", shard_problems=3, budgets=[72])  # policies: base full, helper full, window B72
     names = [q.name for q in task.problem_set("dev", 9, family="chain")]
     assert [[q.name for q in dev.problems(p, 0)] for p, _ in dev.policies()] == [names[:3], names[3:6], names[6:]]
 
@@ -126,7 +126,7 @@ def test_shards_are_written_once_and_resumed(tmp_path, monkeypatch):
     assert first["shards_made"] == 1 and first["shards_left"] == 2
     second = generate_traces(cfg, log=lambda *_: None)
     assert second == {**second, "shards_done": 3, "shards_made": 2, "shards_left": 0}
-    assert calls == [("window", 72), ("full", None), ("full", None)]
+    assert calls == [("full", None), ("full", None), ("window", 72)]
     rows = load_trace_rows(tmp_path)
     assert len(rows) == 3 * 2 * 2 and {r["policy"] for r in rows} == {"base-window-B72", "base-full", "helper-full"}
     assert all(r["labels"][-1] == 1 for r in rows)

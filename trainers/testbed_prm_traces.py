@@ -90,9 +90,10 @@ class TraceConfig:
             raise ValueError("traces.methods has dynts: give traces.predictor (the base's trained predictor directory)")
 
     def policies(self) -> list[tuple[TracePolicy, int]]:
-        """Every policy with its shard count (evicted base policies first, then the two full caches)."""
-        out = [(TracePolicy("base", m, b), self.shards) for m in self.methods for b in self.budgets]
-        return out + [(TracePolicy("base"), self.full_shards), (TracePolicy("helper"), self.helper_shards)]
+        """Every policy with its shard count: the two full caches, then the evicted base by budget, smallest first
+        (so a partial run already holds every kind of error)."""
+        out = [(TracePolicy("base"), self.full_shards), (TracePolicy("helper"), self.helper_shards)]
+        return out + [(TracePolicy("base", m, b), self.shards) for b in self.budgets for m in self.methods]
 
     def problems(self, policy: TracePolicy, shard: int) -> list[task.Problem]:
         """The shard's problems: ``train:...`` seeds of their own per policy and shard; a held-out namespace
