@@ -65,23 +65,32 @@ def test_final_table_recomputes_from_the_records_or_is_still_running(family, cap
     assert f"`reports/final-{family}/`" in part
 
 
-def test_readme_final_rows_are_the_committed_final_tables():
-    """README's final-table rows are ``python -m eval.harness.seeds reports/final-<family> --names <family>``'s, for
-    every family whose table is written; the README says a family without one is still running."""
+BEST_SECTION = "### DynTS against the best baseline"
+
+
+def best_baseline_section() -> str:
+    """docs/evaluation.md's section on DynTS against the best baseline (the final tables' and each seed's)."""
+    return (ROOT / "docs/evaluation.md").read_text().split(BEST_SECTION, 1)[1].split("\n### ", 1)[0]
+
+
+def test_final_rows_against_the_best_baseline_are_the_committed_final_tables():
+    """docs/evaluation.md's final-table rows of DynTS against the best baseline are ``python -m eval.harness.seeds
+    reports/final-<family> --names <family>``'s, for every family whose table is written; the docs say a family
+    without one is still running."""
     from eval.harness.records import read_records
     from eval.harness.seeds import seed_table
 
-    text = (ROOT / "README.md").read_text().split("**The final tables**", 1)[1].split("- **The ranking does not hold", 1)[0]
-    readme = [line for line in text.splitlines() if line.startswith(("| chain |", "| copy |"))]
+    text = best_baseline_section().split("- **The ranking does not hold", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith(("| chain |", "| copy |"))]
     want = []
-    for family in ("copy", "chain"):  # the README's order
+    for family in ("copy", "chain"):  # the docs' order
         report = ROOT / "reports" / f"final-{family}"
         if (report / "results.json").is_file():
             printed = seed_table([read_records(report)], [family]).splitlines()
             want += [line for line in printed if line.startswith(f"| {family} |")]
         else:
             assert f"**The `{family}` final table is still running**" in text
-    assert want and readme == want
+    assert want and rows == want
 
 
 def script(name: str):
@@ -129,15 +138,82 @@ def test_seed_verifier_table_in_rescue_md_comes_from_the_committed_answers():
     assert len(printed) == 10 and all(line in lines for line in printed)
 
 
-def test_readme_rescue_row_is_the_committed_run():
-    """README's KV-Rescue row (seed 1's fair chain models) is ``reports/rescue/dev-chain-fair-s1-B72-N4/results.json``."""
+def glance() -> dict[str, str]:
+    """README's results at a glance: each bullet by its bold lead (``Copy, toy testbed``)."""
+    text = (ROOT / "README.md").read_text().split("\n## Results at a glance\n", 1)[1].split("\n## ", 1)[0]
+    bullets = [line for line in text.splitlines() if line.startswith("- **")]
+    assert len(bullets) <= 8 and all(line.count("](docs/") == 1 for line in bullets), bullets  # one link each
+    return {line[4:].split(":**", 1)[0]: line for line in bullets}
+
+
+def final_cells(family: str) -> list[list[str]]:
+    """The cells of ``python -m eval.harness.seeds reports/final-<family>``'s rows: family, B, full %, DynTS %, best
+    baseline, its %, DynTS - best [CI], verdict."""
+    from eval.harness.records import read_records
+    from eval.harness.seeds import seed_table
+
+    printed = seed_table([read_records(ROOT / "reports" / f"final-{family}")], [family]).splitlines()
+    return [[c.strip() for c in line.strip("|").split("|")] for line in printed if line.startswith(f"| {family} |")]
+
+
+def test_readme_results_at_a_glance_are_the_records():
+    """Every number of README's results at a glance is recomputed from the committed record its line names."""
     import json
 
-    results = json.loads((ROOT / "reports/rescue/dev-chain-fair-s1-B72-N4/results.json").read_text())
-    accuracy = {cell["setting"]: cell["metrics"]["accuracy"] for cell in results["cells"]}
-    order = ("full", "evict", "bon", "helper", "helper-search", "kvr", "full-search")
-    want = "| " + " | ".join(f"**{100 * accuracy[s]:.1f} %**" if s == "kvr" else f"{100 * accuracy[s]:.1f} %" for s in order) + " |"
-    assert want in [line.strip() for line in (ROOT / "README.md").read_text().splitlines()]
+    lines = glance()
+    copy = lines["Copy, toy testbed"]
+    cells = final_cells("copy")
+    assert "`reports/final-copy/`" in copy and all(c[4].startswith("h2o") for c in cells) and "H2O" in copy
+    assert f"DynTS scores {' / '.join(c[3] for c in cells)} %" in copy and f"({cells[0][2]} %)" in copy
+    assert f"({' / '.join(c[5] for c in cells)} %)" in copy and {c[7] for c in cells} == {"inconclusive"}
+
+    chain = lines["Chain, toy testbed"]
+    cells = final_cells("chain")
+    assert "`reports/final-chain/`" in chain and all(c[4].startswith("sepllm") for c in cells)
+    assert f"({' / '.join(c[6].split(' [')[0] for c in cells)} points" in chain and {c[7] for c in cells} == {"trails"}
+
+    seeds = lines["Three training seeds, toy testbed"]
+    rows = [[c.strip() for c in row.strip("|").split("|")] for row in seed_rows()]
+    copy_rows = [r for r in rows if r[0] == "copy"]
+    assert f"in {sum(r[-1] == 'leads' for r in copy_rows)} of {len(copy_rows)} seed x budget cells on copy" in seeds
+    chain_seeds = {r[1] for r in rows if r[0] == "chain"}
+    leading = [s for s in chain_seeds if all(r[-1] == "leads" for r in rows if r[:2] == ["chain", s])]
+    assert f"at every budget on {len(leading)} of {len(chain_seeds)} seeds on chain" in seeds
+
+    demo = lines["`make demo`, toy testbed"]
+    pct = lambda family, name: next(f"{100 * r['pass@1']:.1f}" for r in json.loads(  # noqa: E731
+        (ROOT / "reports/demo" / family / "results.json").read_text()) if r["method"]["name"] == name)
+    assert f"DynTS scores {pct('copy', 'dynts')} % on copy (full cache {pct('copy', 'full')} %)" in demo
+    assert f"{pct('chain', 'dynts')} % on chain (full cache {pct('chain', 'full')} %)" in demo
+    assert f"SepLLM scores {pct('chain', 'sepllm')} %" in demo and "at B = 96" in demo
+
+    rescue = lines["KV-Rescue, toy testbed"]
+    run = json.loads((ROOT / "reports/rescue/dev-chain-fair-s1-B72-N4/results.json").read_text())
+    accuracy = {cell["setting"]: f"{100 * cell['metrics']['accuracy']:.1f}" for cell in run["cells"]}
+    assert f"at B = {run['config']['budget']} " in rescue and f"best-of-N's {accuracy['bon']} % to {accuracy['kvr']} %" in rescue
+    assert f"(full cache {accuracy['full']} %)" in rescue and f"alone scores {accuracy['helper-search']} %" in rescue
+
+    gpu = lines["Speed, one H200 GPU (7B shapes, bf16)"]
+    report = script("report_gpu_run").report(ROOT / "reports/gpu-runs/2026-12-04")
+    table = lambda title: [[c.strip() for c in line.strip("|").split("|")] for line in  # noqa: E731
+                           report.split(title, 1)[1].split("\n### ", 1)[0].splitlines()[4:] if line.startswith("| ")]
+    kernels = table("### Kernels")
+    assert all(k[4] == "True" for k in kernels)
+    span = lambda values: f"{min(values):.2f}-{max(values):.2f}x"  # noqa: E731
+    assert f"bitwise at {span([float(k[3]) for k in kernels])} its speed" in gpu
+    compiled = [d for d in table("### Decode") if d[0] == "compiled"]
+    assert {d[2] for d in compiled} == {"4096"} and "at B = 4096" in gpu
+    assert f"({span([float(d[8]) for d in compiled])})" in gpu  # t / t_full(B)
+    assert f"{span([float(d[7]) for d in compiled if d[1] == '16'])} less" in gpu  # the speedup at batch 16
+
+    vllm = lines["vLLM, CPU build (testbed LRM)"]
+    bench = json.loads((ROOT / "reports/bench-serve-vllm/tight.json").read_text())
+    stock, bounded = bench["runs"]
+    args = bench["args"]
+    fits = stock["pool_blocks"] // -(-(args["prompt"] + args["generate"]) // args["page"])
+    assert f"at B = {args['budgets'][0]} serves {args['requests']} requests of {args['generate']} tokens" in vllm
+    assert f"at {bounded['tokens_per_s'] / stock['tokens_per_s']:.2f}x stock vLLM's tokens/s" in vllm
+    assert f"fits {fits} full-length requests ({bounded['preemptions']} preemptions against {stock['preemptions']})" in vllm
 
 
 def test_seed_models_table_in_testbed_md_is_the_committed_records():
@@ -147,21 +223,28 @@ def test_seed_models_table_in_testbed_md_is_the_committed_records():
     assert models_table(ROOT) in (ROOT / "docs/testbed.md").read_text()
 
 
-def test_readme_seed_verdicts_are_the_committed_dev_tables():
-    """README's per-seed verdict rows are ``python -m eval.harness.seeds``'s over every committed dev table of each
-    family (seed 1 on), all of them: a seed's table committed without its README rows fails here."""
+def seed_rows() -> list[str]:
+    """``python -m eval.harness.seeds``'s rows over every committed dev table of each family (seed 1 on), each
+    prefixed with its family."""
     from eval.harness.records import read_records
     from eval.harness.seeds import seed_table
 
-    text = (ROOT / "README.md").read_text().split("- **The ranking does not hold on chain", 1)[1].split("\n- **", 1)[0]
-    readme = [line.strip() for line in text.splitlines() if line.strip().startswith(("| chain | s", "| copy | s"))]
     want = []
     for family, stem in (("chain", "chain-dev-fair"), ("copy", "copy-dev-fair-scratch")):
         dirs = [ROOT / "reports" / f"{stem}-s{seed}" for seed in (1, 2, 3)]
         dirs = [d for d in dirs if (d / "results.json").is_file()]
         printed = seed_table([read_records(d) for d in dirs], [d.name.rsplit("-", 1)[1] for d in dirs])
         want += [f"| {family} " + line for line in printed.splitlines() if line.startswith("| s") and not line.startswith("| seed")]
-    assert len(want) >= 12 and readme == want
+    return want
+
+
+def test_seed_verdicts_are_the_committed_dev_tables():
+    """docs/evaluation.md's per-seed verdict rows are ``python -m eval.harness.seeds``'s over every committed dev
+    table of each family, all of them: a seed's table committed without its rows fails here."""
+    text = best_baseline_section().split("- **The ranking does not hold on chain", 1)[1].split("\n- **", 1)[0]
+    rows = [line.strip() for line in text.splitlines() if line.strip().startswith(("| chain | s", "| copy | s"))]
+    want = seed_rows()
+    assert len(want) >= 12 and rows == want
 
 
 def test_tuning_tables_in_evaluation_md_come_from_the_committed_choices():
@@ -179,33 +262,31 @@ def test_tuning_tables_in_evaluation_md_come_from_the_committed_choices():
         assert "| sepllm | best |" in sepllm and sepllm in doc, family
 
 
-def test_readme_demo_table_is_the_committed_demo():
-    """README's demo table is ``reports/demo/<family>/results.json`` (what ``dynts demo`` wrote), cell for cell, and
-    each tuned baseline's form in brackets is the one the demo ran."""
+def test_demo_table_in_evaluation_md_is_the_committed_demo():
+    """docs/evaluation.md's demo table is ``reports/demo/<family>/results.json`` (what ``dynts demo`` wrote), cell for
+    cell, and each tuned baseline's form in brackets is the preset the demo ran."""
     import json
 
     from eval.harness.demo import FAMILIES
 
-    text = (ROOT / "README.md").read_text().split("## The demo", 1)[1].split("\n## ", 1)[0]
-    header, *rows = [line for line in text.splitlines() if line.startswith("| ")]
+    text = (ROOT / "docs/evaluation.md").read_text().split("\n## The demo\n", 1)[1].split("\n## ", 1)[0]
+    table = text.split("pass@1 % [bootstrap 95 % CI in `wide.md`]", 1)[1].split("\n\n", 2)[1]
+    header, _, *rows = table.splitlines()
     columns = [c.strip() for c in header.strip("|").split("|")]
-    names = {"DynTS": "dynts", "H2O": "h2o", "SnapKV": "snapkv", "R-KV": "rkv", "SepLLM": "sepllm", "random": "random",
-             "window": "window", "StreamingLLM": "streamingllm"}
-    assert {r.split("|")[1].strip() for r in rows} == set(FAMILIES)
+    names = ("dynts", "h2o", "snapkv", "rkv", "sepllm", "random", "window", "streamingllm")
+    assert {r.split("|")[1].strip() for r in rows} == set(FAMILIES) and set(names) <= set(columns)
     for row in rows:
         cells = dict(zip(columns, (c.strip() for c in row.strip("|").split("|"))))
         results = json.loads((ROOT / "reports/demo" / cells["family"] / "results.json").read_text())
         by_name = {r["method"]["name"]: r for r in results if "oracle" not in r["method"]["name"]}
         by_label = {r["method"]["label"]: r for r in results}
         assert cells["full"] == f"{100 * by_name['full']['pass@1']:.1f}"
-        for column, name in names.items():
+        for name in names:
             result = by_name[name]
-            value, _, form = cells[column].partition(" (")
-            assert value == f"{100 * result['pass@1']:.1f}", (cells["family"], column)
-            label = result["method"]["label"].split(":")[0]
-            if form:  # token / token+q / head / head+q: the preset the tuning chose
-                assert label == {"token": name, "token+q": f"{name}+q", "head": f"{name}-head",
-                                 "head+q": f"{name}-head+q"}[form.rstrip(")")], (cells["family"], column)
+            value, _, form = cells[name].partition(" (")
+            assert value == f"{100 * result['pass@1']:.1f}", (cells["family"], name)
+            if form:  # the preset the tuning chose: h2o, snapkv-head+q, rkv+q, ...
+                assert form.strip("()`") == result["method"]["label"].split(":")[0], (cells["family"], name)
         oracles = dict(part.split() for part in cells["oracles"].split(", "))
         prefix = "chain-oracle-" if cells["family"] == "chain" else "oracle-"
         assert oracles == {k: f"{100 * by_label[prefix + k]['pass@1']:.1f}" for k in oracles}
