@@ -24,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["compact_triton_"]
+__all__ = ["JIT_KERNELS", "compact_triton_"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k", "kept_stride", "layer_stride", "head_stride"])  # the event's width: run-time
 def _compact_kernel(
     table,  # int64 [n_buffers]: data pointers of the buffers (same shape, dtype, contiguous)
     layer_table,  # int64 [n_buffers]: each buffer's layer (its index into kept's layer dimension)
@@ -117,3 +117,6 @@ def compact_triton_(buffers: list[torch.Tensor], kept: torch.Tensor, length: int
             table, layer_table, kept, k, kept.stride(0), layer_stride, head_stride, heads, capacity, head_dim,
             DTYPE=_TL_DTYPES[dtype], BLOCK_N=64, BLOCK_D=triton.next_power_of_2(head_dim),
         )
+
+
+JIT_KERNELS = {"compact": _compact_kernel}  # by name, for dynts.kernels.compiled_variants

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .dispatch import ALIGNMENT, contiguous_aligned
 
-__all__ = ["layer_pointers", "layers_aligned", "move_paged_triton_"]
+__all__ = ["JIT_KERNELS", "layer_pointers", "layers_aligned", "move_paged_triton_"]
 
 _AS_INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}  # element size -> the integer type moved
 
@@ -117,3 +117,6 @@ def move_paged_triton_(paged, kept: torch.Tensor, blocks: torch.Tensor) -> None:
         ELEM=_AS_INT[element], ALIGNED=paged.aligned, BLOCK_N=32,
         BLOCK_D=triton.next_power_of_2(g.head_dim),
     )
+
+
+JIT_KERNELS = {"paged_move": _move_paged_kernel}  # by name, for dynts.kernels.compiled_variants

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .dispatch import contiguous_aligned
 
-__all__ = ["KEEP_TOP_TILE", "keep_top_triton"]
+__all__ = ["JIT_KERNELS", "KEEP_TOP_TILE", "keep_top_triton"]
 
 KEEP_TOP_TILE = 2048  # slots a program holds at once (8 per thread at 8 warps)
 
@@ -128,3 +128,6 @@ def keep_top_triton(priority: torch.Tensor, valid: torch.Tensor, n_keep: int, ti
         TILE=tile, num_warps=max(1, min(8, tile // 256)),
     )
     return out
+
+
+JIT_KERNELS = {"keep_top": _keep_top_kernel}  # by name, for dynts.kernels.compiled_variants

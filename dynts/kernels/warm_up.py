@@ -62,12 +62,11 @@ def compiled_variants() -> dict[str, int | None]:
     """How many compiled variants Triton holds of each eviction kernel, over every device (``None`` where this
     Triton's JIT keeps its cache elsewhere, or under ``TRITON_INTERPRET=1``, which compiles nothing). A round
     that compiles nothing leaves the counts unchanged. Imports Triton: call it only where Triton runs."""
-    from .triton_kernels import _compact_kernel
-    from .triton_paged import _move_paged_kernel
-    from .triton_select import _keep_top_kernel
+    from . import triton_kernels, triton_paged, triton_select
 
     counts: dict[str, int | None] = {}
-    for name, kernel in (("paged_move", _move_paged_kernel), ("keep_top", _keep_top_kernel), ("compact", _compact_kernel)):
+    kernels = {**triton_paged.JIT_KERNELS, **triton_select.JIT_KERNELS, **triton_kernels.JIT_KERNELS}
+    for name, kernel in kernels.items():
         caches = getattr(kernel, "device_caches", None)
         try:
             counts[name] = sum(len(entry[0]) for entry in caches.values()) if caches is not None else None

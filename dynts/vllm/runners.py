@@ -6,7 +6,7 @@ asked for dynts, when its KV cache is allocated (:func:`dynts.vllm.wrapping.bind
 
 | runner | method | what dynts adds |
 |---|---|---|
-| both | ``initialize_kv_cache`` | builds and checks the worker hooks (layout, KV groups and their kind, cross-layer KV sharing, kernel blocks, tokenizer, predictor); binds the rest |
+| both | ``initialize_kv_cache`` | builds and checks the worker hooks (layout, KV groups and their kind, cross-layer KV sharing, kernel blocks, tokenizer, predictor), compiles the eviction kernels (:func:`dynts.kernels.warm_up_kernels`); binds the rest |
 | both | ``Worker.determine_available_memory`` (and the CPU worker's) | the slot table's bytes are charged against the KV cache |
 | V1 | ``execute_model`` / ``_prepare_inputs`` / ``_model_forward`` (bound) | :class:`~dynts.vllm.worker.WorkerHooks`: events, recording, scores |
 | V1 | ``execute_model``, ``sample_tokens`` (bound) | requests the worker failed (an event for a request it does not track) ride on the round's ``ModelRunnerOutput`` to the scheduler (:func:`report_faults`) |
@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
+from ..kernels import warm_up_kernels
 from .checks import check_kv_sharing
 from .config import PluginConfig
 from .worker import WorkerHooks, slot_table_bytes
@@ -144,6 +145,8 @@ def install_runner(kind: str) -> None:
                 check_kv_sharing(self)
             # built and checked now (backend layout, KV groups, kernel blocks, tokenizer, predictor), not at a request
             self._dynts = hooks_cls(self, config, getattr(self, kernel_attr, None)) if config else None
+            if self._dynts is not None:  # Triton compiles the round's kernels now, not at the first eviction round
+                warm_up_kernels(self._dynts.kv)
             if config is not None and "execute_model" not in vars(self):  # once, even if the cache is rebuilt
                 binder(self)
         return initialize_kv_cache
