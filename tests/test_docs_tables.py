@@ -164,7 +164,8 @@ def test_readme_results_at_a_glance_are_the_records():
     copy = lines["Copy, toy testbed"]
     cells = final_cells("copy")
     assert "`reports/final-copy/`" in copy and all(c[4].startswith("h2o") for c in cells) and "H2O" in copy
-    assert f"DynTS scores {' / '.join(c[3] for c in cells)} %" in copy and f"({cells[0][2]} %)" in copy
+    assert f"DynTS scores {' / '.join(c[3] for c in cells)} % at budgets B = {' / '.join(c[1] for c in cells)}" in copy
+    assert f"(full cache {cells[0][2]} %)" in copy
     assert f"({' / '.join(c[5] for c in cells)} %)" in copy and {c[7] for c in cells} == {"inconclusive"}
 
     chain = lines["Chain, toy testbed"]
