@@ -77,18 +77,22 @@ def plot_oracle_choice(rows: dict[str, dict[str, Any]], path: str | Path, kvr: d
     keys = [("A_evict", "evicted base"), ("A_helper", "helper (full cache)"), ("A_oracle", "oracle choice"), ("A_full", "full cache")]
     fig, ax = new_figure(1.9 + 2.2 * len(rows), 3.6)
     width = 0.8 / (len(keys) + (kvr is not None))
+    colors = {label: f"C{i}" for i, label in enumerate(["evicted base", "helper (full cache)", "oracle choice", "KV-Rescue",
+                                                        "full cache"])}  # one color per bar kind in every group
+    named: set[str] = set()
     for g, (method, r) in enumerate(rows.items()):
         bars = [(label, r[k], r["se"][k]) for k, label in keys]
         if kvr is not None and method in kvr:
             bars.insert(3, ("KV-Rescue", kvr[method], _binomial_se(kvr[method], r["problems"])))
         for j, (label, value, se) in enumerate(bars):
             ax.bar(g + (j - (len(bars) - 1) / 2) * width, 100 * value, width, yerr=100 * se, capsize=2,
-                   color=f"C{j}", label=label if g == 0 else None)
+                   color=colors[label], label=None if label in named else label)
+            named.add(label)
         if r["recovered_fraction"] is not None:
             ax.text(g, 103, f"recovered {r['recovered_fraction']:.2f}", ha="center", fontsize=8)
     ax.set_xticks(range(len(rows)), [f"base: {m}" for m in rows])
     ax.set_ylim(0, 112)
     ax.set_ylabel("pass@1 (%)")
     ax.set_title("Oracle choice between the evicted base and the helper (KV-Rescue Fig. 1a)", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
     return save_png(fig, path, dpi=130)
