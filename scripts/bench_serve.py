@@ -96,7 +96,7 @@ def plot(runs: list[dict], requests: int, generate: int, num_blocks: int, path: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5), layout="constrained")  # room for every label (eval/figures.py)
+    fig, ax = plt.subplots(figsize=(7, 3.5), layout="constrained")  # room for every label (eval/harness/figures.py)
     for r in runs:
         ax.plot([t for t, _, _ in r["trace"]], [b for _, b, _ in r["trace"]], label=r["name"])
     ax.axhline(num_blocks, color="gray", ls="--", lw=0.8, label="pool")

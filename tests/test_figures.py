@@ -1,4 +1,4 @@
-"""Every method is named inside the plots ``dynts eval`` and ``dynts demo`` write (``eval/figures.py``,
+"""Every method is named inside the plots ``dynts eval`` and ``dynts demo`` write (``eval/harness/figures.py``,
 ``eval.harness.report``): each label's drawn extent lies inside the figure."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.figures import labels_outside, new_figure, save_png
+from eval.harness.figures import labels_outside, new_figure, save_png
 from eval.harness.report import display_labels, plot_sweep, sweep_figure
 
 ROOT = Path(__file__).resolve().parents[1]

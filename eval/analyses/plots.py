@@ -1,4 +1,4 @@
-"""Figures of the analyses (:mod:`eval.figures`: labels inside the image): each writes a PNG and the plotted data as CSV.
+"""Figures of the analyses (:mod:`eval.harness.figures`: labels inside the image): each writes a PNG and the plotted data as CSV.
 
 - :func:`plot_pareto`: accuracy vs. share of thinking tokens kept, top / bottom / random, with the
   full-thinking accuracy as a dashed line (DynTS paper Fig. 3 left, Fig. 12).
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from eval.figures import new_figure, save_png
+from eval.harness.figures import new_figure, save_png
 
 __all__ = ["plot_importance_strips", "plot_pareto", "plot_pos_deciles", "write_csv"]
 

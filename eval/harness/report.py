@@ -186,7 +186,7 @@ def _lines(rows: Sequence[dict[str, Any]], x: str, names: dict[str, str]) -> tup
 def sweep_figure(results: Sequence[dict[str, Any]], x: str) -> Any | None:
     """The figure of :func:`plot_sweep` (``None`` if nothing to plot): each panel is as wide as its bars or
     lines need plus its widest tick label or legend entry, so every method is named inside the figure."""
-    from eval.figures import new_figure, text_width_inches
+    from eval.harness.figures import new_figure, text_width_inches
 
     benchmarks = list(dict.fromkeys(r["benchmark"] for r in results))
     if not any(r.get(x) is not None for r in results):
@@ -231,7 +231,7 @@ def plot_sweep(results: Sequence[dict[str, Any]], x: str, path: Path) -> Path | 
     one line per method setting; the full cache is a dashed horizontal line. A panel with a single
     value of ``x`` (e.g. the demo's one budget) shows bars per method instead. Methods go by their
     short names (:func:`display_labels`). ``None`` if nothing to plot."""
-    from eval.figures import save_png
+    from eval.harness.figures import save_png
 
     fig = sweep_figure(results, x)
     return None if fig is None else save_png(fig, path)

@@ -72,7 +72,7 @@ def oracle_choice_table(rows: dict[str, dict[str, Any]]) -> str:
 def plot_oracle_choice(rows: dict[str, dict[str, Any]], path: str | Path, kvr: dict[str, float] | None = None) -> Path:
     """Grouped bars per base method: evicted base, helper, oracle choice, KV-Rescue (if given) and
     full cache, with one standard error; the recovered fraction above each group."""
-    from eval.figures import new_figure, save_png
+    from eval.harness.figures import new_figure, save_png
 
     keys = [("A_evict", "evicted base"), ("A_helper", "helper (full cache)"), ("A_oracle", "oracle choice"), ("A_full", "full cache")]
     fig, ax = new_figure(1.9 + 2.2 * len(rows), 3.6)
