@@ -111,7 +111,7 @@ endif
 # vLLM (the CUDA wheel without its compiled parts, a generated stand-in for vllm._C_stable_libtorch, FlashAttention's
 # import guard patched) and the dependencies the image lacks, as CPython 3.12 wheels in $(VLLM_GPU_BUNDLE)/wheels
 # (~32 MiB, kept <= 40; ignored by git). Not part of `make test`: it downloads vLLM's CUDA wheel once (into
-# $(VLLM_GPU_BUNDLE)-cache). scripts/gpu_check.py installs it where a run carries it: docs/vllm.md, "vLLM on the
+# $(VLLM_GPU_BUNDLE)-cache). `python -m eval.perf.vllm_gpu_bundle` installs it where a call carries it: docs/vllm.md, "vLLM on the
 # lent GPU".
 VLLM_GPU_BUNDLE ?= .vllm-gpu-bundle
 $(VLLM_GPU_BUNDLE)/bundle.json: scripts/vllm_gpu_bundle/build.sh scripts/vllm_gpu_bundle/gen_shim.py \

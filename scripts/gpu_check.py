@@ -1,77 +1,74 @@
-"""One prepared check for the GPU machine (one H200, about 8 minutes): versions, kernels, exactness,
-serving and decode speed at 7B shapes, one JSON.
+"""The first of a lending's two prepared GPU commands: versions, kernels, the vLLM worker hooks, exactness, decode
+and serving speed at 7B shapes, one JSON. The second is the carried vLLM (``python -m eval.perf.vllm_gpu_bundle``).
 
-Sections, in order (each time-boxed and saved to ``gpu_check.json`` as it finishes):
+A lending is 15 minutes of device time in all and one command at most 10 minutes, so the sections run most
+informative first against a running deadline (``--budget-s``, default 540 s): each has an estimate
+(:func:`eval.perf.gpu_plans.gpu_steps`, from the 2026-12-04 H200 run where measured), runs only when that fits in
+what is left, time-boxed at what is left (at most its cap), and a section that does not fit is listed under
+``skipped`` with its estimate and the seconds that were left. ``--dry-run --plan`` lists both commands and their
+time plans, alone and in one lending, without a GPU. Sections, in order (each saved to ``gpu_check.json`` as it
+finishes):
 
 (1) ``versions``: python, torch, CUDA, triton, transformers, huggingface-hub, checked against the
     ranges in ``pyproject.toml`` and against ``import dynts`` (which refuses an unsupported
     transformers). A release outside the core range stops the script before any test or timing
     (exit 2; the JSON says why): timings of a cache that computes wrong tokens are worth nothing. The
-    ``serve`` extra's narrower range (``import dynts.serving``) only gates the serving sections (6)
-    and (7), which are then skipped with the reason under ``serving_refused``.
-(2) ``kernels``: Triton compaction and keep-top selection vs the torch reference at the real layout,
-    K/V ``[16, 4, 8192, 128]`` bf16 (bitwise: they only move data), with their times.
-(3) ``attention_stats``: H2O/SnapKV/R-KV statistics of one decode step (``attention_rows``, 28 query /
-    4 KV heads, 4096 keys, batch 16, bf16), ``q k^T`` in bf16 vs the key cache cast to float32.
+    ``serve`` extra's narrower range (``import dynts.serving``) only gates the serving sections, which are then
+    skipped with the reason.
+(2) ``kernels``: keep-top's start-up compile (:func:`dynts.kernels.warm_up_kernels`); Triton compaction and keep-top
+    vs the torch reference at the real layout, K/V ``[16, 4, 8192, 128]`` bf16 (bitwise: they only move data), with
+    their times; keep-top at B = 4k / 16k / 64k (16 rows, tiled, one compiled kernel for every budget: Triton's
+    compiled variants must not change across budgets, ``recompiled``).
+(3) ``vllm``: the vLLM plugin's worker side at the R1-7B attention shape (28 layers, 4 KV heads, head 128, block 16,
+    bf16), without vLLM's engine: the slot move of one eviction round of 32 requests at B = 4096 (``PagedKV``: one
+    Triton launch for all 28 layers, compiled by its warm-up, ``warm_up_s``; the timed rounds compile nothing,
+    ``recompiled``) on FLASH_ATTN's KV cache as vLLM allocates it (``LBNHC``; ``LBHNC`` beside it), exact against a
+    reference gather, median of 10 (CUDA events), GB/s and its share of the 4.3 TB/s bound, its peak scratch; the
+    worker hooks (``scripts/bench_vllm_hooks.py``: DynTS + a random predictor, up to 256 rows decoding one token
+    each) on the stand-in V1 and V2 runners: microseconds and host syncs per plain decode step and per eviction round
+    (``hooks_by_runner``), each after a small run that checks every row's stored K/V against the evictor's decisions;
+    ``graph_replay``: the V2 hooks between replays of a captured CUDA graph of a stand-in forward that reads the
+    runner's persistent buffers (:mod:`eval.perf.vllm_graph_check`), against the eager drive.
 (4) ``logits``: a bounded cache that never evicts vs a plain forward: bf16 logits within 4 ulps of the
     largest logit (SDPA on strided views and on contiguous tensors may sum in another order: no
     bitwise demand) and, in float32, greedy tokens identical to ``model.generate``.
 (5) ``tests``: ``pytest -m cuda`` (tests/test_cuda.py).
-(6) ``serve``: ``scripts/bench_serve.py`` on a RANDOM-INIT model of DeepSeek-R1-Distill-Qwen-7B's
-    shape in bf16 (28 layers, hidden 3584, 28 query / 4 KV heads, head dim 128; speed does not
-    depend on the weights): stock continuous batching vs per-request eviction at one block pool,
-    StreamingLLM and DynTS (a random-init predictor) when it fits in the section's time.
-(7) ``serve_graphs``: DynTS in continuous batching with the engine's CUDA graphs on vs off (a
-    random-init model, float32, a random predictor): the same tokens and kept sets at every event,
-    graph replays counted, seconds of both runs.
-(8) ``decode``: ``scripts/bench_decode.py``'s measurement (:mod:`eval.perf.decode_bench`) on the same
-    model at L = 8k / 16k / 32k, B = 2k / 4k, batch 1 and 16, eager and compiled, ``--methods`` (window,
-    DynTS) and one compiled combination of the attention-statistics methods (H2O, SnapKV, R-KV): speedup vs
-    the full cache, t / t_full(B), peak KV and GPU memory (combinations in :func:`plan`'s order; what did not
-    fit in time or memory is listed under ``skipped``). Every lane, eager too, takes one untimed decode step
-    before its timed ones; a compiled full cache is ONE static cache of capacity max(L) + 3N + 1 for every L
-    (``full_capacity`` in each row; the table says so), so its t_full(L) does not grow with L.
-(9) ``vllm``: the vLLM plugin's worker side at the R1-7B attention shape (28 layers, 4 KV heads, head 128,
-    block 16, bf16), without vLLM's engine (the GPU image lacks vLLM, whose wheel is far over what a call can
-    carry; ``engine`` says whether it was importable): the slot move of one eviction round of 32 requests at
-    B = 4096 (``PagedKV``: one Triton launch for all 28 layers) on FLASH_ATTN's KV cache as vLLM allocates it
-    (default layout ``LBNHC``; ``LBHNC`` beside it), exact against a reference gather, median of 10 after a
-    warm-up (CUDA events), GB/s and its share of the 4.3 TB/s bound, its peak scratch; the worker
-    hooks (``scripts/bench_vllm_hooks.py``: DynTS + a random predictor, 256 rows decoding one token each) on the
-    stand-in V1 runner (vLLM 0.32, ``WorkerHooks``) and V2 runner (vLLM 0.34, ``RunnerV2Hooks``):
-    microseconds and host syncs per plain decode step and per eviction round (``hooks_by_runner``), each after a
-    small run that checks every row's stored K/V against the evictor's decisions; ``graph_replay``: the V2 hooks
-    between replays of a captured CUDA graph of a stand-in forward that reads the runner's persistent buffers
-    (:mod:`eval.perf.vllm_graph_check`), every row's stored K/V and attention output against the eager drive.
-(10) ``vllm_v2``: vLLM 0.34 with the plugin. Where the run carries ``.vllm-gpu-bundle`` (``make vllm-gpu-bundle``:
-    a pure-Python vLLM and the dependencies the image lacks, ~32 MiB): installed into a temporary folder, then
-    (:mod:`eval.perf.vllm_gpu_bundle`) a stock smoke (FULL_AND_PIECEWISE, tokens vs transformers), ``dynts vllm-check``
-    on TRITON_ATTN with FULL_AND_PIECEWISE graphs in float32 and bfloat16 (the testbed LRM with its predictor, a tiny
-    Llama), and the plugin's cost at vLLM's defaults on a dummy-weight model of the 7B shape (stock vs nothing evicted
-    vs DynTS and StreamingLLM, an ample and a tight pool), time-boxed, what did not fit under ``not_run``. Where vLLM
-    is installed instead: ``dynts vllm-check`` on FLASH_ATTN with FA2 and FA3 (:mod:`eval.perf.vllm_v2_check`).
-    Skipped otherwise, with the command that builds the bundle.
+(6) ``serve_graphs``: DynTS in continuous batching with the engine's CUDA graphs on vs off (a random-init model,
+    float32, a random predictor): the same tokens and kept sets at every event, graph replays counted.
+(7) ``model``: a RANDOM-INIT model of DeepSeek-R1-Distill-Qwen-7B's shape in bf16 (28 layers, hidden 3584, 28 query /
+    4 KV heads, head dim 128; speed does not depend on the weights), for the speed sections.
+(8) ``decode``: ``scripts/bench_decode.py``'s measurement (:mod:`eval.perf.decode_bench`) at L = 8k / 16k / 32k,
+    one combination at a time in :data:`eval.perf.gpu_plans.DECODE`'s order (eager batch 1 B = 4096, compiled batch
+    1, then, after the serving section, eager batch 16, ...): speedup vs the full cache, t / t_full(B), peak KV and
+    GPU memory. Every lane takes one untimed decode step before its timed ones; a compiled full cache is ONE static cache of capacity
+    max(L) + 3N + 1 for every L (``full_capacity``), so its t_full(L) does not grow with L.
+(9) ``serve``: ``scripts/bench_serve.py`` on the same model: stock continuous batching vs per-request eviction at one
+    block pool (8 requests, room for 4 at full length), StreamingLLM and DynTS (a random-init predictor) when it fits.
+(10) ``attention_stats``: H2O/SnapKV/R-KV statistics of one decode step (``attention_rows``, 28 query / 4 KV heads,
+    4096 keys, batch 16, bf16), ``q k^T`` in bf16 vs the key cache cast to float32.
 
-Run it there (the device tool's ``run``, ``timeout_s=600``, ``carry=[".vllm-gpu-bundle"]`` for section (10); the
-image has no install of this checkout, ``PYTHONPATH=$PWD`` puts its packages on the path)::
+Run it there (the device tool's ``run``, ``timeout_s=600``; the image has no install of this checkout,
+``PYTHONPATH=$PWD`` puts its packages on the path)::
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 scripts/gpu_check.py --out $OUT
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 scripts/gpu_check.py --out $OUT --budget-s 540
 
 A call copies the working tree and the carried paths, 64 MiB at most, and the tree is ~128 MB (reports/, the
 testbed checkpoints): ``bash scripts/gpu_tree.sh stash`` before it moves out what the check does not read (it
-prints what travels, ~6 MiB + the bundle's 32), ``bash scripts/gpu_tree.sh restore`` after it puts it back.
+prints what travels, ~6 MiB; the second command carries the bundle's 32 MiB besides), ``bash scripts/gpu_tree.sh
+restore`` after it puts it back. docs/performance.md, "GPU checks in one lending", has both commands in one lending.
 
-dynts supports transformers ``>=5.17,<5.25`` (``dynts/hf_compat.py``), so the image's own release
-runs every section but the serving ones; those need ``dynts.serving``'s ``>=5.24,<5.25``. To run them
-on an older image, carry wheels of transformers 5.24 and its huggingface-hub (``pip download --no-deps
---only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl transformers==5.24.0
+dynts supports transformers ``>=5.17,<5.26`` (``dynts/hf_compat.py``), so the image's own release
+runs every section but the serving ones; those need ``dynts.serving``'s narrower range. To run them
+on an older image, carry wheels of transformers and its huggingface-hub (``pip download --no-deps
+--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl transformers==X
 huggingface-hub==Y``, ``carry=[".whl"]``) and put them first on the path there (``pip install
 --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD``).
 
 On CPU every section runs at tiny shapes (tests collected only), so the script is known to run
 (tests/test_gpu_check.py)::
 
-    python scripts/gpu_check.py --dry-run --out /tmp/gpu_check
+    python scripts/gpu_check.py --dry-run --out /tmp/gpu_check          # the plans, then every section, tiny
+    python scripts/gpu_check.py --dry-run --plan --out /tmp/gpu_check   # the plans only
 """
 
 from __future__ import annotations
@@ -95,6 +92,9 @@ from types import SimpleNamespace
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # eval.perf.time_plan, also when run without PYTHONPATH
+from eval.perf.gpu_plans import combo_name, gpu_steps, lending_plans, plan, print_plans  # noqa: E402
+from eval.perf.time_plan import DEFAULT_BUDGET_S, Deadline  # noqa: E402
 # dynts, eval.perf.decode_bench and bench_serve are imported only after check_versions() accepted the release
 
 TINY = dict(
@@ -154,26 +154,6 @@ def run_tests(dry_run: bool, seconds: float) -> dict:
     except subprocess.TimeoutExpired as err:
         tail, rc = f"timed out after {seconds:.0f} s\n{(err.stdout or b'')[-3000:]!r}", 124
     return dict(command=" ".join(command[1:]), returncode=rc, seconds=time.perf_counter() - started, output_tail=tail)
-
-
-STATS_METHODS = ["h2o", "snapkv", "rkv"]  # the attention-statistics methods: one compiled combination
-
-
-def plan(dry_run: bool) -> list[dict]:
-    """The combinations in run order: the most informative per second first (batch 1 is cheap; a
-    compiled combination pays ~1 min of compilation per lane for 28 layers; batch 16 at 32k pays
-    ~1 min of prefill for the full cache). A combination with ``methods`` runs those instead of
-    ``--methods``: the attention-statistics methods, compiled (never timed on a GPU before, so ahead of the
-    compiled ``--methods`` combination, which then reuses its full lanes' graphs)."""
-    if dry_run:  # every code path once: eager at two batch sizes, compiled once, the statistics methods compiled
-        positions = [256, 512]
-        order = [(False, 1, 64), (False, 2, 64), (True, 1, 64, STATS_METHODS), (True, 1, 64)]
-    else:
-        positions = [8192, 16384, 32768]
-        order = [(False, 1, 2048), (False, 1, 4096), (True, 1, 4096, STATS_METHODS), (True, 1, 4096), (False, 16, 4096),
-                 (False, 16, 2048), (True, 16, 4096), (True, 1, 2048), (True, 16, 2048)]
-    return [dict(compile=c, batch=b, budget=budget, positions=positions, **({"methods": m[0]} if m else {}))
-            for c, b, budget, *m in order]
 
 
 def kv_bytes_per_token(shape: dict, dtype: torch.dtype) -> int:
@@ -278,9 +258,11 @@ def _cuda_ms(fn, repeat: int, device: torch.device) -> float:
 
 
 def kernel_check(device: torch.device, dry_run: bool) -> dict:
-    """compact_ / keep_top_indices (Triton on CUDA) vs the torch reference at ``[b, h, n, d]``."""
-    from dynts.kernels import backend_for, compact_, compact_torch_, keep_top_indices, keep_top_torch
+    """compact_ / keep_top_indices (Triton on CUDA) vs the torch reference at ``[b, h, n, d]``; keep-top's start-up
+    compile (:func:`dynts.kernels.warm_up_kernels`), then keep-top at budgets up to 64k (:func:`keep_top_by_budget`)."""
+    from dynts.kernels import backend_for, compact_, compact_torch_, keep_top_indices, keep_top_torch, warm_up_kernels
 
+    warm = warm_up_kernels(device=device)  # first: its seconds are the compile's
     b, h, n, d = (2, 2, 64, 16) if dry_run else (16, 4, 8192, 128)
     dtype = torch.float32 if dry_run else torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -309,9 +291,35 @@ def kernel_check(device: torch.device, dry_run: bool) -> dict:
                  compact_per_head_torch_ms=_cuda_ms(lambda: compact_torch_(scratch, per_head, n, owners), 5, device),
                  select_ms=_cuda_ms(lambda: keep_top_indices(priority, valid, k), 5, device),
                  select_torch_ms=_cuda_ms(lambda: keep_top_torch(priority, valid, k), 5, device))
+    by_budget = keep_top_by_budget(device, dry_run, warm["backend"] == "triton")
     return dict(layout=[b, h, n, d], dtype=str(dtype), n_keep=k, backend=backend_for(buffers[0]),
                 select_equal=select_equal, compact_equal=compact_equal, per_head_equal=per_head_equal,
-                ok=select_equal and compact_equal and per_head_equal, **times)
+                warm_up=warm, keep_top_by_budget=by_budget,
+                ok=select_equal and compact_equal and per_head_equal and by_budget["ok"], **times)
+
+
+def keep_top_by_budget(device: torch.device, dry_run: bool, triton: bool) -> dict:
+    """Keep-top (tiled: one compiled kernel for every budget) at the budgets of long reasoning, 16 rows of
+    ``B + B / 8`` slots each (an event), vs the torch reference: equal, milliseconds of both, and Triton's compiled
+    variants before and after (``recompiled`` must stay false after the warm-up)."""
+    from dynts.kernels import compiled_variants, keep_top_indices, keep_top_torch
+
+    before = compiled_variants() if triton else None
+    g = torch.Generator(device="cpu").manual_seed(1)
+    rows, budgets = (2, [16, 64, 256]) if dry_run else (16, [4096, 16384, 65536])
+    out: dict = {"rows": rows, "budgets": {}}
+    for budget in budgets:
+        n = budget + budget // 8
+        priority = torch.randn(rows, n, generator=g).to(device)
+        valid = (torch.rand(rows, n, generator=g) > 0.05).to(device)
+        equal = torch.equal(keep_top_indices(priority, valid, budget).cpu(), keep_top_torch(priority, valid, budget).cpu())
+        out["budgets"][budget] = dict(slots=n, equal=equal,
+                                      ms=_cuda_ms(lambda: keep_top_indices(priority, valid, budget), 5, device),
+                                      torch_ms=_cuda_ms(lambda: keep_top_torch(priority, valid, budget), 5, device))
+    out["variants_before"], out["variants_after"] = before, compiled_variants() if triton else None
+    out["recompiled"] = before != out["variants_after"]
+    out["ok"] = all(r["equal"] for r in out["budgets"].values()) and not out["recompiled"]
+    return out
 
 
 def attention_stats_check(device: torch.device, dry_run: bool) -> dict:
@@ -385,7 +393,7 @@ def serve_check(model, dry_run: bool, seconds: float = math.inf) -> dict:
     started = time.perf_counter()
     cfg = (dict(requests=4, prompt=8, generate=24, page=8, full_requests=1, max_batch_tokens=64, budget=16, window=4)
            if dry_run else
-           dict(requests=16, prompt=32, generate=256, page=32, full_requests=4, max_batch_tokens=1024, budget=128, window=16))
+           dict(requests=8, prompt=32, generate=256, page=32, full_requests=4, max_batch_tokens=1024, budget=128, window=16))
     args = SimpleNamespace(generate=cfg["generate"], page=cfg["page"], max_batch_tokens=cfg["max_batch_tokens"])
     config = model.config.get_text_config()
     g = torch.Generator().manual_seed(0)
@@ -468,39 +476,33 @@ def serve_graphs_check(device: torch.device, dry_run: bool) -> dict:
                 seconds_graphs_off=off["seconds"], seconds_graphs_on=on["seconds"], ok=ok)
 
 
-def decode_bench(model, args, shape: dict, dtype, result: dict, left, save) -> None:
-    """bench_decode combinations in :func:`plan`'s order, each time-boxed; appends to ``result``."""
+def decode_combo(model, combo: dict, args, shape: dict, dtype, result: dict, box: float) -> None:
+    """One bench_decode combination inside ``box`` seconds: appended to ``result["bench"]``, or to
+    ``result["skipped"]`` with why (no room in memory, its time box, out of memory)."""
+    name = combo_name(combo)
+    record = {k: v for k, v in combo.items() if k not in ("estimate_s", "basis")}
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
-    per_token = kv_bytes_per_token(shape, dtype)
-    for combo in plan(args.dry_run):
-        name = (f"{'compiled' if combo['compile'] else 'eager'} batch {combo['batch']} B={combo['budget']}"
-                + (f" ({', '.join(combo['methods'])})" if "methods" in combo else ""))
-        full_kv = combo["batch"] * (max(combo["positions"]) + 64) * per_token
-        if free is not None and full_kv > 0.8 * free:
-            result["skipped"].append(dict(**combo, reason=f"full cache {full_kv / 2**30:.1f} GiB > 80% of free memory"))
-            continue
-        if left() < 20:
-            result["skipped"].append(dict(**combo, reason="out of time"))
-            continue
-        box = left() - 10
-        print(f"{name}: up to {box:.0f} s", flush=True)
-        t0 = time.perf_counter()
-        try:
-            with time_box(box):
-                record = run_combo(model, combo, args, shape, dtype)
-        except TimeoutError as err:
-            result["skipped"].append(dict(**combo, reason=str(err)))
-            print(f"  {err}", flush=True)
-        except torch.cuda.OutOfMemoryError as err:
-            result["skipped"].append(dict(**combo, reason=f"out of memory: {str(err)[:200]}"))
-        else:
-            record["seconds"] = time.perf_counter() - t0
-            result["bench"].append(record)
-            print_combo(record)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        save()
+    full_kv = combo["batch"] * (max(combo["positions"]) + 64) * kv_bytes_per_token(shape, dtype)
+    if free is not None and full_kv > 0.8 * free:
+        result["skipped"].append(dict(section=name, **record, reason=f"full cache {full_kv / 2**30:.1f} GiB > 80% of free memory"))
+        return
+    print(f"{name}: up to {box:.0f} s", flush=True)
+    t0 = time.perf_counter()
+    try:
+        with time_box(box):
+            out = run_combo(model, combo, args, shape, dtype)
+    except TimeoutError as err:
+        result["skipped"].append(dict(section=name, **record, reason=str(err)))
+        print(f"  {err}", flush=True)
+    except torch.cuda.OutOfMemoryError as err:
+        result["skipped"].append(dict(section=name, **record, reason=f"out of memory: {str(err)[:200]}"))
+    else:
+        out["seconds"] = time.perf_counter() - t0
+        result["bench"].append(out)
+        print_combo(out)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _timed_ms(fn, repeat: int, device: torch.device) -> list[float]:
@@ -582,6 +584,7 @@ def vllm_check(device: torch.device, dry_run: bool) -> dict:
     import importlib.util
 
     from dynts.core import copy_plan
+    from dynts.kernels import compiled_variants
     from dynts.kernels.paged import PagedKV
     from dynts.vllm.layouts import geometry_for
     from eval.perf.vllm_hooks_bench import vllm_kv_caches
@@ -616,6 +619,12 @@ def vllm_check(device: torch.device, dry_run: bool) -> dict:
         flat[dst] = flat[src].clone()
         expected = flat.reshape(num_blocks, block, heads, 2 * head).transpose(1, 2)
         paged = PagedKV(caches, block, geometry_for("FLASH_ATTN", None, caches[0]))
+        t0 = time.perf_counter()
+        warmed = paged.warm_up()  # the start-up compile (vLLM's worker runs it at initialize_kv_cache)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        warm_up_s = time.perf_counter() - t0
+        variants = compiled_variants() if paged.triton else None
 
         def round_copy() -> None:  # the whole round: every request, every layer, K and V (one launch with Triton)
             paged.move_(kept, blocks)
@@ -629,9 +638,12 @@ def vllm_check(device: torch.device, dry_run: bool) -> dict:
         times = _timed_ms(round_copy, repeats, device)
         ok = ok and exact
         median = sorted(times)[len(times) // 2]
+        recompiled = paged.triton and compiled_variants() != variants  # the round after the warm-up compiled
+        ok = ok and not recompiled
         out["copy_ms_by_layout"][layout] = {"median_ms": median, "ms": times, "exact": exact,
                                             "gb_per_s": bytes_moved / median / 1e6, "strides": list(caches[0].stride()),
-                                            "backend": "triton" if paged.triton else "torch"}
+                                            "backend": "triton" if paged.triton else "torch", "aligned": paged.aligned,
+                                            "warm_up_s": warm_up_s if warmed else None, "recompiled": recompiled}
         if layout == "LBNHC":
             out["peak_scratch_bytes"] = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
             out["kv_cache_bytes"] = sum(c.numel() * c.element_size() for c in caches)
@@ -658,30 +670,6 @@ def vllm_check(device: torch.device, dry_run: bool) -> dict:
     return out
 
 
-def vllm_engine_check(dry_run: bool, seconds: float) -> dict:
-    """vLLM 0.34 with the plugin. Where the run carries the bundle (``make vllm-gpu-bundle``; the image has no vLLM):
-    install it and run :mod:`eval.perf.vllm_gpu_bundle` (smoke, ``dynts vllm-check`` on TRITON_ATTN with
-    FULL_AND_PIECEWISE graphs in float32 and bfloat16, the plugin's cost on a dummy-weight R1-7B-shape model) for up to
-    ``seconds``. Else, where vLLM is installed: :mod:`eval.perf.vllm_v2_check` (FLASH_ATTN, FA2 and FA3). Else skipped,
-    saying how to build the bundle."""
-    import importlib.util
-
-    from eval.perf.random_models import R1_DISTILL_7B
-    from eval.perf.vllm_gpu_bundle import BUILD, BUNDLE, find_bundle, run_bundle
-
-    bundle = find_bundle()
-    if bundle is not None:
-        return run_bundle(bundle, dry_run, seconds, R1_DISTILL_7B)
-    if importlib.util.find_spec("vllm") is not None:
-        from eval.perf.vllm_v2_check import vllm_v2_check
-
-        return vllm_v2_check(dry_run)
-    reason = (f"no vLLM here and no bundle carried: build it with `{BUILD}` and carry {BUNDLE.name} "
-              f"(docs/vllm.md, 'vLLM on the lent GPU')")
-    print(f"vllm_v2: skipped: {reason}", flush=True)
-    return {"skipped": reason}
-
-
 def run_section(result: dict, name: str, fn, seconds: float, save) -> dict | None:
     """Run one section inside a time box; record its output, or its error, under ``result[name]``."""
     t0 = time.perf_counter()
@@ -700,26 +688,36 @@ def run_section(result: dict, name: str, fn, seconds: float, save) -> dict | Non
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="directory for gpu_check.json")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, tests collected only")
-    parser.add_argument("--budget-seconds", type=float, default=None,
-                        help="whole run (default 480; a dry run checks code paths, not time: no time boxes)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU: list both commands' time plans, then run every section at tiny shapes (no time boxes)")
+    parser.add_argument("--plan", action="store_true", help="with --dry-run: list the time plans only")
+    parser.add_argument("--budget-s", "--budget-seconds", dest="budget_s", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"the running deadline of this command (default {DEFAULT_BUDGET_S:.0f}; one call may run 600)")
     parser.add_argument("--methods", nargs="+", default=["window", "dynts"])
     parser.add_argument("--skip-tests", action="store_true")
     args = parser.parse_args(argv)
-    budget = args.budget_seconds or (math.inf if args.dry_run else 480.0)
-    box = lambda seconds: math.inf if math.isinf(budget) else seconds  # noqa: E731  (a section's time box; none in a dry run)
-    started = time.perf_counter()
-    left = lambda: budget - (time.perf_counter() - started)  # noqa: E731
+    if not 0 < args.budget_s <= 600:
+        parser.error(f"--budget-s {args.budget_s:g} must be in (0, 600]: one device call runs at most 600 s")
+    plans = lending_plans(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
     out_file = args.out / "gpu_check.json"
-    result = dict(dry_run=args.dry_run, budget_seconds=None if math.isinf(budget) else budget, versions=None, kernels=None, attention_stats=None,
-                  logits=None, tests=None, serve=None, serve_graphs=None, bench=[], skipped=[], vllm=None,
-                  vllm_v2=None)
+    steps = {step.name: step for step in gpu_steps()}
+    # a dry run checks code paths, not time: no deadline, no time boxes
+    deadline = Deadline(math.inf if args.dry_run else args.budget_s)
+    result = dict(dry_run=args.dry_run, budget_s=None if args.dry_run else args.budget_s,
+                  plan=plans["alone"]["gpu_check"], versions=None, kernels=None, vllm=None, logits=None, tests=None,
+                  serve_graphs=None, serve=None, attention_stats=None, bench=[], skipped=deadline.skipped)
+    if args.dry_run:
+        result["plans"] = plans
+        print_plans(plans)
 
     def save() -> None:
-        result["seconds"] = time.perf_counter() - started
+        result["seconds"] = time.perf_counter() - deadline.started
         out_file.write_text(json.dumps(result, indent=1, default=str))
 
+    if args.dry_run and args.plan:
+        save()
+        return 0 if all(p["planned_s"] <= DEFAULT_BUDGET_S for p in plans["alone"].values()) else 1
     result["versions"] = check_versions()
     save()
     if result["versions"]["refused"]:
@@ -735,33 +733,56 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     result.update(gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], shape=shape,
                   dtype=str(dtype), methods=args.methods)
-    run_section(result, "kernels", lambda: kernel_check(device, args.dry_run), box(60), save)
-    run_section(result, "attention_stats", lambda: attention_stats_check(device, args.dry_run), box(30), save)
-    run_section(result, "logits", lambda: logits_check(device, args.dry_run), box(60), save)
-    if not args.skip_tests:
-        result["tests"] = run_tests(args.dry_run, box(min(120.0, 0.25 * budget)))
-        print(f"tests: rc={result['tests']['returncode']} ({result['tests']['seconds']:.0f} s)\n"
-              f"{result['tests']['output_tail'][-1500:]}", flush=True)
-        save()
-    model = build_model(shape, str(device), dtype)
-    if result["versions"]["serving_refused"]:
-        for name in ("serve", "serve_graphs"):
-            result[name] = dict(skipped=result["versions"]["serving_refused"])
-        print("serving sections skipped:\n  " + "\n  ".join(result["versions"]["serving_refused"]), flush=True)
-    else:
-        serve_seconds = box(min(190.0, max(left() / 2, 20)))
-        run_section(result, "serve", lambda: serve_check(model, args.dry_run, serve_seconds), serve_seconds, save)
-        run_section(result, "serve_graphs", lambda: serve_graphs_check(device, args.dry_run), box(90), save)
-    run_section(result, "vllm", lambda: vllm_check(device, args.dry_run), box(150), save)
-    # the bundle's plan lists what did not fit; it stops 15 s inside its box, leaving the decode bench >= 60 s
-    vllm_seconds = box(max(90.0, min(420.0, left() - 60)))
-    run_section(result, "vllm_v2", lambda: vllm_engine_check(args.dry_run, vllm_seconds - 15), vllm_seconds, save)
-    decode_bench(model, args, shape, dtype, result, left, save)
+    combos = {combo_name(c): c for c in plan(args.dry_run)}
+    held = {"model": None}
+    serving_refused = result["versions"]["serving_refused"]
+
+    def build() -> dict:
+        held["model"] = build_model(shape, str(device), dtype)
+        return {"shape": shape, "dtype": str(dtype)}
+
+    def tests() -> dict:
+        return run_tests(args.dry_run, deadline.box(steps["tests"]))
+
+    sections = {"kernels": lambda: kernel_check(device, args.dry_run), "vllm": lambda: vllm_check(device, args.dry_run),
+                "logits": lambda: logits_check(device, args.dry_run), "tests": tests,
+                "serve_graphs": lambda: serve_graphs_check(device, args.dry_run), "model": build,
+                "serve": lambda: serve_check(held["model"], args.dry_run, deadline.box(steps["serve"])),
+                "attention_stats": lambda: attention_stats_check(device, args.dry_run)}
+    order = [step.name for step in gpu_steps()[1:]]  # setup has run
+    if args.dry_run:  # the tiny decode combinations, after the model
+        order = [n for n in order if n not in combos and not n.startswith("decode ")]
+        order[order.index("model") + 1:order.index("model") + 1] = list(combos)
+    for name in order:
+        step = steps.get(name)
+        if name in ("serve", "serve_graphs") and serving_refused:
+            result[name] = dict(skipped=serving_refused)
+            print(f"{name} skipped:\n  " + "\n  ".join(serving_refused), flush=True)
+            continue
+        if name in combos or name == "serve":
+            if held["model"] is None:
+                deadline.skipped.append({"section": name, "reason": "the model section did not run"})
+                continue
+        if step is not None and not deadline.admits(step):
+            print(f"{name}: skipped ({deadline.skipped[-1]['reason']})", flush=True)
+            continue
+        if name in combos:
+            decode_combo(held["model"], combos[name], args, shape, dtype, result,
+                         deadline.box(step) if step else math.inf)
+            save()
+        elif name == "tests":
+            if not args.skip_tests:
+                result["tests"] = tests()
+                print(f"tests: rc={result['tests']['returncode']} ({result['tests']['seconds']:.0f} s)\n"
+                      f"{result['tests']['output_tail'][-1500:]}", flush=True)
+                save()
+        else:
+            run_section(result, name, sections[name], deadline.box(step) if step else math.inf, save)
     save()
-    print(f"\nwrote {out_file} ({result['seconds']:.0f} s; {len(result['bench'])} decode combinations run, "
-          f"{len(result['skipped'])} skipped)")
+    print(f"\nwrote {out_file} ({result['seconds']:.0f} s of a {args.budget_s:.0f} s budget; {len(result['bench'])} decode "
+          f"combinations run; skipped: {', '.join(s['section'] for s in result['skipped']) or 'nothing'})")
     checks = [result[k] and result[k].get("ok", "error" not in result[k])
-              for k in ("kernels", "logits", "serve", "serve_graphs", "vllm", "vllm_v2")]
+              for k in ("kernels", "logits", "serve", "serve_graphs", "vllm") if result[k] is not None]
     tests_ok = result["tests"] is None or result["tests"]["returncode"] in (0, 5)
     return 0 if all(checks) and tests_ok else 1
 

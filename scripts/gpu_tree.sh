@@ -3,7 +3,8 @@
 # 64 MiB together. The tree is ~128 MB (reports/ and the testbed checkpoints), so around the call:
 #
 #   bash scripts/gpu_tree.sh stash     # moves what scripts/gpu_check.py does not read out of the tree, prints what travels
-#   run(command="... scripts/gpu_check.py --out $OUT", carry=[".vllm-gpu-bundle"], timeout_s=600)
+#   run(command="... scripts/gpu_check.py --out $OUT --budget-s 540", timeout_s=600), then
+#   run(command="... -m eval.perf.vllm_gpu_bundle --out $OUT --budget-s 540", carry=[".vllm-gpu-bundle"], timeout_s=600)
 #   bash scripts/gpu_tree.sh restore   # puts it back (before any commit: git sees the moved files as deleted meanwhile)
 #
 # Kept: the code, tests, docs, configs and the checkpoints the check loads (the testbed LRM and its predictor).

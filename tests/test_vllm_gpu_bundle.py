@@ -318,20 +318,59 @@ def test_an_inconclusive_bfloat16_check_is_decided_by_its_float32_run():
     assert alone["verdicts"] == {"check-bfloat16-testbed-dynts": "inconclusive", "check-float32-x": "error"}
 
 
-def test_engine_section_without_a_bundle_says_how_to_build_it(monkeypatch):
-    """scripts/gpu_check.py's vllm_v2 section on a machine with neither vLLM nor a carried bundle."""
+def test_command_without_a_bundle_or_vllm_says_how_to_build_it(tmp_path, monkeypatch):
+    """The second GPU command on a machine with neither vLLM nor a carried bundle: exit 2, the JSON says why."""
     import importlib.util
-
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import gpu_check
 
     import eval.perf.vllm_gpu_bundle as bundle_module
 
     monkeypatch.setattr(bundle_module, "find_bundle", lambda root=ROOT: None)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    result = gpu_check.vllm_engine_check(dry_run=True, seconds=60)
+    assert bundle_module.main(["--out", str(tmp_path)]) == 2
+    result = json.loads((tmp_path / "vllm_gpu_bundle.json").read_text())
     assert "make vllm-gpu-bundle" in result["skipped"] and ".vllm-gpu-bundle" in result["skipped"]
+
+
+def test_plan_runs_its_steps_in_the_time_plans_order(tmp_path):
+    from eval.perf.vllm_gpu_bundle import bundle_steps, cost_specs, plan
+
+    steps = plan(tmp_path, {"testbed": "testbed", "tiny-llama": "llama"}, "predictor", cost_specs("model", "predictor"))
+    assert [s["label"] for s in steps] == [s.name for s in bundle_steps()][2:]  # after install and models
+    assert all(s["step"].name == s["label"] and s["step"].cap_s for s in steps)
+    assert "--cudagraph-mode FULL_AND_PIECEWISE" in " ".join(steps[1]["command"]) and "float32" in steps[1]["command"]
+
+
+def test_a_run_skips_what_its_deadline_leaves_no_room_for(tmp_path, monkeypatch):
+    """run_bundle's loop (install, models and every step faked: each returns at once): at a 95 s budget the 90 s
+    steps run, the longer ones are skipped with their estimate and what was left, and without the decisive float32
+    check the run is not ok."""
+    import eval.perf.vllm_gpu_bundle as bundle_module
+
+    ran = []
+
+    def fake_step(step, env, timeout):
+        ran.append((step["label"], timeout))
+        status = 0
+        if step["kind"] == "vllm-check":
+            Path(step["command"][step["command"].index("--json") + 1]).write_text("{}")
+        return {"label": step["label"], "kind": step["kind"], "status": status, "seconds": 0.0, "result": {}}
+
+    monkeypatch.setattr(bundle_module, "PYTHON", tuple(__import__("sys").version_info[:2]))
+    monkeypatch.setattr(bundle_module, "install", lambda bundle, site: {"wheels": 0, "seconds": 0.0})
+    monkeypatch.setattr(bundle_module, "_models", lambda root, shape: {
+        "checks": {"testbed": "testbed", "tiny-llama": "llama"}, "predictor": "p", "cost_model": "m",
+        "cost_predictor": "p"})
+    monkeypatch.setattr(bundle_module, "_run_step", fake_step)
+    out = bundle_module.run_bundle(tmp_path, dry_run=False, budget_s=95, shape={})
+    assert [label for label, _ in ran] == ["smoke", "check-float32-tiny-llama-streamingllm",
+                                           "check-bfloat16-tiny-llama-streamingllm"]
+    assert all(timeout <= 90 for _, timeout in ran)  # boxed at what is left less the JSON's reserve
+    skipped = {s["section"]: s for s in out["skipped"]}
+    assert set(skipped) == {"check-float32-testbed-dynts", "cost-ample-stock", "cost-ample-plugin", "cost-tight-stock",
+                            "cost-tight-plugin", "check-bfloat16-testbed-dynts"}
+    assert skipped["cost-ample-stock"]["estimate_s"] == 120 and skipped["cost-ample-stock"]["left_s"] <= 95
+    assert not out["ok"] and not out["complete"]
 
 
 def test_the_bundle_tools_are_never_installed_with_dynts():

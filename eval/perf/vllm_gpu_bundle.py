@@ -1,41 +1,47 @@
-"""vLLM 0.34 on the lent GPU from the carry bundle (``make vllm-gpu-bundle``): ``scripts/gpu_check.py``'s ``vllm_v2``
-section where a run carries ``.vllm-gpu-bundle`` (the GPU image has no vLLM; docs/vllm.md, "vLLM on the lent GPU").
+"""vLLM 0.34 on the lent GPU from the carry bundle (``make vllm-gpu-bundle``): the second of a lending's two prepared
+commands (the first is ``scripts/gpu_check.py``; the GPU image has no vLLM; docs/vllm.md, "vLLM on the lent GPU")::
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 -m eval.perf.vllm_gpu_bundle --out $OUT --budget-s 540
 
 The bundle is vLLM 0.34.0 as pure Python (no compiled kernels: a generated stand-in for ``vllm._C_stable_libtorch``)
 and the dependencies the image lacks, as CPython 3.12 wheels. What it runs: the V2 model runner with ``torch.compile``
 and CUDA graphs, the TRITON_ATTN backend, vLLM's native (PyTorch) custom ops, dense unquantized models on one GPU.
-What it cannot run is refused (:data:`REFUSED`, :func:`refusal`), never faked.
+What it cannot run is refused (:data:`REFUSED`, :func:`refusal`), never faked. Where no bundle is carried but vLLM's
+CUDA wheel is installed, the command runs :mod:`.vllm_v2_check` (FLASH_ATTN, FA2 and FA3) instead.
 
-Steps, in :func:`plan`'s order (most informative first), each in its own process (vLLM keeps process-wide state) and
-time-boxed inside ``seconds``; whatever did not fit is listed under ``not_run``:
+Steps, in :func:`bundle_steps`'s order (most informative first), each in its own process (vLLM keeps process-wide
+state), against a running deadline of ``--budget-s`` (default 540 s): a step runs when its estimate fits in what is
+left, time-boxed at what is left (at most its cap); a step that does not fit is listed under ``skipped`` with its
+estimate and the seconds that were left:
 
-0. ``install``: ``pip install --no-index --no-deps --target`` a temporary folder (the image's platform tags), plus a
-   ``vllm.general_plugins`` entry-point record for this checkout (the image has no install of dynts: vLLM finds the
-   plugin through it, dynts itself through ``PYTHONPATH``).
-1. ``smoke``: stock vLLM, FULL_AND_PIECEWISE graphs, tokens against transformers
-   (``scripts/vllm_gpu_bundle/smoke.py``). Where its engine does not run, nothing else is tried.
-2. ``dynts vllm-check`` in float32 (the decisive dtype): the testbed LRM with its DynTS predictor, and a tiny random
-   Llama with R1-Distill-7B's attention head under StreamingLLM; ``--attention-backend TRITON_ATTN --cudagraph-mode
-   FULL_AND_PIECEWISE``, vLLM's other defaults (async scheduling).
-3. ``cost``: the plugin's cost on a dummy-weight (``load_format="dummy"``) model of R1-Distill-Qwen-7B's shape at
-   vLLM's defaults (V2 runner, async scheduling, FULL_AND_PIECEWISE graphs; TRITON_ATTN named), an ample pool (vLLM's
-   own sizing) then a tight one (``num_gpu_blocks_override``): stock vLLM in one engine; in another, the plugin with
-   nothing evicted (a budget above every length), DynTS with a random predictor and StreamingLLM at one budget.
-   Per workload: generated tokens/s, requests in flight, preemptions, inter-token latency p50/p99, CUDA-graph
-   replays, evictions (:func:`cost_engine`).
-4. ``dynts vllm-check`` in bfloat16, the same two models.
+- ``install``: ``pip install --no-index --no-deps --target`` a temporary folder (the image's platform tags), plus a
+  ``vllm.general_plugins`` entry-point record for this checkout (the image has no install of dynts: vLLM finds the
+  plugin through it, dynts itself through ``PYTHONPATH``); then the models.
+- ``smoke``: stock vLLM, FULL_AND_PIECEWISE graphs, tokens against transformers
+  (``scripts/vllm_gpu_bundle/smoke.py``). Where its engine does not run, nothing else is tried.
+- ``check-float32-testbed-dynts``: ``dynts vllm-check`` in float32 (the decisive dtype) on the testbed LRM with its
+  DynTS predictor; ``--attention-backend TRITON_ATTN --cudagraph-mode FULL_AND_PIECEWISE``, vLLM's other defaults
+  (async scheduling).
+- ``cost-ample-stock`` / ``cost-ample-plugin``: the plugin's cost on a dummy-weight (``load_format="dummy"``) model of
+  R1-Distill-Qwen-7B's shape at vLLM's defaults (V2 runner, async scheduling, FULL_AND_PIECEWISE graphs; TRITON_ATTN
+  named) with vLLM's own pool sizing: stock vLLM in one engine; in another, the plugin with nothing evicted (a budget
+  above every length), DynTS with a random predictor and StreamingLLM at one budget. Per workload: generated
+  tokens/s, requests in flight, preemptions, inter-token latency p50/p99, CUDA-graph replays, evictions
+  (:func:`cost_engine`).
+- then, as time allows: the float32 check of a tiny random Llama with R1-Distill-7B's attention head under
+  StreamingLLM, the cost at a tight pool (``num_gpu_blocks_override``), both checks in bfloat16.
 
 Inconclusive is not a pass: a ``vllm-check`` passes only when exact (exit 0); a bfloat16 run that is inconclusive (exit
 4: vLLM without eviction already differs from transformers) is decided by the float32 run of the same model
-(``decided_by``), as :mod:`.vllm_v2_check` decides its own, and listed under ``inconclusive``. The section is ok only
-when every check is exact, the smoke and the cost engines ran, and nothing was left out for time. Standalone, without the other sections of the check::
-
-    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 -m eval.perf.vllm_gpu_bundle --out $OUT --seconds 540
+(``decided_by``), as :mod:`.vllm_v2_check` decides its own, and listed under ``inconclusive``. ``ok``: the smoke and
+the decisive float32 check ran, every check that ran is exact and every other step that ran finished; ``complete``:
+nothing was skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -47,10 +53,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from .time_plan import DEFAULT_BUDGET_S, Deadline, Step
 from .vllm_v2_check import VERDICTS, tiny_r1_model
 
-__all__ = ["BUILD", "BUNDLE", "REFUSED", "cost_engine", "cost_specs", "count_preemptions", "decide", "find_bundle", "install", "plan", "refusal",
-           "run_bundle"]
+__all__ = ["BUILD", "BUNDLE", "REFUSED", "bundle_steps", "cost_engine", "cost_specs", "count_preemptions", "decide",
+           "find_bundle", "install", "plan", "refusal", "run_bundle"]
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ROOT / ".vllm-gpu-bundle"
@@ -144,31 +151,57 @@ def child_env(site: Path, cache: Path) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------------ the plan
+GUESS = "never run on a GPU: a guess"
+
+
+def bundle_steps() -> list[Step]:
+    """The plan's steps in run order with their estimates (no step has run on a GPU yet: each estimate is a guess
+    from vLLM's start-up -- import, profiling, ``torch.compile``, graph capture -- plus the step's own work) and time
+    boxes. Most informative first: the smoke (does the carried vLLM run at all), the decisive float32 check of the
+    plugin, then the cost at vLLM's defaults (stock vs the plugin), then what repeats these on other models, pools
+    and dtypes."""
+    return [
+        Step("install", 25, f"pip install of 28 wheels into a folder; {GUESS}", cap_s=120),
+        Step("models", 10, "the testbed and a tiny Llama saved, a 7B config and a random predictor: seconds on CPU"),
+        Step("smoke", 90, f"a tiny Llama, compile + FULL_AND_PIECEWISE capture, and transformers; {GUESS}", cap_s=180),
+        Step("check-float32-testbed-dynts", 100, f"the testbed reference in transformers, one engine; {GUESS}",
+             cap_s=150),
+        Step("cost-ample-stock", 120, f"a dummy 7B: compile, capture, 32 x 384 tokens; {GUESS}", cap_s=200),
+        Step("cost-ample-plugin", 140, f"as stock, three workloads; {GUESS}", cap_s=220),
+        Step("check-float32-tiny-llama-streamingllm", 90, f"a tiny Llama, one engine; {GUESS}", cap_s=150),
+        Step("cost-tight-stock", 120, "as cost-ample-stock", cap_s=200),
+        Step("cost-tight-plugin", 140, "as cost-ample-plugin", cap_s=220),
+        Step("check-bfloat16-testbed-dynts", 100, "as its float32 run", cap_s=150),
+        Step("check-bfloat16-tiny-llama-streamingllm", 90, "as its float32 run", cap_s=150),
+    ]
+
+
 def _check(label: str, model: str, dtype: str, extra: list[str], root: Path) -> dict[str, Any]:
     command = [sys.executable, "-m", "dynts.cli", "vllm-check", model, "--dtype", dtype, "--attention-backend", BACKEND,
                "--cudagraph-mode", GRAPHS, "--gpu-memory-utilization", "0.3", "--json", str(root / f"{label}.json"),
                *extra]
-    return {"label": label, "kind": "vllm-check", "command": command, "cap": 150}
+    return {"label": label, "kind": "vllm-check", "command": command}
 
 
 def plan(root: Path, models: dict[str, str], predictor: str, cost: dict[str, Any]) -> list[dict[str, Any]]:
-    """The steps in run order. ``models``: ``testbed`` and ``tiny-llama`` paths; ``cost``: :func:`cost_specs`'s
-    engines."""
-    smoke = {"label": "smoke", "kind": "smoke", "cap": 180,
+    """The steps' commands in :func:`bundle_steps`'s order, each with its estimate and time box. ``models``:
+    ``testbed`` and ``tiny-llama`` paths; ``cost``: :func:`cost_specs`'s engines."""
+    smoke = {"label": "smoke", "kind": "smoke",
              "command": [sys.executable, str(ROOT / "scripts" / "vllm_gpu_bundle" / "smoke.py"),
                          "--json", str(root / "smoke.json")]}
     testbed = ["--predictor", predictor]
-    steps = [smoke,
-             _check("check-float32-testbed-dynts", models["testbed"], "float32", testbed, root),
-             _check("check-float32-tiny-llama-streamingllm", models["tiny-llama"], "float32", [], root)]
+    steps = {s["label"]: s for s in [
+        smoke,
+        _check("check-float32-testbed-dynts", models["testbed"], "float32", testbed, root),
+        _check("check-float32-tiny-llama-streamingllm", models["tiny-llama"], "float32", [], root),
+        _check("check-bfloat16-testbed-dynts", models["testbed"], "bfloat16", testbed, root),
+        _check("check-bfloat16-tiny-llama-streamingllm", models["tiny-llama"], "bfloat16", [], root)]}
     for name, spec in cost.items():
         path = root / f"{name}.spec.json"
         path.write_text(json.dumps(spec))
-        steps.append({"label": name, "kind": "cost", "cap": 200,
-                      "command": [sys.executable, "-m", "eval.perf.vllm_gpu_bundle", "--engine", str(path)]})
-    steps += [_check("check-bfloat16-testbed-dynts", models["testbed"], "bfloat16", testbed, root),
-              _check("check-bfloat16-tiny-llama-streamingllm", models["tiny-llama"], "bfloat16", [], root)]
-    return steps
+        steps[name] = {"label": name, "kind": "cost",
+                       "command": [sys.executable, "-m", "eval.perf.vllm_gpu_bundle", "--engine", str(path)]}
+    return [{**steps[step.name], "step": step} for step in bundle_steps() if step.name in steps]
 
 
 def cost_specs(model: str, predictor: str, *, requests: int = 32, prompt: int = 128, generate: int = 384,
@@ -253,13 +286,16 @@ def _run_step(step: dict[str, Any], env: dict[str, str], timeout: float) -> dict
     return row
 
 
-def run_bundle(bundle: Path, dry_run: bool, seconds: float, shape: dict[str, Any]) -> dict[str, Any]:
-    """Install the bundle, make the models and run :func:`plan` until ``seconds`` are spent (a dry run lists the
-    commands only: on CPU no engine runs). ``shape``: the cost model's Qwen2 configuration (R1-Distill-Qwen-7B's)."""
-    started = time.perf_counter()
-    left = lambda: seconds - (time.perf_counter() - started)  # noqa: E731
+def run_bundle(bundle: Path, dry_run: bool, budget_s: float, shape: dict[str, Any]) -> dict[str, Any]:
+    """Install the bundle, make the models and run :func:`plan` against a running deadline of ``budget_s`` seconds: a
+    step runs when its estimate fits in what is left (time-boxed at what is left, at most its cap), else it is listed
+    under ``skipped`` with both numbers. A dry run lists the commands only (on CPU no engine runs). ``shape``: the
+    cost model's Qwen2 configuration (R1-Distill-Qwen-7B's)."""
+    deadline = Deadline(budget_s)
+    steps_by_name = {step.name: step for step in bundle_steps()}
     root = Path(tempfile.mkdtemp(prefix="vllm-gpu-bundle-"))
-    out: dict[str, Any] = {"bundle": str(bundle), "refused": REFUSED, "runs": [], "not_run": []}
+    out: dict[str, Any] = {"bundle": str(bundle), "budget_s": budget_s, "refused": REFUSED, "runs": [],
+                           "skipped": deadline.skipped}
     if not dry_run and sys.version_info[:2] != PYTHON:
         out.update(ok=False, error=f"the bundle holds CPython {PYTHON[0]}.{PYTHON[1]} wheels, this is Python "
                                    f"{sys.version.split()[0]}: rebuild it for this Python (scripts/vllm_gpu_bundle)")
@@ -269,28 +305,32 @@ def run_bundle(bundle: Path, dry_run: bool, seconds: float, shape: dict[str, Any
     steps = plan(root, made["checks"], made["predictor"], cost_specs(made["cost_model"], made["cost_predictor"]))
     env = child_env(root / "site", root / "vllm-cache")
     print(f"vllm_v2 (bundle): installed {out['install']['wheels']} wheels in {out['install']['seconds']:.0f} s; "
-          f"{len(steps)} steps, {left():.0f} s left", flush=True)
+          f"{len(steps)} steps, {deadline.left():.0f} s left", flush=True)
     for step in steps:
         if dry_run:
-            out["runs"].append({"label": step["label"], "kind": step["kind"], "command": step["command"]})
+            out["runs"].append({"label": step["label"], "kind": step["kind"], "command": step["command"],
+                                "estimate_s": step["step"].estimate_s})
             continue
         smoke = out["runs"][0] if out["runs"] else None
         if smoke is not None and smoke["label"] == "smoke" and smoke["status"] not in (0, 4):
-            out["not_run"].append({"label": step["label"], "reason": "the smoke's engine did not run: see its output"})
+            deadline.skipped.append({"section": step["label"], "reason": "the smoke's engine did not run: see its output"})
             continue
-        if left() < 45:
-            out["not_run"].append({"label": step["label"], "reason": f"out of time ({left():.0f} s left)"})
+        if not deadline.admits(steps_by_name[step["label"]]):
+            print(f"vllm_v2 {step['label']}: skipped ({deadline.skipped[-1]['reason']})", flush=True)
             continue
-        row = _run_step(step, env, min(step["cap"], left() - 5))
+        row = _run_step(step, env, deadline.box(step["step"]))
         out["runs"].append(row)
         said = VERDICTS.get(row["status"], "error") if row["kind"] == "vllm-check" else ""
         print(f"vllm_v2 {row['label']}: status {row['status']} {said} ({row['seconds']} s) "
               f"{json.dumps(row.get('engine') or '')[:300]}", flush=True)
     out.update(decide(out["runs"]))
-    ran = [r for r in out["runs"] if "status" in r]
-    out["ok"] = dry_run or (bool(ran) and not out["not_run"] and all(v == "exact" for v in out["verdicts"].values())
-                            and all(r["status"] in (0, 4) for r in ran if r["kind"] != "vllm-check"))
-    out["seconds"] = time.perf_counter() - started
+    ran = {r["label"]: r for r in out["runs"] if "status" in r}
+    decisive = ("smoke", "check-float32-testbed-dynts")  # the run says nothing without these
+    out["complete"] = not out["skipped"]
+    out["ok"] = dry_run or (all(label in ran for label in decisive)
+                            and all(v == "exact" for v in out["verdicts"].values())
+                            and all(r["status"] in (0, 4) for r in ran.values() if r["kind"] != "vllm-check"))
+    out["seconds"] = time.perf_counter() - deadline.started
     shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -402,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", type=Path, help="run one cost engine from this spec (a step of the plan)")
     parser.add_argument("--out", type=Path, help="write vllm_gpu_bundle.json here (the whole plan)")
-    parser.add_argument("--seconds", type=float, default=540.0)
+    parser.add_argument("--budget-s", "--seconds", dest="budget_s", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"the running deadline (default {DEFAULT_BUDGET_S:.0f}; one device call runs at most 600)")
     parser.add_argument("--dry-run", action="store_true", help="install and list the commands only (CPU)")
     args = parser.parse_args(argv)
     if args.engine:
@@ -410,16 +451,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out or --engine")
-    bundle = find_bundle()
-    if bundle is None:
-        print(f"no bundle at {BUNDLE}: {BUILD}", file=sys.stderr)
-        return 2
-    from .random_models import R1_DISTILL_7B
-
-    result = run_bundle(bundle, args.dry_run, args.seconds - 30, R1_DISTILL_7B)
+    if not 0 < args.budget_s <= 600:
+        parser.error(f"--budget-s {args.budget_s:g} must be in (0, 600]: one device call runs at most 600 s")
     args.out.mkdir(parents=True, exist_ok=True)
+    bundle = find_bundle()
+    if bundle is not None:
+        from .random_models import R1_DISTILL_7B
+
+        result = run_bundle(bundle, args.dry_run, args.budget_s, R1_DISTILL_7B)
+    elif importlib.util.find_spec("vllm") is not None:  # vLLM's CUDA wheel installed beside the checkout
+        from .vllm_v2_check import vllm_v2_check
+
+        result = vllm_v2_check(args.dry_run)
+    else:
+        result = {"ok": False, "skipped": f"no vLLM here and no bundle carried: build it with `{BUILD}` and carry "
+                                          f"{BUNDLE.name} (docs/vllm.md, 'vLLM on the lent GPU')"}
+        print(f"vllm_gpu_bundle: {result['skipped']}", file=sys.stderr)
     (args.out / "vllm_gpu_bundle.json").write_text(json.dumps(result, indent=1, default=str))
-    return 0 if result["ok"] else 1
+    return 0 if result.get("ok") else 1 if bundle is not None or "runs" in result else 2
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Build the carry bundle: vLLM 0.34.0 as pure Python plus the dependencies the GPU image lacks, as wheels in
 # OUT/wheels (default .vllm-gpu-bundle under the checkout's root; `make vllm-gpu-bundle`). A GPU run carries OUT
 # (the device tool's `carry`, 64 MiB a call with the working tree) and installs it with
-# `pip install --no-index --no-deps --target DIR OUT/wheels/*.whl` (scripts/gpu_check.py's vllm_v2 section does).
+# `pip install --no-index --no-deps --target DIR OUT/wheels/*.whl` (python -m eval.perf.vllm_gpu_bundle does on the GPU).
 #
 #   scripts/vllm_gpu_bundle/build.sh [OUT] [CACHE]
 #
