@@ -1,4 +1,4 @@
-"""The verdict of ``scripts/gpu_check.py``'s ``vllm_v2`` section (:mod:`eval.perf.vllm_v2_check`): inconclusive is
+"""The verdict of the vLLM check on a GPU with vLLM installed (:mod:`eval.perf.vllm_v2_check`): inconclusive is
 not a pass. Model-free: ``dynts vllm-check`` is replaced by a stand-in that exits with a given status per run."""
 
 from __future__ import annotations

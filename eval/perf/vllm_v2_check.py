@@ -1,5 +1,6 @@
-"""The vLLM engine section of ``scripts/gpu_check.py``: ``dynts vllm-check`` on a GPU, vLLM 0.34's V2 runner at
-vLLM's defaults (async scheduling) with FULL_AND_PIECEWISE CUDA graphs, on FLASH_ATTN with FA2 and with FA3.
+"""``python -m eval.perf.vllm_gpu_bundle`` where no bundle is carried but vLLM's CUDA wheel is installed:
+``dynts vllm-check`` on a GPU, vLLM 0.34's V2 runner at vLLM's defaults (async scheduling) with FULL_AND_PIECEWISE
+CUDA graphs, on FLASH_ATTN with FA2 and with FA3.
 
 Each run is ``python -m dynts.cli vllm-check`` in its own process (vLLM keeps process-wide state) on a small
 random-init Llama with the R1-7B attention head (4 KV heads, head 128; the testbed tokenizer and its chat template)
