@@ -691,22 +691,24 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: list both commands' time plans, then run every section at tiny shapes (no time boxes)")
     parser.add_argument("--plan", action="store_true", help="with --dry-run: list the time plans only")
-    parser.add_argument("--budget-s", "--budget-seconds", dest="budget_s", type=float, default=DEFAULT_BUDGET_S,
-                        help=f"the running deadline of this command (default {DEFAULT_BUDGET_S:.0f}; one call may run 600)")
+    parser.add_argument("--budget-s", "--budget-seconds", dest="budget_s", type=float, default=None,
+                        help=f"the running deadline of this command (default {DEFAULT_BUDGET_S:.0f}; one call may run "
+                             "600; a dry run has none unless given)")
     parser.add_argument("--methods", nargs="+", default=["window", "dynts"])
     parser.add_argument("--skip-tests", action="store_true")
     args = parser.parse_args(argv)
+    timed = args.budget_s is not None or not args.dry_run  # a dry run checks code paths, not time
+    args.budget_s = args.budget_s or DEFAULT_BUDGET_S
     if not 0 < args.budget_s <= 600:
         parser.error(f"--budget-s {args.budget_s:g} must be in (0, 600]: one device call runs at most 600 s")
     plans = lending_plans(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
     out_file = args.out / "gpu_check.json"
     steps = {step.name: step for step in gpu_steps()}
-    # a dry run checks code paths, not time: no deadline, no time boxes
-    deadline = Deadline(math.inf if args.dry_run else args.budget_s)
-    result = dict(dry_run=args.dry_run, budget_s=None if args.dry_run else args.budget_s,
+    deadline = Deadline(args.budget_s if timed else math.inf)
+    result = dict(dry_run=args.dry_run, budget_s=args.budget_s if timed else None,
                   plan=plans["alone"]["gpu_check"], versions=None, kernels=None, vllm=None, logits=None, tests=None,
-                  serve_graphs=None, serve=None, attention_stats=None, bench=[], skipped=deadline.skipped)
+                  serve_graphs=None, model=None, serve=None, attention_stats=None, bench=[], skipped=deadline.skipped)
     if args.dry_run:
         result["plans"] = plans
         print_plans(plans)

@@ -151,3 +151,19 @@ def test_the_plans_in_performance_md_are_the_printed_ones():
         lending = plans["lending"]["plans"][name]
         assert f"--budget-s {lending['budget_s']:.0f}" in section.replace("\n   ", " ")
         assert f"{lending['planned_s']:.0f} s planned" in section, name
+
+
+def test_a_deadline_too_short_for_any_section_skips_each_with_its_numbers(tmp_path, monkeypatch):
+    """The running deadline of the GPU order (a dry run given a budget): at 1 s nothing but the version check fits;
+    every section is listed under ``skipped`` with its estimate and what was left, the model's users with why."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gpu_check
+
+    assert gpu_check.main(["--dry-run", "--budget-s", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["budget_s"] == 1 and result["versions"]["found"]["torch"]
+    skipped = {s["section"]: s for s in result["skipped"]}
+    for name in ("kernels", "vllm", "logits", "tests", "serve_graphs", "model", "attention_stats"):
+        assert skipped[name]["estimate_s"] > skipped[name]["left_s"] and "would not fit" in skipped[name]["reason"]
+        assert result[name] is None
+    assert skipped["serve"]["reason"] == "the model section did not run" and result["bench"] == []
