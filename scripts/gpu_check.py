@@ -763,7 +763,7 @@ def main(argv=None) -> int:
             continue
         if name in combos or name == "serve":
             if held["model"] is None:
-                deadline.skipped.append({"section": name, "reason": "the model section did not run"})
+                deadline.skipped.append({"section": name, "reason": "no model: its section was skipped or failed"})
                 continue
         if step is not None and not deadline.admits(step):
             print(f"{name}: skipped ({deadline.skipped[-1]['reason']})", flush=True)

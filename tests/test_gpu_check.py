@@ -166,4 +166,4 @@ def test_a_deadline_too_short_for_any_section_skips_each_with_its_numbers(tmp_pa
     for name in ("kernels", "vllm", "logits", "tests", "serve_graphs", "model", "attention_stats"):
         assert skipped[name]["estimate_s"] > skipped[name]["left_s"] and "would not fit" in skipped[name]["reason"]
         assert result[name] is None
-    assert skipped["serve"]["reason"] == "the model section did not run" and result["bench"] == []
+    assert skipped["serve"]["reason"] == "no model: its section was skipped or failed" and result["bench"] == []
