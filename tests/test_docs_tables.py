@@ -292,3 +292,30 @@ def test_demo_table_in_evaluation_md_is_the_committed_demo():
         prefix = "chain-oracle-" if cells["family"] == "chain" else "oracle-"
         assert oracles == {k: f"{100 * by_label[prefix + k]['pass@1']:.1f}" for k in oracles}
         assert len(oracles) == sum(1 for label in by_label if label.startswith(prefix))
+
+
+def test_label_diagnostic_tables_in_testbed_md_come_from_the_committed_record():
+    """docs/testbed.md's label diagnostic (each label's recall of the counterfactual's top tokens and of the answer's
+    closure, per seed and family, and the future forms the defaults were chosen on) is ``python -m
+    eval.analyses.label_diagnostic --table-only``'s output over ``reports/label-diagnostic/results.json``."""
+    import json
+
+    from eval.analyses.label_diagnostic import table, variants_table
+
+    record = json.loads((ROOT / "reports/label-diagnostic/results.json").read_text())
+    assert {(r["family"], r["seed"]) for r in record["runs"]} == {(f, s) for f in ("chain", "copy") for s in (1, 2, 3)}
+    section = (ROOT / "docs/testbed.md").read_text().split("### Which tokens the labels pick", 1)[1].split("\n## ", 1)[0]
+    assert table(record) in section and variants_table(record) in section
+
+
+def test_step_prm_table_in_rescue_md_recomputes_from_the_committed_record():
+    """docs/rescue.md's step-PRM AUROC table (alone and in the product) is ``python -m eval.rescue.step_auroc table``'s
+    output, every AUROC and interval recomputed from the scores, labels and problems of the committed record."""
+    import json
+
+    from eval.rescue.step_auroc import step_table
+
+    record = json.loads((ROOT / "reports" / "prm-chain-fair-step-dev.json").read_text())
+    printed = step_table(record).splitlines()
+    lines = (ROOT / "docs/rescue.md").read_text().splitlines()
+    assert len(printed) == 2 + len(record["verifiers"]) and all(line in lines for line in printed)

@@ -68,7 +68,9 @@ def test_each_label_weights_the_token_the_pattern_says(toy):
     assert thinking_top(token_importance(model, ids, [ANSWER], label="answer").scores) == {ANSWER_READ}
     small = dict(window=2, chunk_rows=7)
     future = future_importance(model, ids, [ANSWER], settings=FutureSettings(**small)).scores
-    assert thinking_top(future) == {STRONG_ONCE}  # the strongest single far read (max, row-normalised)
+    assert thinking_top(future) == {STRONG_ONCE}  # the strongest single far read (max)
+    rows = future_importance(model, ids, [ANSWER], settings=FutureSettings(**small, normalize="row")).scores
+    assert thinking_top(rows) == {STRONG_ONCE}
     assert future[0, ANSWER:].eq(0).all() and future[0, SINK] == 0  # the sink and the answer are not scored
     summed = future_importance(model, ids, [ANSWER], settings=FutureSettings(**small, normalize="none", reduce="sum")).scores
     assert thinking_top(summed) == {BROAD}  # many small reads add up

@@ -3,7 +3,7 @@
 :data:`LABELS` (each module's docstring has its equation and its cost at 7B x 16k tokens):
 
 - ``answer``: the attention the answer rows pay each token (the DynTS paper's Eq. 6; :mod:`.answer`);
-- ``future``: the strongest far read later thinking rows make of it, row-normalised, sinks left out
+- ``future``: the strongest far read later thinking rows make of it, per layer and head, sinks left out
   (:mod:`.future`);
 - ``golden``: the share of a replayed bounded cache's events at which an oracle reading the future keeps
   it (ForesightKV's golden eviction; :mod:`.golden`);

@@ -12,7 +12,7 @@ every label of :data:`dynts.importance.LABELS` scores each thinking token, and p
 
 Both are averaged over traces, per label, seed and family. ``--variants`` adds the ``future`` and ``golden``
 labels under every :class:`dynts.importance.FutureSettings` form (``normalize`` x ``reduce`` x ``sinks``), the
-measurements the defaults were chosen on.
+measurements the defaults were chosen on; the main table shows ``future`` and ``golden`` at the defaults.
 
 ``flock /tmp/dynts-cpu.lock python -m eval.analyses.label_diagnostic --out reports/label-diagnostic/results.json``
 writes the record (atomically, after each seed and family; a rerun skips what is there) and prints the tables
@@ -96,6 +96,16 @@ def _mean(rows: Sequence[dict[str, float]], metric: str) -> float:
     return 100 * statistics.fmean(r[metric] for r in rows)
 
 
+def label_rows(run: dict[str, Any], name: str) -> list[dict[str, float]]:
+    """A run's per-trace metrics of label ``name`` at today's defaults: ``future`` and ``golden`` from the
+    variant of :class:`dynts.importance.FutureSettings`' defaults when the run measured the variants."""
+    from dynts.importance import FutureSettings
+
+    defaults = FutureSettings()
+    key = f"{name} {variant_name(dict(normalize=defaults.normalize, reduce=defaults.reduce, sinks=defaults.sinks))}"
+    return run["variants"][key] if key in (run.get("variants") or {}) else run["labels"][name]
+
+
 def table(record: dict[str, Any]) -> str:
     """One markdown table: per label (rows), seed and family (columns), cf recall@k / closure recall@k in %."""
     runs = sorted(record["runs"], key=lambda r: (r["family"], r["seed"]))
@@ -103,7 +113,7 @@ def table(record: dict[str, Any]) -> str:
     head = "| label | " + " | ".join(f"{r['family']} s{r['seed']}" for r in runs) + " |"
     lines = [head, "|---" * (len(runs) + 1) + "|"]
     for name in LABEL_ORDER:
-        cells = [f"{_mean(r['labels'][name], 'cf'):.0f} / {_mean(r['labels'][name], 'closure'):.0f}" for r in runs]
+        cells = [f"{_mean(label_rows(r, name), 'cf'):.0f} / {_mean(label_rows(r, name), 'closure'):.0f}" for r in runs]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("| *traces, mean tokens* | " + " | ".join(f"{r['n']}, {r['mean_length']:.0f}" for r in runs) + " |")
     return "\n".join(lines).replace("| label |", f"| label (recall@{k} %: cf / closure) |", 1)
