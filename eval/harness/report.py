@@ -237,9 +237,13 @@ def plot_sweep(results: Sequence[dict[str, Any]], x: str, path: Path) -> Path | 
     return None if fig is None else save_png(fig, path)
 
 
-def _bars(ax: Any, rows: Sequence[dict[str, Any]], x: str, names: dict[str, str]) -> None:
+def _bars(ax: Any, rows: Sequence[dict[str, Any]], x: str, names: dict[str, str] | None = None) -> None:
     """Accuracy per method at a single value of ``x``: horizontal bars, best at the top, each named on its
-    tick (``names``: label -> displayed name); the full cache is a dashed vertical line."""
+    tick (``names``: label -> displayed name, default :func:`display_labels`); the full cache is a dashed
+    vertical line."""
+    if names is None:
+        labels = [r["method"]["label"] for r in rows]
+        names = dict(zip(labels, display_labels(labels)))
     value = next(r[x] for r in rows if r.get(x) is not None)
     bounded = sorted((r for r in rows if r.get(x) is not None), key=lambda r: r["pass@1"])
     labels = [names[r["method"]["label"]] for r in bounded]
