@@ -12,9 +12,8 @@ from dynts.importance import answer_importance, sequence_importance
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def brute_force(model, ids: torch.Tensor, answer_start: int) -> torch.Tensor:
-    """Eager attention with ``output_attentions``: the full ``T x T`` matrices, summed over layers,
-    heads and the answer rows; answer columns zeroed."""
+def eager_attention(model, ids: torch.Tensor) -> torch.Tensor:
+    """``[layers, b, heads, T, T]`` float32 from eager ``output_attentions`` (the full, unchunked matrices)."""
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -22,7 +21,13 @@ def brute_force(model, ids: torch.Tensor, answer_start: int) -> torch.Tensor:
             out = model(input_ids=ids, output_attentions=True)
     finally:
         model.set_attn_implementation(previous)
-    scores = torch.stack(out.attentions)[:, :, :, answer_start:, :].sum(dim=(0, 2, 3)).float()
+    return torch.stack(out.attentions).float()
+
+
+def brute_force(model, ids: torch.Tensor, answer_start: int) -> torch.Tensor:
+    """Eager attention with ``output_attentions``: the full ``T x T`` matrices, summed over layers,
+    heads and the answer rows; answer columns zeroed."""
+    scores = eager_attention(model, ids)[:, :, :, answer_start:, :].sum(dim=(0, 2, 3))
     scores[:, answer_start:] = 0
     return scores
 

@@ -8,6 +8,7 @@ import torch
 
 import dynts.attention as attention
 from conftest import tiny_model
+from test_importance import eager_attention
 from dynts.importance import (
     LABELS, CounterfactualSettings, FutureSettings, GoldenSettings, future_importance, golden_importance,
     sequence_importance, token_importance,
@@ -104,18 +105,6 @@ def test_golden_events_follow_the_shared_budget():
 
 
 # --------------------------------------------------------------------------- against the full T x T computation
-def eager_attention(model, ids: torch.Tensor) -> torch.Tensor:
-    """``[layers, b, heads, T, T]`` from eager ``output_attentions`` (the unchunked reference)."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            out = model(input_ids=ids, output_attentions=True)
-    finally:
-        model.set_attn_implementation(previous)
-    return torch.stack(out.attentions).float()
-
-
 def reference_future(probs: torch.Tensor, rows: torch.Tensor, settings: FutureSettings) -> torch.Tensor:
     """The future label's equation over full matrices ``probs [L, b, h, T, T]`` and counted ``rows [b, T]``."""
     length = probs.shape[-1]
