@@ -1,6 +1,6 @@
 """The sync guard: dynts' vLLM worker hooks, V1 (``WorkerHooks``) and V2 (``RunnerV2Hooks``), driven by the
 stand-in runners of ``eval/perf/vllm_hooks_bench.py`` (no vLLM needed), make no host sync and no blocking upload
-on a plain decode step and at most two per eviction round, counted on CPU by :class:`eval.perf.syncs.SyncCounter`
+on a plain decode step or an eviction round, for every method the plugin serves, counted on CPU by :class:`eval.perf.syncs.SyncCounter`
 (what a GPU would pay: reads back, ``torch.tensor(data, device=...)``, copies of pageable host tensors). The same
 counter catches deliberately syncing variants of the hooks, so the guard can fail."""
 
@@ -23,12 +23,45 @@ def counted(runner: str, method: str = "dynts") -> dict:
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
-@pytest.mark.parametrize("method", ["dynts", "streamingllm"])
-def test_plain_steps_never_wait_and_a_round_waits_at_most_twice(runner, method):
+@pytest.mark.parametrize("method", ["dynts", "streamingllm", "sepllm", "random", "window", "full"])
+def test_neither_plain_steps_nor_eviction_rounds_wait(runner, method):
+    """Every method the plugin serves: 0 syncs and 0 blocking uploads per plain step and per eviction round (the
+    stale-score flags are read a round later; SepLLM's separator ids are placed on the device at bind time)."""
     result = counted(runner, method)
+    syncs = result["syncs"]
     assert result["syncs_counter"] == "dispatch"
-    assert result["syncs_per_plain_step"] == 0
-    assert result["syncs_per_event_round"] is not None and result["syncs_per_event_round"] <= 2
+    assert syncs["event_rounds"] == (0 if method == "full" else 1) and syncs["plain_steps"] == 3
+    assert result["syncs_per_plain_step"] == 0 and syncs["uploads_per_plain_step"] == 0
+    assert result["syncs_per_event_round"] == 0 and syncs["uploads_per_event_round"] == 0
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_blocking_upload_in_an_evictor_is_caught(monkeypatch, runner):
+    """What SepLLM did before its ids were placed at bind time: a ``torch.tensor(ids, device=...)`` per call."""
+    from dynts.evictors.sepllm import SepLLM
+
+    def select(self, info, select=SepLLM.select):
+        torch.tensor(self.separator_token_ids, device=info.token_ids.device)
+        return select(self, info)
+
+    monkeypatch.setattr(SepLLM, "select", select)
+    assert counted(runner, "sepllm")["syncs"]["uploads_per_event_round"] >= 1
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_stale_score_check_read_in_the_round_is_caught(monkeypatch, runner):
+    """What select_kept did before: the round's stale-score flags read on the host with ``tolist()``."""
+    from dynts.core import tracker
+
+    select_kept = tracker.select_kept
+
+    def reading(*args, **kwargs):
+        out = select_kept(*args, **kwargs)
+        [s.stale.tolist() for s in out if s.stale is not None]
+        return out
+
+    monkeypatch.setattr(tracker, "select_kept", reading)
+    assert counted(runner)["syncs_per_event_round"] >= 1
 
 
 def _pageable_upload(self: HostStaging, data: np.ndarray) -> torch.Tensor:

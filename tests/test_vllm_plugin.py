@@ -31,13 +31,13 @@ PREDICTOR = checkpoints_dir() / "testbed-predictor"
 def run_engine(tmp_path: Path, model: Path, requests: list[dict], admit_all: bool = False, env: dict | None = None,
                force_unsupported: bool = False, stale_shift: bool = False, check_buffers: bool = False,
                lose_shipment: tuple[str, int] | None = None, forget_request: tuple[str, int] | None = None,
-               **engine) -> dict:
+               unscore_request: tuple[str, int] | None = None, **engine) -> dict:
     """One engine in its own process (tests/vllm_driver.py) over ``requests``; its JSON result."""
     spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
     spec.write_text(json.dumps({"model": str(model), "engine": engine, "requests": requests, "admit_all": admit_all,
                                 "force_unsupported": force_unsupported, "stale_shift": stale_shift,
                                 "check_buffers": check_buffers, "lose_shipment": lose_shipment,
-                                "forget_request": forget_request}))
+                                "forget_request": forget_request, "unscore_request": unscore_request}))
     proc = subprocess.run([sys.executable, str(DRIVER), str(spec)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("DYNTS_RESULT ")]
@@ -196,12 +196,22 @@ def test_each_request_equals_generate_alone(tmp_path, testbed):
         assert result["max_stored"][str(i)] <= stats["peak_slots"] <= budget
 
 
-def test_an_event_for_a_request_the_worker_lost_ends_that_request_only(tmp_path, testbed):
-    """Either runner (vLLM 0.32's V1, 0.34's V2): the worker loses its record of one of eight concurrent requests (a
-    DynTS one: its predictor scores every other request's tokens in the same forwards) before its first event (an
-    event for a request it does not track). That request finishes with ``finish_reason="error"`` and one log line
-    naming it and why; the engine goes on, the other seven are token-identical to dynts.generate alone, and every
-    block is back in the pool. (The V2 runner's token-id fault: tests/test_vllm_async.py.)"""
+FAULTS = {  # fault -> (the driver's option, what the log line says)
+    "lost record": ("forget_request", "does not track it"),
+    "stale score": ("unscore_request", "no predictor score"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_fault_in_one_request_at_its_event_ends_that_request_only(tmp_path, testbed, fault):
+    """Either runner (vLLM 0.32's V1, 0.34's V2), one of eight concurrent requests (a DynTS one: its predictor scores
+    every other request's tokens in the same forwards) at its first event: the worker lost its record of it (an event
+    for a request it does not track), or one of its thinking tokens lost its score (the evictor ranks a NaN: the
+    round copies the stale-score flags to the host without waiting and the worker reads them a round later). That
+    request finishes with ``finish_reason="error"`` and one log line naming it and why; the engine goes on, the
+    other seven are token-identical to dynts.generate alone, and every block is back in the pool. (The V2 runner's
+    token-id fault: tests/test_vllm_async.py.)"""
+    option, reason = FAULTS[fault]
     model, tok = testbed
     budget, window, victim = 96, 16, "4"
     methods = ["dynts", "window", "streamingllm", "sepllm"]
@@ -210,11 +220,11 @@ def test_an_event_for_a_request_the_worker_lost_ends_that_request_only(tmp_path,
                  "extra_args": {"dynts": {"method": methods[i % 4]}}} for i, p in enumerate(prompts)]
     engine = {"method": "dynts", "budget": budget, "local_window": window, "predictor": str(PREDICTOR)}
     result = run_engine(tmp_path, TESTBED, requests, additional_config={"dynts": engine}, num_gpu_blocks_override=40,
-                        forget_request=(victim, 1))
+                        **{option: (victim, 1)})
     outputs = result["outputs"]
     assert outputs[victim]["finish_reason"] == "error", outputs[victim]
     lines = [line for line in result["log_warnings"] if "fails" in line]
-    assert len(lines) == 1 and f"request {victim}" in lines[0] and "does not track it" in lines[0], lines
+    assert len(lines) == 1 and f"request {victim}" in lines[0] and reason in lines[0], lines
     for i, p in enumerate(prompts):
         if str(i) == victim:
             continue

@@ -33,7 +33,7 @@ def test_v2_bench_runs_the_real_hooks_and_the_kept_slots_are_the_evictors(async_
         assert result[kind]["step"]["host_us"] > 0
     assert result["syncs"]["plain_steps"] == 3 and result["syncs"]["event_rounds"] == 1  # one counted cycle
     assert result["syncs_per_plain_step"] == 0  # a decode step without an event reads nothing back
-    assert result["syncs_per_event_round"] <= 2
+    assert result["syncs_per_event_round"] == 0  # nothing read back: the stale-score flags wait for the next round
     assert "RunnerV2Hooks" in format_table(result) and "before_attention" in format_table(result)
     json.dumps(result)
 

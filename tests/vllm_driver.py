@@ -11,7 +11,8 @@ reads at replay), and whether any K/V copy ran inside the model's forward (``"bu
 ``"stale_shift": true`` makes the V2 worker use each request's shift one round late (the async bug the protocol
 must not have: the test that catches it). ``"lose_shipment": [rid, k]`` makes the V2 worker lose request ``rid``'s
 ``k``-th shipment of token ids (a fault confined to one request); ``"forget_request": [rid, k]`` makes the worker
-lose its record of request ``rid`` before its ``k``-th event; ``"log_warnings"`` lists the plugin's warnings. Async scheduling is vLLM's default unless ``"engine"`` sets
+lose its record of request ``rid`` before its ``k``-th event; ``"unscore_request": [rid, k]`` clears the score of one
+of its thinking tokens before its ``k``-th event (a stale score); ``"log_warnings"`` lists the plugin's warnings. Async scheduling is vLLM's default unless ``"engine"`` sets
 ``async_scheduling`` (on vLLM 0.34's CPU test bed, tests/support/vllm_cpu_testbed keeps vLLM's default, on).
 Prints ``{"outputs": {rid: {"token_ids", "finish_reason"} or {"error"}}, "max_stored": {rid: n},
 "prefix_hits": {rid: tokens}, "stats": ..., "request_stats": ..., "wrapped": [...]}`` (``wrapped``: the
@@ -51,6 +52,10 @@ def main(spec_path: str) -> None:  # noqa: C901
         from vllm_faults import make_forgotten_request
 
         make_forgotten_request(*spec["forget_request"])
+    if spec.get("unscore_request"):
+        from vllm_faults import make_unscored_request
+
+        make_unscored_request(*spec["unscore_request"])
     if spec.get("force_unsupported"):  # before vLLM loads its plugins (at the engine's construction)
         import dynts.vllm.compat
 

@@ -39,25 +39,39 @@ def make_forgotten_request(victim: str, at: int) -> None:
     """Make the worker (V1 or V2 runner) lose its record of one request right before that request's ``at``-th
     eviction event (counting from 1): the event then names a request the worker does not track, a fault confined
     to that request. ``victim``: the request id as given to vLLM (vLLM may suffix it)."""
+    _before_event(victim, at, lambda hooks, entry: hooks.tracker.release(next(
+        rid for rid, e in hooks.tracker.slots.items() if e is entry)))  # the worker's record of it is gone
+
+
+def make_unscored_request(victim: str, at: int) -> None:
+    """Make the worker (V1 or V2 runner) clear the predictor score of one of a request's thinking tokens right before
+    that request's ``at``-th eviction event (counting from 1): its evictor then ranks a token without a score (a stale
+    score), a fault confined to that request. ``victim``: the request id as given to vLLM (vLLM may suffix it)."""
+    _before_event(victim, at, lambda hooks, entry: hooks.tracker.table.scores[entry.row, entry.question_length]
+                  .fill_(float("nan")))
+
+
+def _before_event(victim: str, at: int, fault) -> None:
+    """Run ``fault(hooks, entry)`` on the victim's record right before its ``at``-th event, on both runners."""
     from dynts.vllm.worker import WorkerHooks
     from dynts.vllm.worker_v2 import RunnerV2Hooks
 
     seen: dict[str, int] = {}
 
-    def forgetful(before_step):
-        def forgetful_before_step(self, scheduler_output):
+    def faulty(before_step):
+        def faulty_before_step(self, scheduler_output):
             plan = getattr(scheduler_output, "dynts_plan", None)
             for rid, _, _ in (plan.events if plan is not None else ()):
                 if rid == victim or rid.startswith(victim + "-"):
                     seen[rid] = seen.get(rid, 0) + 1
                     if seen[rid] == at and rid in self.tracker.slots:
-                        self.tracker.release(rid)  # the worker's record of it is gone
+                        fault(self, self.tracker.slots[rid])
             before_step(self, scheduler_output)
 
-        return forgetful_before_step
+        return faulty_before_step
 
     for hooks in (WorkerHooks, RunnerV2Hooks):
-        hooks.before_step = forgetful(hooks.before_step)
+        hooks.before_step = faulty(hooks.before_step)
 
 
 def _lose_shipment(is_victim, at: int) -> None:

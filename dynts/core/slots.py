@@ -28,7 +28,8 @@ from .upload import upload
 if TYPE_CHECKING:
     from .settings import EvictionSettings
 
-__all__ = ["EvictorCall", "RequestBudget", "RequestRow", "Selection", "SlotTable", "build_token_info", "check_scored", "select_kept"]
+__all__ = ["EvictorCall", "RequestBudget", "RequestRow", "Selection", "SlotTable", "build_token_info", "check_scored", "select_kept",
+           "stale_rows"]
 
 
 @dataclass
@@ -139,12 +140,18 @@ def build_token_info(
     )
 
 
-def stale_scores(info: TokenInfo, evictor: Evictor) -> torch.Tensor | None:
-    """A device flag: some thinking token has no predictor score (``None`` for an evictor that reads no scores).
-    The scores of a forward are written after it runs; an event between would rank NaNs."""
+def stale_rows(info: TokenInfo, evictor: Evictor) -> torch.Tensor | None:
+    """``[b]`` device flags: the row has a thinking token without a predictor score (``None`` for an evictor
+    that reads no scores). The scores of a forward are written after it runs; an event between would rank NaNs."""
     if "scores" not in evictor.requires:
         return None
-    return (info.scores.isnan() & (info.segments == Segment.THINKING)).any()
+    return (info.scores.isnan() & (info.segments == Segment.THINKING)).any(-1)
+
+
+def stale_scores(info: TokenInfo, evictor: Evictor) -> torch.Tensor | None:
+    """A device flag: some row has a thinking token without a predictor score (:func:`stale_rows`, any row)."""
+    rows = stale_rows(info, evictor)
+    return None if rows is None else rows.any()
 
 
 def _refuse_stale(evictor: Evictor) -> None:
@@ -200,18 +207,27 @@ class Selection:
     members: list[Any]
     rows: torch.Tensor
     kept: torch.Tensor
+    stale: torch.Tensor | None = None
 
 
 def select_kept(
     table: Any,
     due: Iterable[tuple[Any, int, EvictorCall]],
     keys: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
-    check: bool = True,
+    check: bool | str = True,
 ) -> list[Selection]:
     """The one evictor-call loop of every cache: ``due`` holds ``(member, row, call)`` for every row due for an
     event; rows with equal calls go to the evictor together (groups in first-seen order, rows in order).
-    ``keys(rows, stored)``: the reference layer's keys ``[g, h_kv, stored, d]`` of those rows (R-KV);
-    ``check``: run :func:`check_scored` first. The caller compacts its table and K/V with each ``kept``."""
+    ``keys(rows, stored)``: the reference layer's keys ``[g, h_kv, stored, d]`` of those rows (R-KV).
+    The caller compacts its table and K/V with each ``kept``.
+
+    ``check``: the stale-score check (:func:`stale_rows`). ``True``: the flags of the whole round are read on the
+    host at once (one sync) and a stale row raises before any caller compacts (the dense caches, KV-Rescue);
+    ``"defer"``: nothing is read, each :attr:`Selection.stale` holds the ``[g]`` device flags of its rows for the
+    caller to read later without waiting (the paged engines: a stale row fails its request, the engine goes on);
+    ``False``: no check."""
+    if check not in (True, False, "defer"):
+        raise ValueError(f"check={check!r} must be True, False or 'defer'")
     groups: dict[tuple, tuple[EvictorCall, list[Any], list[int]]] = {}
     for member, row, call in due:
         _, members, rows = groups.setdefault(call.key(), (call, [], []))
@@ -222,10 +238,10 @@ def select_kept(
         (index,) = upload((rows,), table.positions.device)
         info = build_token_info(table, call.stored, call.n_keep, call.local_window, call.question_length, rows=index,
                                 keys=None if keys is None else keys(index, call.stored))
-        flag = stale_scores(info, call.evictor) if check else None
-        if flag is not None:
-            stale.append((flag, call.evictor))
-        out.append(Selection(call, members, index, call.evictor(info)))
+        flags = stale_rows(info, call.evictor) if check else None
+        if flags is not None and check is True:
+            stale.append((flags.any(), call.evictor))
+        out.append(Selection(call, members, index, call.evictor(info), flags if check == "defer" else None))
     if stale:  # one host read for the whole round, before any caller compacts
         flags = torch.stack([flag for flag, _ in stale]).tolist()
         for hit, (_, evictor) in zip(flags, stale):
@@ -319,14 +335,17 @@ class SlotTable:
         if not keep_scores:
             self.scores[rows, slots] = float("nan")
 
-    def relabel_answer(self, row: int, end: int, pieces: Sequence[int]) -> None:
+    def relabel_answer(self, row: int, end: int, pieces: Sequence[int] | torch.Tensor) -> None:
         """Mark as answer the thinking slots among the last ``len(pieces)`` before column ``end`` of
         ``row`` that hold ``pieces`` in order (the delimiter's first ids, stored by earlier forwards);
-        a piece lost to an eviction is simply not found, as in :class:`dynts.BoundedCache`."""
+        a piece lost to an eviction is simply not found, as in :class:`dynts.BoundedCache`. ``pieces``: host ids
+        (uploaded without blocking) or a long tensor on the table's device (cached by the caller)."""
         lo = max(0, end - len(pieces))
         if lo >= end:
             return
-        want = torch.tensor(pieces[len(pieces) - (end - lo):], dtype=torch.long, device=self.device)
+        want = pieces[len(pieces) - (end - lo):]
+        if not isinstance(want, torch.Tensor):
+            (want,) = upload((list(want),), self.device)
         segments = self.segments[row, lo:end]
         hit = (segments == Segment.THINKING) & (self.token_ids[row, lo:end] == want)
         segments.masked_fill_(hit, int(Segment.ANSWER))

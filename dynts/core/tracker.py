@@ -65,12 +65,15 @@ class EvictionGroup:
         stored: slots each stored before the event.
         n_keep: slots each keeps.
         kept: ``[g, n_keep]`` ascending logical slots kept (they move to slots ``0 .. n_keep - 1``).
+        stale: ``[g]`` device flags, a request ranked a thinking token without a score (``evict(defer_stale=True)``
+            with a scoring method; else ``None``).
     """
 
     entries: list[RequestRow]
     stored: int
     n_keep: int
     kept: torch.Tensor
+    stale: torch.Tensor | None = None
 
 
 def copy_plan(kept: torch.Tensor, physical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +107,20 @@ class SlotTracker:
         self.delimiter_ids = np.asarray(self.delimiter.ids if self.delimiter is not None else (), dtype=np.int64)
         self.table = table if table is not None else SlotTable(torch.device(device), width=max(256, settings.bounds.budget if settings.bounds else 0))
         self.staging = HostStaging(self.table.device)  # every upload of this worker: pinned, never waited on
+        # the delimiter's ids on the device, uploaded once: a relabelling compares stored ids with its first pieces
+        self.delimiter_on_device = self.staging.upload(self.delimiter_ids) if len(self.delimiter_ids) else None
         self.slots: dict[str, RequestRow] = {}
         self.pending_scores: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._scratch_row: int | None = None
+
+    @property
+    def scratch_row(self) -> int:
+        """A table row no request holds: the scores of a forward's tokens that belong to no recorded request (a
+        failed or skipped one) are written there, so every hidden-state row is scored into its own token's slot
+        (:meth:`expect_scores`). Taken from the table on first use (an engine takes it at start-up)."""
+        if self._scratch_row is None:
+            self._scratch_row = self.table.acquire_row()
+        return self._scratch_row
 
     # ------------------------------------------------------------------ requests
     def open(self, rid: str, question_length: int, settings: EvictionSettings | None = None) -> RequestRow:
@@ -185,8 +200,16 @@ class SlotTracker:
         """Segments of a forward's ``new`` tokens (absolute index ``start`` on; ``stored`` slots before them),
         by the one rule (:func:`dynts.core.segments.label_request`); delimiter pieces stored by earlier
         forwards are relabelled in the table."""
+        on_device = self.delimiter_on_device
         return label_request(self.delimiter, entry.answer, new, start, entry.question_length,
-                             lambda pieces: self.table.relabel_answer(entry.row, stored, pieces))
+                             lambda pieces: self.table.relabel_answer(
+                                 entry.row, stored, pieces if on_device is None else on_device[: len(pieces)]))
+
+    def expect_scores(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """The next forward's final-norm output scores ``T`` tokens into ``(rows[i], slots[i])`` (``[T]`` each, one
+        per hidden-state row in batch order; a token of no recorded request points at :attr:`scratch_row`)."""
+        row_t, slot_t = self.staging.upload(np.stack([rows, slots])).unbind(0)
+        self.pending_scores = (row_t, slot_t, len(rows))
 
     def write_scores(self, hidden: torch.Tensor, predictor: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Score the recorded tokens from the forward's final-norm output ``[T', h]`` (``T' >= T``; rows
@@ -202,18 +225,20 @@ class SlotTracker:
         self.table.scores[rows, slots] = predictor(hidden[:total]).float().to(self.table.device)
 
     # ------------------------------------------------------------------ events
-    def evict(self, requests: Sequence[tuple[RequestRow, int, int]]) -> list[EvictionGroup]:
+    def evict(self, requests: Sequence[tuple[RequestRow, int, int]], defer_stale: bool = False) -> list[EvictionGroup]:
         """Select the kept slots of every ``(entry, stored, n_keep)`` due this round (the scheduler's events) and
         compact their table rows.
 
         One evictor call per group of requests with the same settings, prompt length and stored count
         (:func:`~dynts.core.slots.select_kept`). The shift and counters are the scheduler side's
-        (:meth:`RequestBudget.evicted`)."""
+        (:meth:`RequestBudget.evicted`). A request whose evictor would rank a thinking token without a score raises
+        here (one host read per round), or with ``defer_stale`` nothing is read: each group's ``stale`` holds the
+        device flags of its requests for the caller to read later (:class:`dynts.core.readback.HostReadback`)."""
         due = [(entry, entry.row, EvictorCall(entry.settings.evictor, entry.settings.bounds.local_window,
                                               entry.question_length, stored, n_keep, owner=entry.settings))
                for entry, stored, n_keep in requests]
         out = []
-        for sel in select_kept(self.table, due):
+        for sel in select_kept(self.table, due, check="defer" if defer_stale else True):
             self.table.compact(sel.rows, sel.kept)
-            out.append(EvictionGroup(sel.members, sel.call.stored, sel.call.n_keep, sel.kept))
+            out.append(EvictionGroup(sel.members, sel.call.stored, sel.call.n_keep, sel.kept, sel.stale))
         return out

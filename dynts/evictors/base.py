@@ -119,6 +119,29 @@ class Evictor(ABC):
         and cache the full blocks inside them. ``0`` unless the method says otherwise."""
         return 0
 
+    def constants(self) -> dict[str, tuple[int, ...]]:
+        """The host ids the method compares slots with on every call (e.g. SepLLM's separator ids), by name; each
+        becomes a device tensor once (:meth:`constant`). Default: none."""
+        return {}
+
+    def place(self, device: torch.device | str, upload: Callable[[list[int]], torch.Tensor]) -> None:
+        """Put every :meth:`constants` entry on ``device`` ahead of the calls, through ``upload`` (host ids to a
+        long tensor on the device without blocking: a paged engine's pinned staging). Call it after :meth:`bind`."""
+        for name, values in self.constants().items():
+            tensor = upload(list(values))
+            self.__dict__.setdefault("_constants", {})[(name, values, tensor.device)] = tensor
+
+    def constant(self, name: str, device: torch.device) -> torch.Tensor:
+        """The long tensor of :meth:`constants`' ``name`` on ``device``: placed (:meth:`place`), else made now and
+        kept (one blocking copy per device, on a cache that is not paged)."""
+        values = self.constants()[name]
+        cache = self.__dict__.setdefault("_constants", {})
+        key = (name, values, device)
+        tensor = cache.get(key)
+        if tensor is None:
+            tensor = cache[key] = torch.tensor(values, dtype=torch.long, device=device)
+        return tensor
+
     def bind(self, tokenizer) -> None:
         """Adapt settings that depend on the vocabulary (e.g. SepLLM's separator ids).
 

@@ -75,9 +75,10 @@ class DynTS(Evictor):
         elif self.selection == "bottom":
             priority = -info.scores.float().nan_to_num(nan=float("inf"))
         else:
-            if self._generator is None:
-                self._generator = torch.Generator().manual_seed(self.seed)
-            priority = torch.rand(info.shape, generator=self._generator).to(info.positions.device)
+            device = info.positions.device
+            if self._generator is None or self._generator.device != device:  # drawn where the scores live
+                self._generator = torch.Generator(device).manual_seed(self.seed)
+            priority = torch.rand(info.shape, generator=self._generator, device=device)
         protected = torch.zeros_like(info.valid)
         if self.keep_question:
             protected |= info.segments == Segment.QUESTION

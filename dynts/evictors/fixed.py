@@ -57,6 +57,9 @@ class FixedPositions(Evictor):
             clean.append(sorted(set(row)))
         self.keep = clean
 
+    def constants(self) -> dict[str, tuple[int, ...]]:
+        return {f"keep{r}": tuple(row) for r, row in enumerate(self.keep)}
+
     def members(self, info: TokenInfo) -> torch.Tensor:
         """``[b, n]`` True on stored real slots whose position is in the set of their row."""
         b = info.shape[0]
@@ -65,8 +68,7 @@ class FixedPositions(Evictor):
         device = info.positions.device
         out = torch.zeros(info.shape, dtype=torch.bool, device=device)
         for r in range(b):
-            wanted = torch.tensor(self.keep[r if len(self.keep) > 1 else 0], dtype=torch.long, device=device)
-            out[r] = torch.isin(info.positions[r], wanted)
+            out[r] = torch.isin(info.positions[r], self.constant(f"keep{r if len(self.keep) > 1 else 0}", device))
         return out & info.valid
 
     def select(self, info: TokenInfo) -> torch.Tensor:

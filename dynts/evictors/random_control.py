@@ -25,8 +25,9 @@ from .base import Evictor, Segment, TokenInfo, keep_top, recent_mask, register
 MASK32 = 0xFFFFFFFF
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finalizer on int64 tensors holding 32-bit values (bijective, well mixed)."""
+def mix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """MurmurHash3's 32-bit finalizer on int64 tensors (or host ints) holding 32-bit values (bijective, well
+    mixed; a tensor's wrapped products keep the same low 32 bits as the exact host ints)."""
     x = x & MASK32
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & MASK32
@@ -50,7 +51,7 @@ def uniform_priority(info: TokenInfo, seed: int) -> torch.Tensor:
     start = info.positions.masked_fill(~question, big).amin(-1, keepdim=True)
     start = torch.where(start == big, torch.zeros_like(start), start)  # a row without question: absolute positions
     offset = (info.positions - start).clamp_min(0)
-    salt = mix32(torch.tensor(seed, dtype=torch.long, device=offset.device) + 0x632BE5AB)
+    salt = mix32(seed + 0x632BE5AB)  # a host int: the same 32 bits as on a tensor, nothing uploaded
     h = mix32(mix32(offset + salt) ^ row_keys(info)[:, None])
     return h.float() / 2.0**32
 

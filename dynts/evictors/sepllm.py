@@ -107,6 +107,9 @@ class SepLLM(Evictor):
     def protected_prefix(self, question_length: int) -> int:
         return question_length if self.keep_question else min(self.sink_size, question_length)
 
+    def constants(self) -> dict[str, tuple[int, ...]]:
+        return {} if self.separator_token_ids is None else {"separators": tuple(self.separator_token_ids)}
+
     def select(self, info: TokenInfo) -> torch.Tensor:
         if self.separator_token_ids is None:
             raise ValueError(
@@ -114,7 +117,7 @@ class SepLLM(Evictor):
                 "SepLLM.from_tokenizer(tokenizer), or set method_options={'separator_token_ids': [...]}"
             )
         n = info.shape[1]
-        ids = torch.tensor(self.separator_token_ids, device=info.token_ids.device)
+        ids = self.constant("separators", info.token_ids.device)
         is_separator = torch.isin(info.token_ids, ids)
         recency = torch.arange(n, device=info.positions.device).float().expand(info.shape)
         priority = torch.where(is_separator, recency + n, recency)  # any separator outranks any other token

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..core import Forward, SlotTable, SlotTracker
+from ..core.readback import HostReadback
 from ..kernels.paged import PagedKV
 from ..thinking import think_end_ids
 from .checks import check_worker
@@ -56,9 +57,10 @@ TABLE_CELL_BYTES = 3 * 8 + 4  # positions, segments, token ids (int64) and a sco
 
 
 def slot_table_shape(config: PluginConfig, vllm_config: Any) -> tuple[int, int]:
-    """``(rows, width)`` of the slot table a worker reserves: a row per request the engine may run, the
-    engine budget's slots (at least 256, at most ``max_model_len``) per row."""
-    rows = int(vllm_config.scheduler_config.max_num_seqs)
+    """``(rows, width)`` of the slot table a worker reserves: a row per request the engine may run and the
+    scratch row (:attr:`dynts.core.SlotTracker.scratch_row`), the engine budget's slots (at least 256, at most
+    ``max_model_len``) per row."""
+    rows = int(vllm_config.scheduler_config.max_num_seqs) + 1
     width = max(256, config.settings.budget or 0)
     return rows, min(width, int(vllm_config.model_config.max_model_len))
 
@@ -98,7 +100,11 @@ class WorkerHooks:
         rows, width = slot_table_shape(config, runner.vllm_config)
         self.tracker = SlotTracker(config.settings, runner.device, think_end_ids(tokenizer, config.settings.think_end),
                                    table=SlotTable(torch.device(runner.device), rows=rows, width=width))
+        self.scratch_row = self.tracker.scratch_row  # taken now: the table's last spare row
         self.staging = self.tracker.staging
+        self._place(config.settings.evictor)
+        # the stale-score flags of an eviction round, read on the host a round later (never waited on)
+        self.stale_flags = HostReadback(runner.device, capacity=rows)
         self.predictor = self._predictor(runner) if config.settings.needs_scores else None
         self.shifts: dict[str, int] = {}
         self.untracked: set[str] = set()  # requests that can never evict (no scores needed): nothing recorded
@@ -178,10 +184,16 @@ class WorkerHooks:
         settings = self.config.for_request(params.extra_args if params else None)
         if not getattr(settings, "_dynts_bound", False):
             settings.evictor.bind(self.tokenizer)
+            self._place(settings.evictor)
             if self.tp_group is not None:
                 settings.evictor = _FirstRankDecides(settings.evictor, self.tp_group)
             settings._dynts_bound = True
         return settings
+
+    def _place(self, evictor: Any) -> None:
+        """The evictor's constant ids (SepLLM's separators, ...) on the device once, through the pinned staging: no
+        eviction round uploads them (:meth:`dynts.evictors.Evictor.place`)."""
+        evictor.place(self.tracker.table.device, lambda ids: self.staging.upload(np.asarray(ids, dtype=np.int64)))
 
     # ------------------------------------------------------------------ one request's fault
     def _fail(self, rid: str, reason: str) -> None:
@@ -193,6 +205,23 @@ class WorkerHooks:
         if rid not in self.failed:
             self.failed.add(rid)
             self.faults[rid] = reason
+
+    def _drop_failed(self) -> None:
+        """Release the slot-table rows of failed requests; they are never recorded again (their tokens' scores go
+        to the scratch row until vLLM finishes them)."""
+        for rid in self.failed:
+            if rid in self.tracker.slots:
+                self.tracker.release(rid)
+            self.untracked.add(rid)
+
+    def _read_stale(self) -> None:
+        """Fail every request whose eviction ranked a thinking token without a predictor score: the flags of earlier
+        rounds whose copy to the host has run (:class:`~dynts.core.readback.HostReadback`; never waited on)."""
+        for rids, flags in self.stale_flags.ready():
+            for rid in np.asarray(rids, dtype=object)[flags].tolist():
+                if rid in self.tracker.slots:  # still in flight (a finished request is gone)
+                    self._fail(rid, "its eviction ranked thinking tokens that had no predictor score yet (the "
+                                    "worker's scores are out of step with its slots)")
 
     def take_faults(self) -> dict[str, str]:
         """The requests failed since the last call, with why (handed to the scheduler with the round's output)."""
@@ -210,6 +239,8 @@ class WorkerHooks:
             self.untracked.discard(rid)
             self.failed.discard(rid)
             self.faults.pop(rid, None)
+        self._read_stale()
+        self._drop_failed()
         plan = getattr(scheduler_output, "dynts_plan", None)
         if plan is None:
             return
@@ -236,8 +267,12 @@ class WorkerHooks:
             due.append((entry, stored, n_keep))
         if not due:
             return
-        groups = self.tracker.evict(due)
+        groups = self.tracker.evict(due, defer_stale=True)
         rids = [entries[id(e)] for group in groups for e in group.entries]
+        flagged = [group for group in groups if group.stale is not None]
+        if flagged:  # read a round later (_read_stale): the round never waits for its evictor's inputs
+            self.stale_flags.post(torch.cat([group.stale for group in flagged]),
+                                  [entries[id(e)] for group in flagged for e in group.entries])
         width = max(group.n_keep for group in groups)
         kept = torch.arange(width, device=self.kv.device).repeat(len(rids), 1)  # padding: kept[r, i] = i moves nothing
         blocks = np.zeros((len(rids), max(math.ceil(group.stored / bs) for group in groups)), dtype=np.int64)
@@ -290,26 +325,44 @@ class WorkerHooks:
         get_shift, get_entry = self.shifts.get, self.tracker.slots.get
         shift_rows[:] = [get_shift(rid, 0) for rid in req_ids]
         found = [get_entry(rid) for rid in req_ids]
-        index = np.arange(num_reqs)
-        if any(entry is None for entry in found):
-            if any(entry is None and rid not in self.untracked for entry, rid in zip(found, req_ids)):
-                return False  # a request seen first: opened by the general path
-            index = np.flatnonzero([entry is not None for entry in found])
-            found = [found[i] for i in index.tolist()]
-        computed = batch.num_computed_tokens_cpu[index].astype(np.int64)
-        tokens = batch.token_ids_cpu[index, computed]
-        self.tracker.record_decode(found, computed, computed - shift_rows[index], tokens, score=self.predictor is not None)
+        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        stored = computed - shift_rows
+        if None not in found:
+            tokens = batch.token_ids_cpu[np.arange(num_reqs), computed]
+            self.tracker.record_decode(found, computed, stored, tokens, score=self.predictor is not None)
+            return True
+        if any(entry is None and rid not in self.untracked for entry, rid in zip(found, req_ids)):
+            return False  # a request seen first: opened by the general path
+        index = np.flatnonzero([entry is not None for entry in found])
+        if len(index):
+            self.tracker.record_decode([found[i] for i in index.tolist()], computed[index], stored[index],
+                                       batch.token_ids_cpu[index, computed[index]])
+        if self.predictor is not None:  # every token of the batch scored into its own slot, a skipped one to scratch
+            self._expect_scores([None if e is None else e.row for e in found], stored, np.ones(num_reqs, dtype=np.int64))
         return True
+
+    def _expect_scores(self, rows: list, stored: np.ndarray, scheduled: np.ndarray) -> None:
+        """The next forward scores every token of the batch (``scheduled[i]`` tokens of request ``i``, stored from slot
+        ``stored[i]`` in table row ``rows[i]``) into its own slot; a request not recorded (``None``: failed, or
+        skipped) points its tokens at the scratch row. Hidden-state row ``t`` is token ``t`` of the batch."""
+        skipped = np.array([r is None for r in rows], dtype=bool)
+        row_of = np.where(skipped, self.scratch_row, np.array([-1 if r is None else r for r in rows], dtype=np.int64))
+        first = np.where(skipped, 0, stored)
+        offsets = np.arange(int(scheduled.sum())) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
+        self.tracker.expect_scores(np.repeat(row_of, scheduled), np.repeat(first, scheduled) + offsets * ~np.repeat(skipped, scheduled))
 
     def _record_forward(self, batch: Any, num_scheduled_tokens: np.ndarray, shift_rows: np.ndarray) -> None:
         """Record any step (prefill chunks, requests seen first, prefix-cache hits), filling ``shift_rows``."""
-        forwards, cached = [], []
-        for i, rid in enumerate(batch.req_ids[: batch.num_reqs]):
+        forwards, cached, rows = [], [], []
+        num_reqs = batch.num_reqs
+        computed_rows = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        for i, rid in enumerate(batch.req_ids[:num_reqs]):
             q = int(num_scheduled_tokens[i])
-            computed = int(batch.num_computed_tokens_cpu[i])
+            computed = int(computed_rows[i])
             shift = self.shifts.get(rid, 0)
             shift_rows[i] = shift
             entry, opened = self.entry_of(rid, int(batch.num_prompt_tokens[i]))
+            rows.append(None if entry is None else entry.row)
             if entry is None:
                 continue
             if opened and computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
@@ -317,19 +370,20 @@ class WorkerHooks:
             forwards.append(Forward(entry, computed, computed - shift, batch.token_ids_cpu[i, computed : computed + q].tolist()))
         if cached:
             self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
+        every = len(forwards) == num_reqs  # every token of the batch recorded: its rows and slots are the scored ones
         if forwards:
-            self.tracker.record(forwards, score=self.predictor is not None)
+            self.tracker.record(forwards, score=every and self.predictor is not None)
+        if self.predictor is not None and not every and num_reqs:
+            self._expect_scores(rows, computed_rows - shift_rows, num_scheduled_tokens[:num_reqs].astype(np.int64))
 
     def entry_of(self, rid: str, prompt_length: int) -> tuple[Any, bool]:
         """``(entry, opened now)`` of a scheduled request; ``(None, False)`` for one that is not recorded (no
         predictor and no event possible: :meth:`_never_evicts`; or failed, :meth:`_fail`)."""
-        if rid in self.untracked:
+        if rid in self.untracked or rid in self.failed:  # a failed one is never reopened: vLLM finishes it
             return None, False
         entry = self.tracker.slots.get(rid)
         if entry is not None:
             return entry, False
-        if rid in self.failed:  # never reopened: vLLM finishes it this round
-            return None, False
         settings = self.settings_of(rid)
         if self.predictor is None and self._never_evicts(rid, settings, prompt_length):
             self.untracked.add(rid)

@@ -81,11 +81,9 @@ class RunnerV2Hooks(WorkerHooks):
         self.unlabelled.pop(rid, None)
 
     def _drop_failed(self) -> None:
-        """Release the slot-table rows of failed requests; they are never recorded again."""
+        """:meth:`WorkerHooks._drop_failed`, and the ids held for them dropped."""
+        super()._drop_failed()
         for rid in self.failed:
-            if rid in self.tracker.slots:
-                self.tracker.release(rid)
-            self.untracked.add(rid)
             self.known.pop(rid, None)
             self.unlabelled.pop(rid, None)
 
@@ -95,6 +93,7 @@ class RunnerV2Hooks(WorkerHooks):
         round's new blocks."""
         for rid in [*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())]:
             self._forget(rid)
+        self._read_stale()  # earlier rounds' stale-score flags whose copy has run: those requests fail
         for new in scheduler_output.scheduled_new_reqs:
             self._forget(new.req_id)  # a resumed request re-prefills from scratch
             self.blocks[new.req_id] = list(new.block_ids[0])
@@ -147,7 +146,9 @@ class RunnerV2Hooks(WorkerHooks):
             entry, opened = get_entry(rid), False
             if entry is None:
                 entry, opened = self.entry_of(rid, int(states.prompt_len.np[states.req_id_to_index[rid]]))
-                if entry is None:
+                if entry is None:  # not recorded (failed, or never evicting): its tokens' scores go to scratch
+                    score_rows += [self.scratch_row] * q
+                    score_slots += [0] * q
                     continue
             if opened and computed > 0:  # a prefix-cache hit: the shared prompt blocks hold these tokens already
                 cached.append(Forward(entry, 0, 0, self._take(rid, 0, computed, require=True)))
@@ -166,7 +167,7 @@ class RunnerV2Hooks(WorkerHooks):
             self.tracker.record(cached)  # metadata only: these tokens are not in this forward's hidden states
         if forwards:
             self.tracker.record(forwards)
-        if self.predictor is not None and score_rows:  # every token of the batch, in its order (all are tracked)
+        if self.predictor is not None and score_rows:  # every token of the batch, in its order
             self.tracker.pending_scores = (*self.staging.columns((score_rows, score_slots)), len(score_rows))
         if not shift_rows.any():
             return None

@@ -14,7 +14,8 @@ would pay, and torch's own sync debug mode on CUDA.
     (``torch.from_numpy``, ``torch.tensor`` / ``torch.as_tensor`` without a device) or converted from one without
     naming a device. A copy of a pinned tensor is not counted, and neither is anything inside
     :class:`dynts.core.upload.HostStaging` (the one audited upload path: pinned buffers, ``non_blocking``, never
-    waited on).
+    waited on) or :class:`dynts.core.readback.HostReadback` (the one audited read path: a ``non_blocking`` copy
+    into pinned memory, read once its event has completed).
 * :class:`CudaSyncCounter`: ``torch.cuda.set_sync_debug_mode("warn")`` inside :meth:`CudaSyncCounter.counting`,
   one count per warning; it sees every synchronizing CUDA call, blocking host-to-device copies included.
 
@@ -33,6 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
+from dynts.core.readback import readback_active
 from dynts.core.upload import staging_active
 
 __all__ = ["CudaSyncCounter", "SyncCounter", "V1_HOOKS", "V2_HOOKS", "sync_counter"]
@@ -59,8 +61,14 @@ def _pageable(t: Any) -> bool:
     return _is_host(t) and not t.is_pinned()
 
 
+def _audited() -> bool:
+    """Inside dynts' audited host-device paths: :class:`dynts.core.upload.HostStaging` (pinned uploads, never
+    waited on) or :class:`dynts.core.readback.HostReadback` (pinned reads of copies that have run)."""
+    return staging_active() or readback_active()
+
+
 def _count(upload: bool) -> None:
-    if staging_active():
+    if _audited():
         return
     for counter in _ACTIVE:
         counter.now += 1
@@ -217,7 +225,7 @@ class SyncCounter(_Rounds):
                 name = func.__name__.split(".")[0]
                 indices = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
                 if (name in counter.READS or any(getattr(i, "dtype", None) is torch.bool for i in indices or ())) \
-                        and not staging_active():
+                        and not _audited():
                     counter.now += 1
                 return func(*args, **(kwargs or {}))
 

@@ -158,8 +158,13 @@ class HooksBench:
             torch.manual_seed(s.seed)
             engine["predictor"] = dynts.ImportancePredictor(shape["hidden"])  # random init, float32
         self.config = PluginConfig(engine)
-        self.n_keep = self.config.settings.n_keep(shape["prompt"])
-        self.volume = self.budget - self.n_keep
+        self.n_keep = self.config.settings.n_keep(shape["prompt"])  # None: a method that never evicts (full)
+        self.volume = self.budget - self.n_keep if self.n_keep is not None else s.plain_steps + 1
+        # the length a refill brings every row to: B (the next step evicts), or without events short enough that
+        # every plain step of the run still fits in B's blocks
+        self.fill_to = self.budget if self.n_keep is not None else self.budget - cycles * s.plain_steps - 1
+        if self.fill_to < shape["prompt"]:
+            raise ValueError(f"{cycles} cycles of {s.plain_steps} plain steps do not fit B = {self.budget}")
         if s.plain_steps >= self.volume:
             raise ValueError(f"plain_steps={s.plain_steps} must stay below B - n_keep = {self.volume}")
         max_len = shape["prompt"] + self.budget + cycles * self.volume + 8
@@ -186,6 +191,7 @@ class HooksBench:
         self.on_round: Callable[[HooksBench, int], None] | None = None
         self.moved_slots: list[int] = []
         self.verified = {"event_rounds": 0, "rows_checked": 0}
+        self.allow_faults = False  # True: a request the worker fails stays scheduled (a fault test), else an error
 
     def step(self, q: int, fill: bool = False) -> tuple[dict, int]:
         """One round of ``q`` tokens per row (``fill``: a refill, whose token ids the scheduler knows); returns the
@@ -195,7 +201,7 @@ class HooksBench:
         bs, settings = self.block, self.config.settings
         plan = StepPlan()
         for row in self.rows:  # the scheduler: events by the one rule, blocks back to the pool, new blocks
-            if settings.bounds.due(row.stored, q, self.n_keep):
+            if self.n_keep is not None and settings.bounds.due(row.stored, q, self.n_keep):
                 plan.events.append((row.rid, row.stored, self.n_keep))
                 keep = math.ceil(self.n_keep / bs)
                 self.free.extend(reversed(row.blocks[keep:]))
@@ -229,8 +235,8 @@ class HooksBench:
         on = self.timer.on
         self.timer.remove()
         per_row = max(1, self.max_tokens // len(self.rows))
-        while self.rows[0].stored < self.budget:
-            self.step(min(per_row, self.budget - self.rows[0].stored), fill=True)
+        while self.rows[0].stored < self.fill_to:
+            self.step(min(per_row, self.fill_to - self.rows[0].stored), fill=True)
         if on:
             self.timer.install()
 
@@ -240,6 +246,7 @@ class HooksBench:
         (one call per group of equal settings, prompt length and stored count; rows in event order)."""
         decisions = list(self.recording.calls)
         self.recording.calls.clear()
+        events = [e for e in events if e[0] not in self.hooks.failed]  # a failed request's event selects nothing
         kept_rows = [k for _, kept in decisions for k in kept.cpu().tolist()]
         seen = [p for positions, _ in decisions for p in positions.cpu().tolist()]
         if len(kept_rows) != len(events):
@@ -280,8 +287,9 @@ def _median_us(samples: list[dict], names: tuple[str, ...]) -> dict:
 
 
 def _cycle(bench: HooksBench, samples: dict | None) -> None:
-    """One eviction round for every row, then the plain steps; ``samples``: where the timings go."""
-    for kind, steps in (("event", 1), ("plain", bench.settings.plain_steps)):
+    """One eviction round for every row, then the plain steps; ``samples``: where the timings go. A method that
+    never evicts (``full``) runs the plain steps only."""
+    for kind, steps in (("event", int(bench.n_keep is not None)), ("plain", bench.settings.plain_steps)):
         for _ in range(steps):
             times, events = bench.step(1)
             if (events > 0) != (kind == "event") or (events and events != len(bench.rows)):
