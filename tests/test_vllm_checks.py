@@ -83,6 +83,15 @@ def test_worker_refuses_several_kv_groups_and_split_kernel_blocks():
         check_worker(NS(kv_cache_groups=[group]), [16])
 
 
+def test_worker_refuses_values_of_another_head_size_than_the_keys():
+    """vLLM's ``FullAttentionSpec.head_size_v``: the slot move splits a slot's content into equal key and value
+    halves, so a model whose values have another head size is refused at KV-cache setup, naming why."""
+    assert check_worker(NS(kv_cache_groups=[NS(kv_cache_spec=spec(head_size_v=32))]), [32]) == 32
+    with pytest.raises(NotImplementedError, match=r"two equal halves.*values of head size 64 beside keys of head "
+                                                  r"size 32 \(head_size_v != head_size\)"):
+        check_worker(NS(kv_cache_groups=[NS(kv_cache_spec=spec(head_size_v=64))]), [32])
+
+
 @pytest.mark.parametrize("kind, fields, words", [
     ("SlidingWindowSpec", {"sliding_window": 64}, "SlidingWindowSpec layers (window 64)"),
     ("ChunkedLocalAttentionSpec", {"attention_chunk_size": 64}, "ChunkedLocalAttentionSpec layers (window 64)"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["CONTEXT_PARALLEL", "SUPPORTED_BACKENDS", "check_engine", "check_kv_sharing", "check_worker",
-           "engine_problems", "kv_spec_problem", "request_problem"]
+           "engine_problems", "kv_spec_problem", "request_problem", "value_head_size_problem"]
 
 # Attention backends whose KV layout has a tested slot copy (dynts.vllm.layouts); CPU_ATTN: the CPU build.
 SUPPORTED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN")
@@ -131,6 +131,18 @@ def kv_spec_problem(spec: Any) -> str | None:
     return None
 
 
+def value_head_size_problem(spec: Any) -> str | None:
+    """``None`` when every layer's values have the keys' head size (vLLM's ``head_size_v``, absent or equal to
+    ``head_size``), else what differs. The paged geometry (:mod:`dynts.vllm.layouts`) splits each slot's content into
+    equal key and value halves, so unequal sizes would move the wrong bytes."""
+    layers = getattr(spec, "kv_cache_specs", None)
+    for layer in (layers.values() if isinstance(layers, dict) and layers else [spec]):
+        head, value = getattr(layer, "head_size", None), getattr(layer, "head_size_v", None)
+        if value is not None and head is not None and value != head:
+            return f"values of head size {value} beside keys of head size {head} (head_size_v != head_size)"
+    return None
+
+
 def check_kv_sharing(runner: Any) -> None:
     """``NotImplementedError`` for a model with cross-layer KV sharing (a layer attending over another layer's K/V,
     ``kv_sharing_target_layer_name``): vLLM lists such layers in their target's KV-cache group, so one K/V tensor
@@ -163,6 +175,12 @@ def check_worker(kv_cache_config: Any, kernel_block_sizes: Any) -> int:
             f"dynts.vllm evicts only from plain full-attention KV caches; this model's KV cache has {problem}, "
             "where vLLM frees or skips blocks by logical position behind the plugin's compaction. Serve it "
             "without additional_config['dynts']"
+        )
+    sizes = value_head_size_problem(spec)
+    if sizes is not None:
+        raise NotImplementedError(
+            f"dynts.vllm moves a slot's keys and values as two equal halves of its content; this model's KV cache has "
+            f"{sizes}. Serve it without additional_config['dynts']"
         )
     block_size = spec.block_size
     kernel = list(kernel_block_sizes or [block_size])
