@@ -5,7 +5,7 @@ for vLLM's model runner (:mod:`eval.perf.vllm_hooks_bench`; no vLLM needed), wit
   ``after_prepare_inputs`` + ``after_forward``);
 * ``--runner v2``: vLLM 0.34's V2 runner (persistent input buffers, device slot mappings; the hooks bound by the
   plugin's own binder), :class:`dynts.vllm.worker_v2.RunnerV2Hooks` (``before_step`` + ``before_attention`` +
-  ``after_execute``), async scheduling (``--sync-scheduling``: ids with their own round).
+  ``after_execute`` + ``after_sample``), async scheduling (``--sync-scheduling``: ids with their own round).
 
     flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_vllm_hooks.py --rows 256 --dtype float32
     flock /tmp/dynts-cpu.lock .venv/bin/python scripts/bench_vllm_hooks.py --runner v2 --rows 256 --dtype float32

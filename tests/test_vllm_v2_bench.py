@@ -25,11 +25,11 @@ def test_v2_bench_runs_the_real_hooks_and_the_kept_slots_are_the_evictors(async_
     result = run_hooks_bench(HooksBenchSettings(rows=4, shape="tiny", dtype="float32", runner="v2", reps=2,
                                                 plain_steps=3, verify=True, async_scheduling=async_scheduling))
     assert result["runner"] == "v2" and result["hooks_class"] == "RunnerV2Hooks"
-    assert result["hooks"] == ["before_step", "before_attention", "after_execute"]
+    assert result["hooks"] == ["before_step", "before_attention", "after_execute", "after_sample"]
     assert result["verified"]["event_rounds"] == 4 and result["verified"]["rows_checked"] > 0
     assert result["cycles_timed"] == 2 and result["moved_slots_per_round"] > 0
     for kind in ("plain", "event"):
-        assert set(result[kind]) == {"before_step", "before_attention", "after_execute", "step"}
+        assert set(result[kind]) == {"before_step", "before_attention", "after_execute", "after_sample", "step"}
         assert result[kind]["step"]["host_us"] > 0
     assert result["syncs"]["plain_steps"] == 3 and result["syncs"]["event_rounds"] == 1  # one counted cycle
     assert result["syncs_per_plain_step"] == 0  # a decode step without an event reads nothing back
@@ -162,3 +162,33 @@ def test_cli_runner_v2_prints_the_table_and_writes_json(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result["runner"] == "v2" and result["rows"] == 3 and result["verified"]["event_rounds"] >= 2
     assert result["syncs_per_plain_step"] == 0 and result["plain"]["step"]["done_us"] > 0
+
+
+def test_v2_scores_after_sample_tokens_queued_its_work(monkeypatch):
+    """The predictor runs after vLLM's ``sample_tokens`` (its copy of the sampled tokens to the host queued first),
+    never between the forward and the sampling, on every round; the scores land all the same."""
+    from eval.perf.vllm_v2_standin import StandInV2Runner
+
+    order = []
+    sample = StandInV2Runner.sample_tokens
+
+    def sampling(self, *args, **kwargs):
+        order.append("sample")
+        return sample(self, *args, **kwargs)
+
+    monkeypatch.setattr(StandInV2Runner, "sample_tokens", sampling)  # before the plugin's binder wraps it
+    bench = HooksBench(HooksBenchSettings(rows=3, shape="tiny", dtype="float32", runner="v2", reps=1, plain_steps=2,
+                                          count_syncs=False))
+    hooks, predictor = bench.hooks, bench.hooks.predictor
+
+    def scoring(hidden):
+        order.append("score")
+        return predictor(hidden)
+
+    hooks.predictor = scoring
+    with torch.no_grad():
+        bench.fill()
+        bench.step(1)
+    assert len(order) >= 4 and order == ["sample", "score"] * (len(order) // 2)
+    row = bench.rows[0]
+    assert not hooks.tracker.table.scores[hooks.tracker.slots[row.rid].row, : row.stored].isnan().any()

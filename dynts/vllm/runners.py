@@ -10,8 +10,9 @@ asked for dynts, when its KV cache is allocated (:func:`dynts.vllm.wrapping.bind
 | both | ``Worker.determine_available_memory`` (and the CPU worker's) | the slot table's bytes are charged against the KV cache |
 | V1 | ``execute_model`` / ``_prepare_inputs`` / ``_model_forward`` (bound) | :class:`~dynts.vllm.worker.WorkerHooks`: events, recording, scores |
 | V1 | ``execute_model``, ``sample_tokens`` (bound) | requests the worker failed (an event for a request it does not track) ride on the round's ``ModelRunnerOutput`` to the scheduler (:func:`report_faults`) |
-| V2 | ``execute_model`` (bound) | :class:`~dynts.vllm.worker_v2.RunnerV2Hooks`: events before the round's block writes, scores after the forward |
+| V2 | ``execute_model`` (bound) | :class:`~dynts.vllm.worker_v2.RunnerV2Hooks`: events before the round's block writes |
 | V2 | ``prepare_attn`` (bound) | recording; ``seq_lens`` and slot mappings from the stored slots, RoPE on logical positions |
+| V2 | ``sample_tokens`` (bound) | scores after vLLM's sampling (its copy of the sampled tokens queued first) |
 | V2 | ``execute_model``, ``sample_tokens`` (bound) | requests the worker failed (a broken invariant) ride on the round's ``ModelRunnerOutput`` to the scheduler (:func:`report_faults`) |
 """
 
@@ -85,9 +86,16 @@ def _bind_v2(runner: Any) -> None:
                 input_batch.positions = logical
         return prepare_attn
 
+    def sample(original: Callable) -> Callable:
+        def sample_tokens(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            self._dynts.after_sample()  # the predictor queued after the sampled tokens' copy to the host
+            return report_faults(self._dynts, out)
+        return sample_tokens
+
     bind(runner, "execute_model", execute)
     bind(runner, "prepare_attn", attention)
-    bind(runner, "sample_tokens", _reporting_faults)
+    bind(runner, "sample_tokens", sample)
 
 
 def _reporting_faults(original: Callable) -> Callable:

@@ -18,7 +18,8 @@ slot mappings on the device from ``num_computed_tokens``, and leaves the hidden 
    graph reads) and the slot mappings are computed from ``position - shift`` while RoPE keeps the logical
    positions;
 3. ``execute_model``, after the forward (outside any captured region): ``seq_lens`` gets its logical values
-   back for the sampler, and the predictor scores the final-norm hidden states of every scheduled token.
+   back for the sampler; ``sample_tokens``, after vLLM's own (its copy of the sampled tokens to the host queued
+   first): the predictor scores the final-norm hidden states of every scheduled token.
 
 A plan that contradicts what the worker holds (ids from the wrong index, ids missing, an event before the ids of its
 stored tokens arrived, an event for a request it does not track) fails that one request (:meth:`RunnerV2Hooks._fail`)
@@ -49,6 +50,7 @@ class RunnerV2Hooks(WorkerHooks):
         self.known: dict[str, tuple[int, list[int]]] = {}  # ids received and not yet recorded: (first index, ids)
         self.unlabelled: dict[str, list[tuple[int, int]]] = {}  # (position, slot) scored but waiting for their id
         self.lowered: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_lens rows, shifts) restored after the forward
+        self.hidden: torch.Tensor | None = None  # the forward's final-norm output, scored after sample_tokens
 
     # ------------------------------------------------------------------ the runner's request state
     def sampling_params(self, rid: str) -> Any:
@@ -227,18 +229,27 @@ class RunnerV2Hooks(WorkerHooks):
 
     def after_execute(self) -> None:
         """Give ``seq_lens`` back its logical values (the sampler tells a finished prefill by ``seq_len >=
-        prefill_len``: a resumed request's stored length may be shorter) and score the recorded tokens from the
-        forward's final-norm hidden states."""
+        prefill_len``: a resumed request's stored length may be shorter) and keep the forward's final-norm hidden
+        states for :meth:`after_sample` (``sample_tokens`` drops the runner's reference to them)."""
         if self.lowered is not None:
             rows, shifts = self.lowered
             rows += shifts
             self.lowered = None
+        self.hidden = None
         if self.predictor is None or self.tracker.pending_scores is None:
             return
         state = getattr(self.runner, "execute_model_state", None)
         hidden = getattr(state, "hidden_states", None)
         if not isinstance(hidden, torch.Tensor):  # an intermediate pipeline stage: not the last rank
             self.tracker.pending_scores = None
+            return
+        self.hidden = hidden
+
+    def after_sample(self) -> None:
+        """Score the recorded tokens from the forward's final-norm hidden states, queued after ``sample_tokens`` has
+        queued the sampled tokens' copy to the host, so that copy never waits behind the predictor."""
+        hidden, self.hidden = self.hidden, None
+        if hidden is None or self.tracker.pending_scores is None:
             return
         with torch.no_grad():
             self.tracker.write_scores(hidden, self.predictor)

@@ -40,7 +40,7 @@ from dynts.core.upload import staging_active
 __all__ = ["CudaSyncCounter", "SyncCounter", "V1_HOOKS", "V2_HOOKS", "sync_counter"]
 
 V1_HOOKS = ("before_step", "after_prepare_inputs", "after_forward")  # dynts.vllm.worker.WorkerHooks, per round
-V2_HOOKS = ("before_step", "before_attention", "after_execute")  # dynts.vllm.worker_v2.RunnerV2Hooks
+V2_HOOKS = ("before_step", "before_attention", "after_execute", "after_sample")  # dynts.vllm.worker_v2.RunnerV2Hooks
 _ACTIVE: list["SyncCounter"] = []  # counters inside a counted call (tolist/numpy/cpu are not dispatched ops)
 _HOST: dict[int, weakref.ref] = {}  # id -> tensor made from host data while counting (a host tensor on CPU)
 

@@ -18,8 +18,9 @@ round of it around the real :class:`dynts.vllm.worker_v2.RunnerV2Hooks`, bound a
   states left in ``execute_model_state.hidden_states``; ``sample_tokens()`` advances ``num_computed_tokens`` on
   the device.
 
-The hooks are bound by :mod:`dynts.vllm.runners`' own V2 binder (``execute_model`` and ``prepare_attn`` wrapped on
-this object), so ``before_step`` / ``before_attention`` / ``after_execute`` run exactly where vLLM runs them.
+The hooks are bound by :mod:`dynts.vllm.runners`' own V2 binder (``execute_model``, ``prepare_attn`` and
+``sample_tokens`` wrapped on this object), so ``before_step`` / ``before_attention`` / ``after_execute`` /
+``after_sample`` run exactly where vLLM runs them.
 :class:`V2Round` builds each round's ``SchedulerOutput`` (``scheduled_new_reqs`` with ``req_id`` / ``block_ids`` /
 ``sampling_params``, ``scheduled_cached_reqs`` with ``req_ids`` / ``new_block_ids``, ``finished_req_ids``,
 ``preempted_req_ids``, ``dynts_plan`` with the ids the scheduler learned: under async scheduling the id of a
@@ -280,7 +281,7 @@ class V2Round:
         token_ids: ``[rows, max_len]`` the id of every token of every row.
     """
 
-    names = ("before_step", "before_attention", "after_execute")  # eval.perf.syncs.V2_HOOKS
+    names = ("before_step", "before_attention", "after_execute", "after_sample")  # eval.perf.syncs.V2_HOOKS
 
     def __init__(self, bench: Any, token_ids: np.ndarray, hooks_class: type, config: Any, num_blocks: int,
                  max_len: int, tokenizer: str) -> None:
