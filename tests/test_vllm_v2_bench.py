@@ -192,3 +192,22 @@ def test_v2_scores_after_sample_tokens_queued_its_work(monkeypatch):
     assert len(order) >= 4 and order == ["sample", "score"] * (len(order) // 2)
     row = bench.rows[0]
     assert not hooks.tracker.table.scores[hooks.tracker.slots[row.rid].row, : row.stored].isnan().any()
+
+
+def test_graph_driver_reads_nothing_back_while_the_rounds_run(monkeypatch):
+    """The drive is asynchronous, as vLLM's: no round reads the device on the host (the bench logs the decisions,
+    the outputs are copied off), so a hook's write that lands late shows in the check after the drive. Reads counted
+    by the dispatch counter over every round (the stand-in runner's own uploads are vLLM's, not counted here)."""
+    from eval.perf.syncs import SyncCounter
+
+    counter, step, rounds = SyncCounter(), HooksBench.step, []
+
+    def counted_step(self, *args, **kwargs):
+        with counter.counting():
+            rounds.append(args[0] if args else kwargs["q"])
+            return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(HooksBench, "step", counted_step)
+    out = run_graph_check(GraphCheckSettings(rows=4, shape="tiny", dtype="float32", cycles=2, plain_steps=2))
+    assert out["ok"] and not out["graphs"] and rounds.count(1) == 2 * (1 + 2)  # one eager drive on CPU
+    assert counter.now - counter.uploads == 0  # reads of the device, over every round of the drive

@@ -5,8 +5,11 @@ slots) captured in a CUDA graph and replayed across plain decode steps and evict
 :class:`dynts.vllm.worker_v2.RunnerV2Hooks` running between the replays as vLLM runs them.
 
 :func:`run_graph_check` drives :class:`.vllm_hooks_bench.HooksBench` (``runner="v2"``, ``verify``) through
-``cycles`` cycles (refill to ``B``, one eviction round for every row, ``plain_steps`` plain steps) and checks after
-every round:
+``cycles`` cycles (refill to ``B``, one eviction round for every row, ``plain_steps`` plain steps) asynchronously, as
+vLLM drives its runner: nothing of the device is read while the rounds run (the bench logs each round's decisions
+on the device; each decode round's attention outputs are copied off on a side stream into pinned memory on CUDA),
+so an ordering fault -- a hook's write that lands after the replay that should read it -- shows. After the drive
+it checks every round:
 
 * every row's stored K/V, read through its block list: the positions the evictor kept, then the new tokens
   (the bench's own check);
@@ -56,9 +59,38 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff.max()) if bool(torch.isfinite(diff).all()) else float("inf")
 
 
+class _OutputCopies:
+    """Each one-token round's attention outputs copied off the forward's persistent buffer without a read-back: on
+    CUDA into pinned host memory on a side stream (ordered after the round's forward; the next forward waits for the
+    copy on the device, the host never does), elsewhere a clone. :meth:`host` hands them back once, at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def take(self, index: int, out: torch.Tensor) -> None:
+        if self.side is None:
+            self.copies[index] = out.clone()
+            return
+        main = torch.cuda.current_stream(self.device)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        self.side.wait_stream(main)  # after the round's forward wrote ``out``
+        with torch.cuda.stream(self.side):
+            host.copy_(out, non_blocking=True)
+        main.wait_stream(self.side)  # the next forward rewrites ``out`` only after the copy (a device-side wait)
+        self.copies[index] = host
+
+    def host(self) -> dict[int, torch.Tensor]:
+        if self.side is not None:
+            self.side.synchronize()  # the drive's one wait, after its last round
+        return {i: t.cpu() for i, t in self.copies.items()}
+
+
 def _drive(settings: GraphCheckSettings, graphs: bool) -> dict:
-    """One drive (see the module docstring): per decode round the attention outputs ``[layers, rows, heads,
-    head]`` and the largest difference from the reference; at the end every row's stored K/V."""
+    """One drive (see the module docstring): the rounds run without reading anything of the device (the bench logs
+    them, the attention outputs are copied off on a side stream); then, once, per decode round the attention outputs
+    ``[layers, rows, heads, head]`` and the largest difference from the reference, and every row's stored K/V."""
     s = settings
     bench = HooksBench(HooksBenchSettings(rows=s.rows, shape=s.shape, dtype=s.dtype, device=s.device, runner="v2",
                                           method=s.method, reps=s.cycles, warmup=0, plain_steps=s.plain_steps,
@@ -66,19 +98,12 @@ def _drive(settings: GraphCheckSettings, graphs: bool) -> dict:
     runner, shape = bench.runner, bench.shape
     forward = StandInForward(runner, attend=True)
     runner.model_forward = GraphedForward(forward, s.rows) if graphs else forward
-    outputs, diffs = [], []
+    copies = _OutputCopies(bench.device)
+    bench.log = []  # nothing read back per round: checked by replay() after the drive
 
     def on_round(bench: HooksBench, q: int) -> None:
-        if q != 1:  # a multi-token refill: eager, K/V written, no attention
-            return
-        got = forward.out[:, : s.rows].cpu()
-        outputs.append(got)
-        worst = 0.0
-        for i, row in enumerate(bench.rows):
-            want = reference_attention(row.expected, i, shape["kv_heads"], shape["head"], shape["layers"], bench.dtype,
-                                       bench.device).cpu()  # the forward's device: the same sin, bit for bit
-            worst = max(worst, _max_abs_diff(got[:, i], want))
-        diffs.append(worst)
+        if q == 1:  # a multi-token refill: eager, K/V written, no attention
+            copies.take(len(bench.log) - 1, forward.out[:, : s.rows])
 
     bench.on_round = on_round
     kinds = {"event": 0, "plain": 0}
@@ -91,6 +116,18 @@ def _drive(settings: GraphCheckSettings, graphs: bool) -> dict:
                     if (events == len(bench.rows)) != (kind == "event"):
                         raise AssertionError(f"a {kind} round ran {events} events for {len(bench.rows)} rows")
                     kinds[kind] += 1
+        got = copies.host()
+        outputs, diffs = [], []
+        for index in bench.replay():  # the rows' expected slots round by round, then the stored K/V of the end
+            if index not in got:
+                continue
+            outputs.append(got[index])
+            worst = 0.0
+            for i, row in enumerate(bench.rows):
+                want = reference_attention(row.expected, i, shape["kv_heads"], shape["head"], shape["layers"],
+                                           bench.dtype, bench.device).cpu()  # the forward's device: the same sin
+                worst = max(worst, _max_abs_diff(got[index][:, i], want))
+            diffs.append(worst)
     views = kv_views(runner.kv_caches, shape["head"])
     stored = []
     for row in bench.rows:

@@ -35,7 +35,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -189,6 +189,9 @@ class HooksBench:
         token_ids[:] = allowed[np.random.default_rng(s.seed).integers(0, len(allowed), size=token_ids.shape)]
         self.timer = HookTimer(self.hooks, self.driver.names, self.device)
         self.on_round: Callable[[HooksBench, int], None] | None = None
+        # a list: every round logged (its decisions kept on the device) and checked only by replay(), so a drive
+        # reads nothing of the device per round; None: each round checked as it runs
+        self.log: list | None = None
         self.moved_slots: list[int] = []
         self.verified = {"event_rounds": 0, "rows_checked": 0}
         self.allow_faults = False  # True: a request the worker fails stays scheduled (a fault test), else an error
@@ -219,8 +222,15 @@ class HooksBench:
                 if self.driver.worker_blocks(row.rid) != row.blocks:
                     raise AssertionError(f"{row.rid}: the worker's blocks {self.driver.worker_blocks(row.rid)} != "
                                          f"the scheduler's {row.blocks}")
+        if self.log is not None:  # checked later (replay): nothing of the device is read now
+            self.log.append((q, list(plan.events), self._take_decisions()))
+            for row in self.rows:
+                row.computed += q
+            if self.on_round is not None:
+                self.on_round(self, q)
+            return dict(self.timer.times), len(plan.events)
         if plan.events:
-            self._after_event(plan.events)
+            self._after_event(plan.events, self._take_decisions())
         for row in self.rows:
             row.expected += range(row.computed, row.computed + q)
             row.computed += q
@@ -241,11 +251,33 @@ class HooksBench:
             self.timer.install()
 
     # ------------------------------------------------------------------ verification
-    def _after_event(self, events: list) -> None:
-        """The scheduler side's view of the kept slots: the evictor's decisions recorded during ``before_step``
-        (one call per group of equal settings, prompt length and stored count; rows in event order)."""
+    def _take_decisions(self) -> list:
+        """The evictor's decisions of the round (device tensors), taken from the recording."""
         decisions = list(self.recording.calls)
         self.recording.calls.clear()
+        return decisions
+
+    def replay(self) -> Iterator[int]:
+        """With :attr:`log` (rounds logged instead of checked as they ran): the rows' ``expected`` rebuilt round by
+        round from the logged decisions, read on the host only now; yields each round's index once its ``expected``
+        holds (the :meth:`_after_event` checks included), then checks the stored K/V of the end (with ``verify``)."""
+        log, self.log = self.log, None
+        computed = {row.rid: 0 for row in self.rows}
+        for row in self.rows:
+            row.expected = []
+        for index, (q, events, decisions) in enumerate(log):
+            if events:
+                self._after_event(events, decisions)
+            for row in self.rows:
+                row.expected += range(computed[row.rid], computed[row.rid] + q)
+                computed[row.rid] += q
+            yield index
+        if self.settings.verify:
+            self._check_stored()
+
+    def _after_event(self, events: list, decisions: list) -> None:
+        """The scheduler side's view of the kept slots: the evictor's ``decisions`` recorded during ``before_step``
+        (one call per group of equal settings, prompt length and stored count; rows in event order)."""
         events = [e for e in events if e[0] not in self.hooks.failed]  # a failed request's event selects nothing
         kept_rows = [k for _, kept in decisions for k in kept.cpu().tolist()]
         seen = [p for positions, _ in decisions for p in positions.cpu().tolist()]
