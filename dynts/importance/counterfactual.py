@@ -14,7 +14,8 @@ This is the ground truth the label diagnostic measures the other labels against
 
 Cost: one forward of the whole row per scored token (``copies`` of them batched per forward, each with
 its own ``[T, T]`` boolean mask): ``O(T)`` forwards of length ``T``, ``O(copies * T^2)`` mask memory. On the
-testbed (4 layers x 256, ~600 tokens) ~10 s per trace on one CPU core. At 7B x 16k it is out of reach
+testbed, one CPU core: ~14 s for a 280-token trace of a chain LRM (4 layers x 256), ~2 s for 180 tokens of the
+copy LRM (3 x 128), growing as ``T^2``. At 7B x 16k it is out of reach
 (16k prefills of 16k tokens, ~2-3 hours per trace on an H100 even at full utilisation, and a
 16k x 16k mask per copy): use it on small models, or on a sample of positions (``positions``).
 """
