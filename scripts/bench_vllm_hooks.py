@@ -37,15 +37,19 @@ def compare_table(named: list[tuple[str, dict]]) -> str:
     hooks that record and point attention (all but the last, which runs the predictor) and of the predictor's hook,
     per eviction round the host time of the whole round, the syncs of each, and the slots moved per ms of the
     round's ``before_step``."""
-    lines = ["| run | runner | rows | plain: recording hooks us | plain: predictor hook us | plain syncs | "
-             "round: host ms | round syncs | moved slots / ms |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | runner | method | rows | plain: recording hooks us | plain: predictor hook us | plain: the "
+             "runner's own step us | plain syncs | round: host ms | round syncs | moved slots / ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in named:
         hooks = r["hooks"]
         plain = r["plain"]
         recording = sum(plain[h]["host_us"] for h in hooks[:-1])
-        lines.append(f"| {name} | {r['runner']} | {r['rows']} | {recording:.0f} | {plain[hooks[-1]]['host_us']:.0f} | "
-                     f"{r['syncs_per_plain_step']:g} | {r['event']['step']['host_us'] / 1e3:.1f} | "
-                     f"{r['syncs_per_event_round']:g} | {r['moved_slots_per_ms']:.0f} |")
+        runner_step = plain.get("runner_step", {}).get("host_us")
+        event = r["event"]
+        lines.append(f"| {name} | {r['runner']} | {r.get('method', 'dynts')} | {r['rows']} | {recording:.0f} | "
+                     f"{plain[hooks[-1]]['host_us']:.0f} | {'' if runner_step is None else f'{runner_step:.0f}'} | "
+                     f"{r['syncs_per_plain_step']:g} | {event['step']['host_us'] / 1e3 if event else float('nan'):.1f} | "
+                     f"{r['syncs_per_event_round']:g} | {r['moved_slots_per_ms'] or float('nan'):.0f} |")
     return "\n".join(lines)
 
 

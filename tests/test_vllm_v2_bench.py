@@ -29,7 +29,7 @@ def test_v2_bench_runs_the_real_hooks_and_the_kept_slots_are_the_evictors(async_
     assert result["verified"]["event_rounds"] == 4 and result["verified"]["rows_checked"] > 0
     assert result["cycles_timed"] == 2 and result["moved_slots_per_round"] > 0
     for kind in ("plain", "event"):
-        assert set(result[kind]) == {"before_step", "before_attention", "after_execute", "after_sample", "step"}
+        assert set(result[kind]) == {"before_step", "before_attention", "after_execute", "after_sample", "step", "runner_step"}
         assert result[kind]["step"]["host_us"] > 0
     assert result["syncs"]["plain_steps"] == 3 and result["syncs"]["event_rounds"] == 1  # one counted cycle
     assert result["syncs_per_plain_step"] == 0  # a decode step without an event reads nothing back

@@ -25,7 +25,7 @@ def test_bench_runs_the_real_hooks_and_the_kept_slots_are_the_evictors(dtype):
     assert result["verified"]["event_rounds"] == 4 and result["verified"]["rows_checked"] > 0
     assert result["cycles_timed"] == 2 and result["moved_slots_per_round"] > 0
     for kind in ("plain", "event"):
-        assert set(result[kind]) == {"before_step", "after_prepare_inputs", "after_forward", "step"}
+        assert set(result[kind]) == {"before_step", "after_prepare_inputs", "after_forward", "step", "runner_step"}
         assert result[kind]["step"]["host_us"] > 0
     assert result["syncs_counter"] == "dispatch"
     assert result["syncs_per_plain_step"] == 0  # a decode step without an event reads nothing back

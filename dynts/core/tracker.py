@@ -35,8 +35,7 @@ from .upload import HostStaging
 
 __all__ = ["EvictionGroup", "Forward", "SlotTracker", "copy_plan"]
 
-_ROW, _ANSWER, _QUESTION_LENGTH = attrgetter("row"), attrgetter("answer"), attrgetter("question_length")
-_IN_ANSWER, _THINK_MATCH = attrgetter("in_answer"), attrgetter("think_match")
+_ROW = attrgetter("row")
 
 
 @dataclass
@@ -112,6 +111,9 @@ class SlotTracker:
         self.slots: dict[str, RequestRow] = {}
         self.pending_scores: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._scratch_row: int | None = None
+        # per table row, a host mirror of what a decode step's labelling reads: prompt length, in answer, the
+        # delimiter's partial match (kept in step with each request's AnswerState by open() and segments())
+        self.row_state = np.zeros((3, self.table.rows), dtype=np.int64)
 
     @property
     def scratch_row(self) -> int:
@@ -130,6 +132,9 @@ class SlotTracker:
         if entry is None:
             entry = RequestRow(settings or self.settings, question_length, self.table.acquire_row())
             self.slots[rid] = entry
+            if entry.row >= self.row_state.shape[1]:  # the table grew
+                self.row_state = np.pad(self.row_state, ((0, 0), (0, self.table.rows - self.row_state.shape[1])))
+            self.row_state[:, entry.row] = (question_length, entry.answer.in_answer, entry.answer.think_match)
         return entry
 
     def release(self, rid: str) -> None:
@@ -179,15 +184,14 @@ class SlotTracker:
         every other token is question, thinking or answer by its request's state alone."""
         if not entries:
             return self.record([], score, keep_scores)
-        rows = list(map(_ROW, entries))
-        states = list(map(_ANSWER, entries))
+        rows = np.fromiter(map(_ROW, entries), dtype=np.int64, count=len(entries))
         start, slot, token = np.asarray(starts), np.asarray(stored), np.asarray(tokens)
-        asked = start < np.array(list(map(_QUESTION_LENGTH, entries)))
-        in_answer = np.array(list(map(_IN_ANSWER, states))) & ~asked
+        question_length, answering, match = self.row_state[:, rows]
+        asked = start < question_length
+        in_answer = (answering != 0) & ~asked
         segments = np.where(asked, int(Segment.QUESTION), np.where(in_answer, int(Segment.ANSWER), int(Segment.THINKING)))
         if self.delimiter is not None:  # rows whose delimiter match could move: the rule, one at a time
-            matching = np.array(list(map(_THINK_MATCH, states))) != 0
-            touched = ~asked & ~in_answer & (matching | (token[:, None] == self.delimiter_ids).any(1))
+            touched = ~asked & ~in_answer & ((match != 0) | (token[:, None] == self.delimiter_ids).any(1))
             for i in np.flatnonzero(touched).tolist():
                 segments[i] = self.segments(entries[i], (int(token[i]),), int(start[i]), int(slot[i]))[0]
         self.table.ensure_width(int(slot.max()) + 1)
@@ -201,9 +205,12 @@ class SlotTracker:
         by the one rule (:func:`dynts.core.segments.label_request`); delimiter pieces stored by earlier
         forwards are relabelled in the table."""
         on_device = self.delimiter_on_device
-        return label_request(self.delimiter, entry.answer, new, start, entry.question_length,
-                             lambda pieces: self.table.relabel_answer(
-                                 entry.row, stored, pieces if on_device is None else on_device[: len(pieces)]))
+        out = label_request(self.delimiter, entry.answer, new, start, entry.question_length,
+                            lambda pieces: self.table.relabel_answer(
+                                entry.row, stored, pieces if on_device is None else on_device[: len(pieces)]))
+        if 0 <= entry.row < self.row_state.shape[1]:
+            self.row_state[1:, entry.row] = (entry.answer.in_answer, entry.answer.think_match)
+        return out
 
     def expect_scores(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """The next forward's final-norm output scores ``T`` tokens into ``(rows[i], slots[i])`` (``[T]`` each, one

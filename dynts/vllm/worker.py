@@ -327,7 +327,7 @@ class WorkerHooks:
         found = [get_entry(rid) for rid in req_ids]
         computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         stored = computed - shift_rows
-        if None not in found:
+        if all(found):  # every request recorded (``None in found`` would call each record's __eq__)
             tokens = batch.token_ids_cpu[np.arange(num_reqs), computed]
             self.tracker.record_decode(found, computed, stored, tokens, score=self.predictor is not None)
             return True

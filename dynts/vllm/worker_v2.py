@@ -51,6 +51,8 @@ class RunnerV2Hooks(WorkerHooks):
         self.unlabelled: dict[str, list[tuple[int, int]]] = {}  # (position, slot) scored but waiting for their id
         self.lowered: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_lens rows, shifts) restored after the forward
         self.hidden: torch.Tensor | None = None  # the forward's final-norm output, scored after sample_tokens
+        # a decode step's tokens scored before their ids arrived, as arrays: (request ids, records, positions, slots)
+        self.late_batch: tuple[list[str], list, np.ndarray, np.ndarray] | None = None
 
     # ------------------------------------------------------------------ the runner's request state
     def sampling_params(self, rid: str) -> Any:
@@ -93,6 +95,10 @@ class RunnerV2Hooks(WorkerHooks):
     def before_step(self, scheduler_output: Any) -> None:
         """Forget finished and preempted requests, register new ones, run the round's events, then take the
         round's new blocks."""
+        plan = getattr(scheduler_output, "dynts_plan", None)
+        if self.late_batch is not None:  # last decode step's tokens, scored without their ids
+            if not self._label_late_batch(scheduler_output, plan):
+                self._unpack_late_batch()
         for rid in [*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())]:
             self._forget(rid)
         self._read_stale()  # earlier rounds' stale-score flags whose copy has run: those requests fail
@@ -100,11 +106,9 @@ class RunnerV2Hooks(WorkerHooks):
             self._forget(new.req_id)  # a resumed request re-prefills from scratch
             self.blocks[new.req_id] = list(new.block_ids[0])
             self.params[new.req_id] = new.sampling_params
-        plan = getattr(scheduler_output, "dynts_plan", None)
         if plan is not None:
             self._drop_failed()
-            for rid, (start, ids) in plan.token_ids.items():
-                self._receive(rid, start, ids)
+            self._receive_all(plan.token_ids)
             self._label_late()
             self.shifts = dict(plan.shifts)
             if plan.events:
@@ -140,6 +144,49 @@ class RunnerV2Hooks(WorkerHooks):
         get_shift, get_entry, unlabelled = self.shifts.get, self.tracker.slots.get, self.unlabelled
         shift_list = [get_shift(rid, 0) for rid in req_ids]
         shift_rows = np.asarray(shift_list, dtype=np.int64)
+        if not self._decode_step(batch, req_ids, scheduled, shift_rows):
+            self._any_step(batch, req_ids, scheduled, shift_list)
+        if not shift_rows.any():
+            return None
+        per_token = np.zeros(batch.positions.shape[0], dtype=np.int64)
+        per_token[: batch.num_tokens] = np.repeat(shift_rows, scheduled)
+        shifts = self.staging.upload(np.concatenate([shift_rows, per_token]))  # one copy, never waited on
+        rows = shifts[:num_reqs].to(batch.seq_lens.dtype)
+        batch.seq_lens[:num_reqs] -= rows
+        self.lowered = (batch.seq_lens[:num_reqs], rows)
+        return batch.positions - shifts[num_reqs:].to(batch.positions.dtype)
+
+    def _decode_step(self, batch: Any, req_ids: list[str], scheduled: np.ndarray, shift_rows: np.ndarray) -> bool:
+        """A decode step of requests already recorded, none waiting for ids, in one vectorised pass: under async
+        scheduling every token waits for its id (scored now, labelled by :meth:`_receive_all`), under synchronous
+        scheduling every id is held and recorded now. ``False`` (nothing done) for any other step."""
+        num_reqs = len(req_ids)
+        if not num_reqs or not (scheduled == 1).all() or any(map(self.unlabelled.__contains__, req_ids)):
+            return False
+        entries = list(map(self.tracker.slots.get, req_ids))
+        if not all(entries):  # a request seen first, failed or never evicting: the general path
+            return False
+        computed = batch.num_computed_tokens_np[:num_reqs].astype(np.int64)
+        stored = computed - shift_rows
+        held = list(map(self.known.get, req_ids))
+        positions, slots = computed.tolist(), stored.tolist()
+        if all(h is None or (not h[1] and h[0] == p) for h, p in zip(held, positions)):  # no id known yet
+            self.late_batch = (list(req_ids), entries, computed, stored)  # labelled by the next plan's ids
+            if self.predictor is not None:
+                self._expect_scores([e.row for e in entries], stored, scheduled.astype(np.int64))
+            return True
+        if not all(h is not None and h[0] == p and len(h[1]) == 1 for h, p in zip(held, positions)):
+            return False
+        tokens = [h[1][0] for h in held]
+        self.known.update((rid, (p + 1, [])) for rid, p in zip(req_ids, positions))
+        self.tracker.record_decode(entries, computed, stored, tokens, score=self.predictor is not None)
+        return True
+
+    def _any_step(self, batch: Any, req_ids: list[str], scheduled: np.ndarray, shift_list: list[int]) -> None:
+        """Record any step (prefill chunks, requests seen first, prefix-cache hits, ids partly known) request by
+        request; every token of the batch is scored into its own slot (a request not recorded: the scratch row)."""
+        states, num_reqs = self.runner.req_states, len(req_ids)
+        get_entry, unlabelled = self.tracker.slots.get, self.unlabelled
         forwards, cached = [], []
         score_rows: list[int] = []
         score_slots: list[int] = []
@@ -171,17 +218,62 @@ class RunnerV2Hooks(WorkerHooks):
             self.tracker.record(forwards)
         if self.predictor is not None and score_rows:  # every token of the batch, in its order
             self.tracker.pending_scores = (*self.staging.columns((score_rows, score_slots)), len(score_rows))
-        if not shift_rows.any():
-            return None
-        per_token = np.zeros(batch.positions.shape[0], dtype=np.int64)
-        per_token[: batch.num_tokens] = np.repeat(shift_rows, scheduled)
-        shifts = self.staging.upload(np.concatenate([shift_rows, per_token]))  # one copy, never waited on
-        rows = shifts[:num_reqs].to(batch.seq_lens.dtype)
-        batch.seq_lens[:num_reqs] -= rows
-        self.lowered = (batch.seq_lens[:num_reqs], rows)
-        return batch.positions - shifts[num_reqs:].to(batch.positions.dtype)
 
     # ------------------------------------------------------------------ token ids from the scheduler
+    def _receive_all(self, token_ids: dict[str, tuple[int, list[int]]]) -> None:
+        """Take the plan's shipments of ids. The common one under async scheduling -- the one id of the one token a
+        request was scored without, from exactly where the worker expects it -- labels that token at once, every
+        such request in one vectorised record (:meth:`SlotTracker.record_decode`); any other goes through
+        :meth:`_receive` and :meth:`_label_late`."""
+        late, known, failed, get_entry = self.unlabelled, self.known, self.failed, self.tracker.slots.get
+        entries, positions, slots, tokens = [], [], [], []
+        for rid, (start, ids) in token_ids.items():
+            waiting, held = late.get(rid), known.get(rid)
+            if (waiting is not None and len(waiting) == 1 and len(ids) == 1 and waiting[0][0] == start
+                    and (held is None or (not held[1] and held[0] == start)) and rid not in failed):
+                entry = get_entry(rid)
+                if entry is not None:
+                    (position, slot), = waiting
+                    entries.append(entry)
+                    positions.append(position)
+                    slots.append(slot)
+                    tokens.append(ids[0])
+                    del late[rid]
+                    known[rid] = (start + 1, [])
+                    continue
+            self._receive(rid, start, ids)
+        if entries:  # positions, segments and ids; their scores stay
+            self.tracker.record_decode(entries, positions, slots, tokens, keep_scores=True)
+
+    def _label_late_batch(self, scheduler_output: Any, plan: Any) -> bool:
+        """Label the last decode step's tokens (:attr:`late_batch`) when the plan brings exactly their ids -- the
+        steady state under async scheduling: the same requests, each shipped the one id from the index it waits
+        for, none finished, preempted or failed -- in one vectorised record; ``False`` (nothing done) otherwise."""
+        rids, entries, positions, slots = self.late_batch
+        shipped = None if plan is None else plan.token_ids
+        if (not shipped or self.failed or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
+                or len(shipped) != len(rids) or list(shipped) != rids):
+            return False
+        starts, ids = zip(*shipped.values())
+        if not (np.array(starts) == positions).all() or any(len(i) != 1 for i in ids):
+            return False
+        self.late_batch = None
+        self.tracker.record_decode(entries, positions, slots, [i[0] for i in ids], keep_scores=True)  # scores stay
+        plan.token_ids = {}  # taken
+        if self.known:  # nothing is held for them now (an earlier general step's records)
+            for rid in rids:
+                self.known.pop(rid, None)
+        return True
+
+    def _unpack_late_batch(self) -> None:
+        """The last decode step's unlabelled tokens into the per-request records (:attr:`unlabelled`, :attr:`known`)
+        the general path reads."""
+        rids, _, positions, slots = self.late_batch
+        self.late_batch = None
+        positions, slots = positions.tolist(), slots.tolist()
+        self.unlabelled.update((rid, [(p, s)]) for rid, p, s in zip(rids, positions, slots))
+        self.known.update((rid, (p, [])) for rid, p in zip(rids, positions))
+
     def _receive(self, rid: str, start: int, ids: list[int]) -> None:
         """Take a shipment of ids (absolute indices ``start ..``), contiguous with what is held."""
         if rid in self.failed:

@@ -216,7 +216,10 @@ class HooksBench:
             if row.shift:
                 plan.shifts[row.rid] = row.shift
         self.timer.times = {}
+        started = time.perf_counter()
         self.driver.round(q, plan, fill)
+        if self.timer.on:  # the whole round: the hooks and the stand-in runner's own work (vLLM's, on these rows)
+            self.timer.times["round"] = (time.perf_counter() - started,) * 2
         if self.settings.verify:
             for row in self.rows:
                 if self.driver.worker_blocks(row.rid) != row.blocks:
@@ -315,6 +318,10 @@ def _median_us(samples: list[dict], names: tuple[str, ...]) -> dict:
                      "done_us": 1e6 * statistics.median(t[name][1] for t in samples)}
     out["step"] = {"host_us": 1e6 * statistics.median(sum(t[n][0] for n in names) for t in samples),
                    "done_us": 1e6 * statistics.median(sum(t[n][1] for n in names) for t in samples)}
+    # the reference: what the stand-in runner itself does on the host in the same round (vLLM's own step on these
+    # rows, without a model: inputs, block tables, slot mappings, sampling's bookkeeping), the hooks' time taken out
+    out["runner_step"] = {"host_us": 1e6 * statistics.median(t["round"][0] - sum(t[n][1] for n in names)
+                                                           for t in samples)}
     return out
 
 
@@ -361,6 +368,7 @@ def run_hooks_bench(settings: HooksBenchSettings) -> dict:
             syncs = {"counter": counter.kind, **counter.summary()}
     names = bench.driver.names
     event = _median_us(samples["event"], names)
+    plain = _median_us(samples["plain"], names)
     moved = statistics.mean(bench.moved_slots) if bench.moved_slots else None
     return {
         "runner": s.runner, "hooks": list(names), "hooks_class": type(bench.hooks).__mro__[1].__name__,
@@ -368,7 +376,10 @@ def run_hooks_bench(settings: HooksBenchSettings) -> dict:
         "shape": bench.shape, "budget": bench.budget, "n_keep": bench.n_keep, "eviction_volume": bench.volume,
         "predictor_dtype": "float32" if s.method == "dynts" else None,
         "cycles_timed": timed, "warmup": s.warmup, "plain_steps_per_cycle": s.plain_steps,
-        "event": event, "plain": _median_us(samples["plain"], names),
+        "event": event, "plain": plain,
+        # per plain step: the hooks that record and point attention (all but the predictor's), and the reference
+        "recording_us_per_plain_step": sum(plain[n]["host_us"] for n in names[:-1]) if plain else None,
+        "runner_step_us": plain["runner_step"]["host_us"] if plain else None,
         "syncs_counter": syncs["counter"] if syncs else None,
         "syncs_per_event_round": syncs["syncs_per_event_round"] if syncs else None,
         "syncs_per_plain_step": syncs["syncs_per_plain_step"] if syncs else None,
@@ -399,4 +410,10 @@ def format_table(result: dict) -> str:
         lines.append(f"{label:<22}" + "".join(f"{r[n]['host_us']:>{w}.0f}" for n, w in zip(names, width))
                      + f"{r['step']['host_us']:>10.0f}{r['step']['done_us']:>11.0f}"
                      + f"{'' if syncs is None else f'{syncs:.0f}':>7}")
+    plain = result["plain"]
+    if plain:
+        recording = sum(plain[n]["host_us"] for n in names[:-1])
+        lines.append(f"plain step: recording hooks (all but {names[-1]}) {recording:.0f} us, the predictor's hook "
+                     f"{plain[names[-1]]['host_us']:.0f} us; the stand-in runner's own step on the same rows (vLLM's "
+                     f"work, no model) {plain['runner_step']['host_us']:.0f} us")
     return "\n".join(lines)
