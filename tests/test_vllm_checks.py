@@ -330,11 +330,19 @@ def test_per_request_variants_are_bounded():
 
 def test_slot_table_is_sized_by_the_engine_and_charged():
     from dynts.vllm.config import PluginConfig
-    from dynts.vllm.worker import TABLE_CELL_BYTES, slot_table_bytes, slot_table_shape
+    from dynts.vllm.worker import (EVENT_BYTES_PER_SLOT, PREDICTOR_BYTES_PER_TOKEN_AND_DIM, TABLE_CELL_BYTES,
+                                   hooks_bytes, slot_table_bytes, slot_table_shape)
 
-    vllm_config = NS(scheduler_config=NS(max_num_seqs=256), model_config=NS(max_model_len=131072))
+    vllm_config = NS(scheduler_config=NS(max_num_seqs=256, max_num_batched_tokens=8192),
+                     model_config=NS(max_model_len=131072, get_hidden_size=lambda: 3584))
     config = PluginConfig({"method": "window", "budget": 4096, "local_window": 512})
-    assert slot_table_shape(config, vllm_config) == (256, 4096)
-    assert slot_table_bytes(config, vllm_config) == 256 * 4096 * TABLE_CELL_BYTES  # 28.0 MiB
+    assert slot_table_shape(config, vllm_config) == (257, 4096)  # a row per request and the scratch row
+    assert slot_table_bytes(config, vllm_config) == 257 * 4096 * TABLE_CELL_BYTES  # 28.1 MiB
+    # charged: the table and an eviction round of every row; DynTS also its predictor's activations at a full batch
+    assert hooks_bytes(config, vllm_config) == 257 * 4096 * (TABLE_CELL_BYTES + EVENT_BYTES_PER_SLOT)
+    scoring = PluginConfig({"method": "dynts", "budget": 4096, "local_window": 512,
+                            "predictor": str(checkpoints_dir() / "testbed-predictor")})
+    assert hooks_bytes(scoring, vllm_config) == (hooks_bytes(config, vllm_config)
+                                                 + 8192 * 3584 * PREDICTOR_BYTES_PER_TOKEN_AND_DIM)  # + 560 MiB
     small = NS(scheduler_config=NS(max_num_seqs=8), model_config=NS(max_model_len=128))
-    assert slot_table_shape(config, small) == (8, 128)
+    assert slot_table_shape(config, small) == (9, 128)

@@ -7,7 +7,7 @@ asked for dynts, when its KV cache is allocated (:func:`dynts.vllm.wrapping.bind
 | runner | method | what dynts adds |
 |---|---|---|
 | both | ``initialize_kv_cache`` | builds and checks the worker hooks (layout, KV groups and their kind, cross-layer KV sharing, kernel blocks, tokenizer, predictor), compiles the eviction kernels (:func:`dynts.kernels.warm_up_kernels`); binds the rest |
-| both | ``Worker.determine_available_memory`` (and the CPU worker's) | the slot table's bytes are charged against the KV cache |
+| both | ``Worker.determine_available_memory`` (and the CPU worker's) | the hooks' device bytes (slot table, predictor activations at a full batch, an eviction round's temporaries) are charged against the KV cache |
 | V1 | ``execute_model`` / ``_prepare_inputs`` / ``_model_forward`` (bound) | :class:`~dynts.vllm.worker.WorkerHooks`: events, recording, scores |
 | V1 | ``execute_model``, ``sample_tokens`` (bound) | requests the worker failed (an event for a request it does not track) ride on the round's ``ModelRunnerOutput`` to the scheduler (:func:`report_faults`) |
 | V2 | ``execute_model`` (bound) | :class:`~dynts.vllm.worker_v2.RunnerV2Hooks`: events before the round's block writes |
@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..kernels import warm_up_kernels
 from .checks import check_kv_sharing
 from .config import PluginConfig
-from .worker import WorkerHooks, slot_table_bytes
+from .worker import WorkerHooks, hooks_bytes
 from .worker_v2 import RunnerV2Hooks
 from .wrapping import bind, wrap
 
@@ -163,7 +163,7 @@ def install_runner(kind: str) -> None:
         def determine_available_memory(self, *args, **kwargs):
             free = original(self, *args, **kwargs)
             config = PluginConfig.from_vllm(self.vllm_config)
-            return free if config is None else max(0, free - slot_table_bytes(config, self.vllm_config))
+            return free if config is None else max(0, free - hooks_bytes(config, self.vllm_config))
         return determine_available_memory
 
     wrap(runner_cls, "initialize_kv_cache", init_cache)

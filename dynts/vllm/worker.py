@@ -26,8 +26,9 @@ The hooks are built when the worker allocates its KV cache (``initialize_kv_cach
 request: the attention backend's layout, the one KV-cache group, the kernel block size, the tokenizer and
 the predictor (bound to the served model by its fingerprint) are checked there, so a misfit stops the
 engine at startup. The slot table (:class:`dynts.core.SlotTable`) is allocated there too, for
-``max_num_seqs`` rows of ``min(max_model_len, max(B, 256))`` slots, and charged against the KV cache
-(:func:`slot_table_bytes` is subtracted from the memory the worker reports for it).
+``max_num_seqs`` rows (and a scratch row) of ``min(max_model_len, max(B, 256))`` slots; it, the predictor's
+activations at a full batch and an eviction round's temporaries are charged against the KV cache
+(:func:`hooks_bytes` is subtracted from the memory the worker reports for it).
 
 Under tensor parallelism every rank runs the evictor, and the kept slots of the first rank are broadcast
 to the others (one collective per eviction group, at events only): every rank keeps the same slots by
@@ -51,7 +52,7 @@ from .checks import check_worker
 from .config import PluginConfig
 from .layouts import geometry_for
 
-__all__ = ["TABLE_CELL_BYTES", "WorkerHooks", "slot_table_bytes", "slot_table_shape"]
+__all__ = ["TABLE_CELL_BYTES", "WorkerHooks", "hooks_bytes", "slot_table_bytes", "slot_table_shape"]
 
 TABLE_CELL_BYTES = 3 * 8 + 4  # positions, segments, token ids (int64) and a score (fp32) per slot
 
@@ -69,6 +70,24 @@ def slot_table_bytes(config: PluginConfig, vllm_config: Any) -> int:
     """Device bytes of the reserved slot table (charged against the KV cache)."""
     rows, width = slot_table_shape(config, vllm_config)
     return rows * width * TABLE_CELL_BYTES
+
+
+PREDICTOR_BYTES_PER_TOKEN_AND_DIM = 5 * 4  # fp32: the hidden state's copy, the first layer's 2d outputs and activation
+EVENT_BYTES_PER_SLOT = 64  # an eviction round's per-slot temporaries: the evictor's view, priorities, kept, the plan
+
+
+def hooks_bytes(config: PluginConfig, vllm_config: Any) -> int:
+    """Device bytes the worker hooks may hold at once beyond vLLM's own, charged against the KV cache at start-up so
+    that vLLM sizes its cache without them: the slot table, the predictor's activations at a full batch of
+    ``max_num_batched_tokens`` tokens (DynTS: the final-norm states in fp32, the first layer's ``2 d`` outputs and
+    their activation), and an eviction round of every row at the table's width (the evictor's view of the slots,
+    its priorities, the kept slots and the copy plan)."""
+    rows, width = slot_table_shape(config, vllm_config)
+    total = slot_table_bytes(config, vllm_config) + rows * width * EVENT_BYTES_PER_SLOT
+    if config.settings.needs_scores:
+        tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        total += tokens * int(vllm_config.model_config.get_hidden_size()) * PREDICTOR_BYTES_PER_TOKEN_AND_DIM
+    return total
 
 
 class _FirstRankDecides:
