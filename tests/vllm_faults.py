@@ -75,19 +75,22 @@ def _before_event(victim: str, at: int, fault) -> None:
 
 
 def _lose_shipment(is_victim, at: int) -> None:
+    """Drop a victim's ``at``-th shipment of token ids from the plan before the V2 worker sees it."""
     from dynts.vllm.worker_v2 import RunnerV2Hooks
 
-    receive = RunnerV2Hooks._receive
+    before_step = RunnerV2Hooks.before_step
     seen: dict[str, int] = {}
 
-    def lossy_receive(self, rid, start, ids):
-        if is_victim(self, rid):
-            seen[rid] = seen.get(rid, 0) + 1
-            if seen[rid] == at:
-                return  # this shipment never arrives
-        receive(self, rid, start, ids)
+    def lossy_before_step(self, scheduler_output):
+        plan = getattr(scheduler_output, "dynts_plan", None)
+        if plan is not None and plan.token_ids:
+            for rid in [rid for rid in plan.token_ids if is_victim(self, rid)]:
+                seen[rid] = seen.get(rid, 0) + 1
+                if seen[rid] == at:
+                    plan.token_ids = {r: v for r, v in plan.token_ids.items() if r != rid}  # it never arrives
+        before_step(self, scheduler_output)
 
-    RunnerV2Hooks._receive = lossy_receive
+    RunnerV2Hooks.before_step = lossy_before_step
 
 
 # Loaded as ``sitecustomize`` by a server under test (tests/test_vllm_server.py): every process of it (API server,
