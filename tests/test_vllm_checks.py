@@ -330,7 +330,7 @@ def test_per_request_variants_are_bounded():
 
 def test_slot_table_is_sized_by_the_engine_and_charged():
     from dynts.vllm.config import PluginConfig
-    from dynts.vllm.worker import (EVENT_BYTES_PER_SLOT, PREDICTOR_BYTES_PER_TOKEN_AND_DIM, TABLE_CELL_BYTES,
+    from dynts.vllm.memory import (EVENT_BYTES_PER_SLOT, PREDICTOR_BYTES_PER_TOKEN_AND_DIM, TABLE_CELL_BYTES,
                                    hooks_bytes, slot_table_bytes, slot_table_shape)
 
     vllm_config = NS(scheduler_config=NS(max_num_seqs=256, max_num_batched_tokens=8192),

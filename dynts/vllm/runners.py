@@ -24,7 +24,8 @@ from typing import Any, Callable
 from ..kernels import warm_up_kernels
 from .checks import check_kv_sharing
 from .config import PluginConfig
-from .worker import WorkerHooks, hooks_bytes
+from .memory import hooks_bytes
+from .worker import WorkerHooks
 from .worker_v2 import RunnerV2Hooks
 from .wrapping import bind, wrap
 

@@ -28,7 +28,7 @@ the predictor (bound to the served model by its fingerprint) are checked there, 
 engine at startup. The slot table (:class:`dynts.core.SlotTable`) is allocated there too, for
 ``max_num_seqs`` rows (and a scratch row) of ``min(max_model_len, max(B, 256))`` slots; it, the predictor's
 activations at a full batch and an eviction round's temporaries are charged against the KV cache
-(:func:`hooks_bytes` is subtracted from the memory the worker reports for it).
+(:func:`dynts.vllm.memory.hooks_bytes` is subtracted from the memory the worker reports for it).
 
 Under tensor parallelism every rank runs the evictor, and the kept slots of the first rank are broadcast
 to the others (one collective per eviction group, at events only): every rank keeps the same slots by
@@ -51,44 +51,9 @@ from ..thinking import think_end_ids
 from .checks import check_worker
 from .config import PluginConfig
 from .layouts import geometry_for
+from .memory import slot_table_shape
 
-__all__ = ["TABLE_CELL_BYTES", "WorkerHooks", "hooks_bytes", "slot_table_bytes", "slot_table_shape"]
-
-TABLE_CELL_BYTES = 3 * 8 + 4  # positions, segments, token ids (int64) and a score (fp32) per slot
-
-
-def slot_table_shape(config: PluginConfig, vllm_config: Any) -> tuple[int, int]:
-    """``(rows, width)`` of the slot table a worker reserves: a row per request the engine may run and the
-    scratch row (:attr:`dynts.core.SlotTracker.scratch_row`), the engine budget's slots (at least 256, at most
-    ``max_model_len``) per row."""
-    rows = int(vllm_config.scheduler_config.max_num_seqs) + 1
-    width = max(256, config.settings.budget or 0)
-    return rows, min(width, int(vllm_config.model_config.max_model_len))
-
-
-def slot_table_bytes(config: PluginConfig, vllm_config: Any) -> int:
-    """Device bytes of the reserved slot table (charged against the KV cache)."""
-    rows, width = slot_table_shape(config, vllm_config)
-    return rows * width * TABLE_CELL_BYTES
-
-
-PREDICTOR_BYTES_PER_TOKEN_AND_DIM = 5 * 4  # fp32: the hidden state's copy, the first layer's 2d outputs and activation
-EVENT_BYTES_PER_SLOT = 64  # an eviction round's per-slot temporaries: the evictor's view, priorities, kept, the plan
-
-
-def hooks_bytes(config: PluginConfig, vllm_config: Any) -> int:
-    """Device bytes the worker hooks may hold at once beyond vLLM's own, charged against the KV cache at start-up so
-    that vLLM sizes its cache without them: the slot table, the predictor's activations at a full batch of
-    ``max_num_batched_tokens`` tokens (DynTS: the final-norm states in fp32, the first layer's ``2 d`` outputs and
-    their activation), and an eviction round of every row at the table's width (the evictor's view of the slots,
-    its priorities, the kept slots and the copy plan)."""
-    rows, width = slot_table_shape(config, vllm_config)
-    total = slot_table_bytes(config, vllm_config) + rows * width * EVENT_BYTES_PER_SLOT
-    if config.settings.needs_scores:
-        tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        total += tokens * int(vllm_config.model_config.get_hidden_size()) * PREDICTOR_BYTES_PER_TOKEN_AND_DIM
-    return total
-
+__all__ = ["WorkerHooks"]
 
 class _FirstRankDecides:
     """An evictor whose kept slots are the first tensor-parallel rank's, broadcast to every rank."""
@@ -357,7 +322,8 @@ class WorkerHooks:
             self.tracker.record_decode([found[i] for i in index.tolist()], computed[index], stored[index],
                                        batch.token_ids_cpu[index, computed[index]])
         if self.predictor is not None:  # every token of the batch scored into its own slot, a skipped one to scratch
-            self._expect_scores([None if e is None else e.row for e in found], stored, np.ones(num_reqs, dtype=np.int64))
+            rows = [None if entry is None else entry.row for entry in found]
+            self._expect_scores(rows, stored, np.ones(num_reqs, dtype=np.int64))
         return True
 
     def _expect_scores(self, rows: list, stored: np.ndarray, scheduled: np.ndarray) -> None:
@@ -365,10 +331,11 @@ class WorkerHooks:
         ``stored[i]`` in table row ``rows[i]``) into its own slot; a request not recorded (``None``: failed, or
         skipped) points its tokens at the scratch row. Hidden-state row ``t`` is token ``t`` of the batch."""
         skipped = np.array([r is None for r in rows], dtype=bool)
-        row_of = np.where(skipped, self.scratch_row, np.array([-1 if r is None else r for r in rows], dtype=np.int64))
-        first = np.where(skipped, 0, stored)
+        row_of = np.array([self.scratch_row if r is None else r for r in rows], dtype=np.int64)
+        first = np.where(skipped, 0, stored)  # a skipped request's tokens all go to the scratch row's slot 0
         offsets = np.arange(int(scheduled.sum())) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
-        self.tracker.expect_scores(np.repeat(row_of, scheduled), np.repeat(first, scheduled) + offsets * ~np.repeat(skipped, scheduled))
+        slots = np.repeat(first, scheduled) + np.where(np.repeat(skipped, scheduled), 0, offsets)
+        self.tracker.expect_scores(np.repeat(row_of, scheduled), slots)
 
     def _record_forward(self, batch: Any, num_scheduled_tokens: np.ndarray, shift_rows: np.ndarray) -> None:
         """Record any step (prefill chunks, requests seen first, prefix-cache hits), filling ``shift_rows``."""
