@@ -234,14 +234,23 @@ def test_bad_settings_name_the_option_and_the_choices(tmp_path):
         main([*ARGS, "--settings", "full,bogus", "--out", str(tmp_path / "run")])
 
 
-def test_the_default_verifier_follows_the_helpers_family(monkeypatch, tmp_path):
-    """``dynts rescue`` without ``--prm``: the dev-chosen verifier of the helper's testbed family."""
+def test_the_default_verifier_is_the_families_prm_alone(monkeypatch, tmp_path):
+    """``dynts rescue`` without ``--prm``: the PRM of the helper's testbed family, alone (the paper's verifier);
+    the product with the helper's likelihood is the option beside it."""
     from eval.rescue import cli
+    from eval.rescue.config import RescueEvalConfig
+    from eval.rescue.verifiers import product_verifier
 
     seen = []
     monkeypatch.setattr(cli, "evaluate", lambda config: seen.append(config.prm) or {})
     monkeypatch.setattr(cli, "summary_table", lambda summary: "")
-    for helper in ("testbed-helper", "testbed-chain-helper"):
+    helpers = ("testbed-helper", "testbed-chain-helper", "checkpoints/testbed-chain-fair-helper")
+    for helper in helpers:
         assert cli.main(["bench", "--benchmark", "testbed:n=2,set=dev", "--helper", helper, "--method", "window", "--out", str(tmp_path)]) == 0
-    assert seen == [DEFAULT_VERIFIER, "testbed-chain-prm*likelihood:testbed-chain-helper"]
+    assert seen == ["testbed-prm-order", "testbed-chain-prm", "checkpoints/testbed-chain-fair-step-prm"]
+    assert not any("*" in v or "likelihood" in v for v in seen)  # no helper likelihood unless asked for
+    assert RescueEvalConfig(benchmark="testbed:n=2", out=str(tmp_path), methods=("window",)).prm == DEFAULT_VERIFIER == "testbed-prm-order"
     assert default_verifier("my-own-helper") == DEFAULT_VERIFIER
+    assert product_verifier("checkpoints/testbed-chain-fair-helper") == (
+        "checkpoints/testbed-chain-fair-step-prm*likelihood:checkpoints/testbed-chain-fair-helper")
+    assert all("*" not in v and not v.startswith("likelihood:") for v in FAMILY_VERIFIERS.values())

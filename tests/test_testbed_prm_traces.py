@@ -162,7 +162,7 @@ def test_step_prm_loads_from_safetensors_and_reads_premature_answers():
 
     assert (STEP_PRM / "model.safetensors").is_file() and not list(STEP_PRM.glob("*.bin")) and not list(STEP_PRM.glob("*.pt"))
     assert default_verifier("checkpoints/testbed-chain-fair-helper") == "checkpoints/testbed-chain-fair-step-prm"
-    scorer = load_eval_prm(str(STEP_PRM.relative_to(ROOT)) if Path.cwd() == ROOT else str(STEP_PRM), ";")
+    scorer = load_eval_prm(str(STEP_PRM), ";")
     tokenizer = load_tokenizer(str(STEP_PRM))
     ids = tokenizer.convert_tokens_to_ids
     right, premature, good_step, bad_step = [], [], [], []

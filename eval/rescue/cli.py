@@ -29,11 +29,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", default="testbed", help="base model: a dynts.load name or a local HF directory")
     p.add_argument("--helper", default="testbed-helper", help="full-context helper (same tokenizer as the base)")
     p.add_argument("--prm", default=None,
-                   help=f"verifier (default: the docs' headline verifier of the helper's family, {DEFAULT_VERIFIER} "
-                        f"for testbed-helper, {FAMILY_VERIFIERS['testbed-chain-helper']} for testbed-chain-helper: the PRM "
-                        "times the helper's likelihood); testbed-prm-order (the testbed PRM that sees repeated steps), testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
+                   help=f"verifier (default: the PRM of the helper's family alone, as in the KV-Rescue paper: {DEFAULT_VERIFIER} "
+                        f"for testbed-helper, {FAMILY_VERIFIERS['testbed-chain-helper']} for testbed-chain-helper, "
+                        f"{FAMILY_VERIFIERS['checkpoints/testbed-chain-fair-helper']} for checkpoints/testbed-chain-fair-helper); "
+                        "testbed-prm-order (the testbed PRM that sees repeated steps), testbed-prm, a local directory (Qwen2.5-Math-PRM recipe), likelihood:<causal LM> "
                         "(e.g. likelihood:testbed: a full-context LM's token likelihoods), testbed-verifier (exact step checker; testbed-verifier:chain for the chain family), "
-                        "or A*B: the product of such verifiers (e.g. testbed-prm-order*likelihood:testbed-helper)")
+                        "or A*B: the product of such verifiers (the option beside the default: the PRM times the helper's likelihood, "
+                        "e.g. testbed-prm-order*likelihood:testbed-helper)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the PRM directory's own model code")
     p.add_argument("--predictor", default=None, help="importance predictor directory or auto (needed by --method dynts)")
     p.add_argument("--budget", type=int, default=64,
@@ -167,7 +169,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.prm is None:  # the headline verifier of the helper's family
+    if args.prm is None:  # the PRM of the helper's family, alone
         args.prm = default_verifier(args.helper)
     torch.set_num_threads(args.threads)
     if args.command == "generate":

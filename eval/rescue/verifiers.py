@@ -6,8 +6,9 @@
 * ``A*B`` -- the product of two or more of these (:class:`dynts.rescue.ProductPRM`);
 * anything else -- :func:`dynts.rescue.load_prm` (a trained PRM, e.g. ``testbed-prm-order``).
 
-:func:`load_eval_prm` builds them; :data:`DEFAULT_VERIFIER` is the default of ``dynts rescue`` and of
-:class:`eval.rescue.config.RescueEvalConfig`.
+:func:`load_eval_prm` builds them; :data:`DEFAULT_VERIFIER` (a PRM alone, as in the paper) is the default of
+``dynts rescue`` and of :class:`eval.rescue.config.RescueEvalConfig`; :func:`default_verifier` gives each testbed
+family's PRM by its helper, :func:`product_verifier` the product with that helper's likelihood.
 """
 
 from __future__ import annotations
@@ -15,20 +16,27 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-__all__ = ["DEFAULT_VERIFIER", "FAMILY_VERIFIERS", "default_verifier", "load_eval_prm", "testbed_step_verifier"]
+__all__ = ["DEFAULT_VERIFIER", "FAMILY_VERIFIERS", "default_verifier", "load_eval_prm", "product_verifier", "testbed_step_verifier"]
 
-# The verifiers of docs/rescue.md's headline tables, chosen on dev (reports/rescue/table-verifiers-dev*.md)
-# and the defaults of `dynts rescue`, keyed by the helper whose likelihood they use: the family's PRM
-# times the likelihood of the full-context helper (dynts.rescue.scorer.ProductPRM).
-DEFAULT_VERIFIER = "testbed-prm-order*likelihood:testbed-helper"
+# The verifier of KV-Rescue is a process reward model alone, as in the paper (Qwen2.5-Math-PRM-7B): the default of
+# `dynts rescue` and of RescueEvalConfig is each family's PRM, keyed by the helper of that family.
+# The product with the full-context helper's likelihood (dynts.rescue.scorer.ProductPRM, `--prm 'PRM*likelihood:HELPER'`,
+# :func:`product_verifier`) stays an option; docs/rescue.md reports both ("The step PRM of the fair chain models").
+DEFAULT_VERIFIER = "testbed-prm-order"
 FAMILY_VERIFIERS = {"testbed-helper": DEFAULT_VERIFIER,
-                    "testbed-chain-helper": "testbed-chain-prm*likelihood:testbed-chain-helper"}
+                    "testbed-chain-helper": "testbed-chain-prm",
+                    "checkpoints/testbed-chain-fair-helper": "checkpoints/testbed-chain-fair-step-prm"}
 
 
 def default_verifier(helper: str) -> str:
-    """The headline verifier of ``helper``'s testbed family (:data:`FAMILY_VERIFIERS`), else
-    :data:`DEFAULT_VERIFIER`."""
+    """The PRM of ``helper``'s testbed family (:data:`FAMILY_VERIFIERS`), else :data:`DEFAULT_VERIFIER`."""
     return FAMILY_VERIFIERS.get(helper, DEFAULT_VERIFIER)
+
+
+def product_verifier(helper: str) -> str:
+    """The option beside the default: ``helper``'s family PRM times ``helper``'s own likelihood
+    (``PRM*likelihood:HELPER``; the helper already holds the full context, so it costs no memory)."""
+    return f"{default_verifier(helper)}*likelihood:{helper}"
 
 
 def testbed_step_verifier(question: str, steps: Sequence[str], family: str = "copy") -> float:
