@@ -32,7 +32,8 @@ for step in "$@"; do
     auroc) $LOCK $PY -m eval.rescue.step_auroc --traces $DEV --samples $SAMPLES --tokenizer $LRM --threads 2 \
              --prm $STEP_PRM --prm "$STEP_PRM*likelihood:$FAIR-helper" \
              --prm $FAIR-prm --prm "$FAIR-prm*likelihood:$FAIR-helper" --prm likelihood:$FAIR-helper \
-             --prm testbed-chain-prm --prm testbed-verifier:chain --out reports/prm-chain-fair-step-dev.json ;;
+             --prm testbed-chain-prm --prm testbed-verifier:chain --answers-from reports/prm-chain-fair-s1-answers.json \
+             --out reports/prm-chain-fair-step-dev.json ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

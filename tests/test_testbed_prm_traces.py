@@ -242,3 +242,22 @@ def test_grouped_auroc_interval_is_the_bootstrap_of_the_plain_auroc():
         assert value == pytest.approx(auroc([scores[i] for i in idx], [labels[i] for i in idx]), abs=1e-6)
     result = grouped_auroc(scores, labels, groups, resamples=200)
     assert result["auroc"] == auroc(scores, labels) and result["ci95"][0] <= result["auroc"] <= result["ci95"][1]
+
+
+def test_answer_scores_are_reused_only_from_a_record_of_the_same_answers(tmp_path):
+    """step_auroc --answers-from: a factor held by an earlier answers record of the same samples is not scored again
+    (a product multiplies the reused factors); a record of other answers is refused."""
+    from eval.rescue.answers import score_verifiers
+    from eval.rescue.step_auroc import reused_scores
+
+    record = tmp_path / "answers.json"
+    record.write_text(json.dumps({"verifiers": ["no-such-prm", "likelihood:no-such-lm", "no-such-prm*likelihood:no-such-lm"],
+                                  "samples": {"scores": {"labels": [1, 0], "groups": ["p1", "p2"], "no-such-prm": [0.9, 0.2],
+                                                         "likelihood:no-such-lm": [0.5, 0.5],
+                                                         "no-such-prm*likelihood:no-such-lm": [0.45, 0.1]}}}))
+    known = reused_scores(record, [1, 0], ["p1", "p2"])
+    assert known == {"no-such-prm": [0.9, 0.2], "likelihood:no-such-lm": [0.5, 0.5]}
+    scores = score_verifiers(["no-such-prm*likelihood:no-such-lm"], [object(), object()], known=known, log=lambda *_: None)
+    assert scores == {"no-such-prm*likelihood:no-such-lm": [0.45, 0.1]}
+    with pytest.raises(SystemExit, match="other answers"):
+        reused_scores(record, [1, 1], ["p1", "p2"])

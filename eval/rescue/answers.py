@@ -151,12 +151,14 @@ def gate_answer_requests(config: str | Path, n: int, tokenizer: Any, delimiter: 
     return requests, labels, groups, info
 
 
-def score_verifiers(names: Sequence[str], requests: Sequence[Any], delimiter: str = ";", log=print) -> dict[str, list[float]]:
+def score_verifiers(names: Sequence[str], requests: Sequence[Any], delimiter: str = ";", log=print,
+                    known: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Each verifier's scores of ``requests``: ``A*B`` as :class:`~dynts.rescue.ProductPRM` (the product of
-    its factors' scores), each factor loaded by :func:`eval.rescue.verifiers.load_eval_prm` and scored once."""
+    its factors' scores), each factor loaded by :func:`eval.rescue.verifiers.load_eval_prm` and scored once
+    (a factor in ``known`` takes those scores of the same requests instead)."""
     from eval.rescue.verifiers import load_eval_prm
 
-    factors: dict[str, list[float]] = {}
+    factors: dict[str, list[float]] = {k: list(v) for k, v in (known or {}).items() if len(v) == len(requests)}
     out = {}
     for name in names:
         for part in name.split("*"):

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["main", "step_requests_from_traces", "step_table"]
+__all__ = ["main", "reused_scores", "step_requests_from_traces", "step_table"]
 
 
 def step_requests_from_traces(trace_dir: str | Path, tokenizer: Any, delimiter: str = ";") -> tuple[list[Any], list[int], list[str], dict[str, Any]]:
@@ -68,6 +68,16 @@ def step_requests_from_traces(trace_dir: str | Path, tokenizer: Any, delimiter: 
             "wrong": labels.count(0), "answers": kinds.count("answer"),
             "by_policy": {p: {"steps": len(v), "wrong": v.count(0)} for p, v in sorted(by_policy.items())}}
     return requests, labels, groups, info
+
+
+def reused_scores(record: str | Path, labels: Sequence[int], groups: Sequence[str]) -> dict[str, list[float]]:
+    """The per-verifier answer scores of an :mod:`eval.rescue.answers` record, refused unless its labels and problems
+    are ``labels`` and ``groups`` item for item (the same samples, read the same way)."""
+    doc = json.loads(Path(record).read_text())
+    saved = doc["samples"]["scores"]
+    if saved["labels"] != list(labels) or saved["groups"] != list(groups):
+        raise SystemExit(f"step_auroc: --answers-from {record} holds other answers than --samples (labels or problems differ)")
+    return {v: saved[v] for v in doc["verifiers"] if "*" not in v}
 
 
 def _recomputed(scored: dict[str, Any], verifier: str, resamples: int) -> dict[str, Any]:
@@ -119,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--delimiter", default=";")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples over problems for the 95 %% interval")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--answers-from", default=None,
+                   help="an eval.rescue.answers record of the same --samples (the same labels and problems): the answers' scores "
+                        "of the verifiers it holds are taken from it, not scored again")
     p.add_argument("--out", required=True, help="write the JSON record here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -133,7 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "verifiers": list(args.prm), "bootstrap": args.bootstrap}
     for name, (requests, labels, groups, info) in sets.items():
         print(f"{name}: {json.dumps({k: v for k, v in info.items() if k != 'by_policy'})}")
-        scores = score_verifiers(args.prm, requests, args.delimiter)
+        known = reused_scores(args.answers_from, labels, groups) if name == "answers" and args.answers_from else {}
+        if known:
+            info["scores_from"] = {"record": args.answers_from, "verifiers": sorted(known)}
+        scores = score_verifiers(args.prm, requests, args.delimiter, known=known)
         out[name] = {"info": info, "auroc": {v: grouped_auroc(s, labels, groups, args.bootstrap) for v, s in scores.items()},
                      "scores": {"labels": labels, "groups": groups, **{v: [round(x, 6) for x in s] for v, s in scores.items()}}}
         for v, r in out[name]["auroc"].items():
