@@ -781,7 +781,8 @@ def main(argv=None) -> int:
         else:
             run_section(result, name, sections[name], deadline.box(step) if step else math.inf, save)
     save()
-    print(f"\nwrote {out_file} ({result['seconds']:.0f} s of a {args.budget_s:.0f} s budget; {len(result['bench'])} decode "
+    budget = f"of a {args.budget_s:.0f} s budget" if timed else "(no deadline: a dry run)"
+    print(f"\nwrote {out_file} ({result['seconds']:.0f} s {budget}; {len(result['bench'])} decode "
           f"combinations run; skipped: {', '.join(s['section'] for s in result['skipped']) or 'nothing'})")
     checks = [result[k] and result[k].get("ok", "error" not in result[k])
               for k in ("kernels", "logits", "serve", "serve_graphs", "vllm") if result[k] is not None]

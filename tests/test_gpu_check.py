@@ -20,7 +20,7 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
 
     rc = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--methods", "window", "dynts"])
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    failed = {k: result[k].get("error", result[k]) for k in ("kernels", "logits", "serve", "serve_graphs", "vllm", "vllm_v2")
+    failed = {k: result[k].get("error", result[k]) for k in ("kernels", "logits", "serve", "serve_graphs", "vllm", "model")
               if result[k] is None or not result[k].get("ok", "error" not in result[k])}
     assert rc == 0, (failed, result["tests"])
     assert result["budget_s"] is None  # a dry run checks code paths, not time: no section is time-boxed
@@ -40,8 +40,9 @@ def test_gpu_check_dry_run(tmp_path, monkeypatch):
     assert graphs["ok"] and graphs["tokens_identical"] and graphs["kept_identical"] and graphs["events"] > 0
     assert result["vllm"]["ok"] and result["vllm"]["moved_slots"] > 0  # the plugin's slot copy, exact
     hooks = result["vllm"]["hooks_by_runner"]  # V1 and V2 worker hooks on their stand-in runners, checked and timed
-    assert hooks["v1"]["hooks"] == ["before_step", "after_prepare_inputs", "after_forward"]
-    assert hooks["v2"]["hooks"] == ["before_step", "before_attention", "after_execute"]
+    from eval.perf.syncs import V1_HOOKS, V2_HOOKS  # every hook each runner binds
+
+    assert hooks["v1"]["hooks"] == list(V1_HOOKS) and hooks["v2"]["hooks"] == list(V2_HOOKS)
     for record in hooks.values():
         assert record["verified"]["event_rounds"] >= 2 and record["syncs_per_plain_step"] == 0
         assert record["us_per_plain_step"] > 0 and record["us_per_event_round"] > 0 and record["rows"] == 4
