@@ -1,6 +1,7 @@
 """The plugin's worker hooks on vLLM 0.34's V2 runner (async scheduling on) make no host sync and no blocking upload on a
-decode step without an event: counted with :class:`eval.perf.syncs.SyncCounter` in one engine run of
-``scripts/bench_serve_vllm.py`` (what a GPU would pay; on CPU nothing waits). Runs on the V2 test bed."""
+decode step or an eviction round, for every evicting method the plugin serves: counted with
+:class:`eval.perf.syncs.SyncCounter` in one engine run of ``scripts/bench_serve_vllm.py`` per method (what a GPU would
+pay; on CPU nothing waits). Runs on the V2 test bed."""
 
 from __future__ import annotations
 
@@ -32,12 +33,20 @@ def counted_run(dynts: dict) -> dict:
                        "num_blocks": 20, "max_batch_tokens": 256, "dynts": dynts, "count_syncs": True})
 
 
-def test_no_host_sync_on_a_plain_step(monkeypatch):
+def test_no_host_sync_on_a_plain_step_without_events(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     quiet = counted_run({"method": "streamingllm", "budget": 129, "local_window": 16})  # nothing to evict
     assert quiet["async_scheduling"] and quiet["plain_steps"] > 50 and quiet["event_rounds"] == 0
     assert quiet["syncs_per_plain_step"] == 0 and quiet["uploads_per_plain_step"] == 0
-    evicting = counted_run({"method": "dynts", "budget": 64, "local_window": 16,
-                            "predictor": str(checkpoints_dir() / "testbed-predictor")})
+
+
+@pytest.mark.parametrize("method", ["dynts", "streamingllm", "sepllm", "random", "window"])
+def test_no_host_sync_on_a_plain_step_or_an_eviction_round(monkeypatch, method):
+    """Every evicting method the plugin serves: 0 syncs and 0 blocking uploads per plain step and per eviction round
+    (the stale-score flags are read a round later, the evictors' constants were placed at bind time)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    extra = {"predictor": str(checkpoints_dir() / "testbed-predictor")} if method == "dynts" else {}
+    evicting = counted_run({"method": method, "budget": 64, "local_window": 16, **extra})
     assert evicting["event_rounds"] > 0 and evicting["plain_steps"] > 0
     assert evicting["syncs_per_plain_step"] == 0 and evicting["uploads_per_plain_step"] == 0
+    assert evicting["syncs_per_event_round"] == 0 and evicting["uploads_per_event_round"] == 0
