@@ -115,12 +115,13 @@ def test_gpu_tables_in_performance_md_come_from_the_committed_run():
 
 
 def test_hook_bench_table_in_vllm_md_comes_from_the_committed_results():
-    """docs/vllm.md's before/after table of the worker hooks is ``bench_vllm_hooks.py --compare``'s output."""
+    """docs/vllm.md's table of the worker hooks is ``bench_vllm_hooks.py --compare``'s output."""
     import json
 
     compare_table = script("bench_vllm_hooks").compare_table
     runs = [(name, json.loads((ROOT / "reports/vllm-hooks-cpu" / f"{name}.json").read_text()))
-            for name in ("before-v1", "after-v1", "before-v2", "after-v2")]
+            for name in ("before-v1", "v1-dynts", "v1-sepllm", "v1-random", "before-v2", "v2-dynts", "v2-sepllm",
+                         "v2-random")]
     printed = compare_table(runs).splitlines()
     text = (ROOT / "docs/vllm.md").read_text()
     assert all(line in text.splitlines() for line in printed)
