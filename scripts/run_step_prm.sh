@@ -23,9 +23,9 @@ STEP_PRM=checkpoints/testbed-chain-fair-step-prm
 for step in "$@"; do
   date
   case $step in
-    traces) $LOCK $PY -m dynts.cli testbed traces --config $CONFIG --max-minutes 13 --threads 2 ;;
+    traces) $LOCK $PY -m eval.rescue.prm_traces --config $CONFIG --max-minutes 13 --threads 2 ;;
     train) DYNTS_TRAIN_THREADS=2 $LOCK $PY -m dynts.cli testbed train --config $CONFIG --resume ;;
-    dev-traces) $LOCK $PY -m dynts.cli testbed traces --config $CONFIG --namespace dev --out-dir $DEV --shards 1 \
+    dev-traces) $LOCK $PY -m eval.rescue.prm_traces --config $CONFIG --namespace dev --out-dir $DEV --shards 1 \
                   --shard-problems 8 --k 1 --max-minutes 13 --threads 2 ;;
     samples) $LOCK $PY -m dynts.cli eval --model $LRM --benchmark testbed:n=200,family=chain,set=dev --method full --k 5 \
                --batch-size 100 --threads 2 --no-progress --run-dir $SAMPLES ;;

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from data_pipeline.testbed import task
-from trainers.testbed_prm_traces import IGNORE, TraceConfig, TracePolicy, generate_traces, load_trace_rows, process_labels
+from eval.rescue.prm_traces import generate_traces
+from trainers.testbed_prm_traces import IGNORE, TraceConfig, TracePolicy, load_trace_rows, process_labels
 
 ROOT = Path(__file__).parents[1]
 STEP_PRM = ROOT / "checkpoints" / "testbed-chain-fair-step-prm"
@@ -109,8 +110,7 @@ def test_trace_config_refuses_final_sets_and_dynts_without_predictor():
 
 def test_shards_are_written_once_and_resumed(tmp_path, monkeypatch):
     """generate_traces writes each shard atomically, skips shards on disk, and stops at max_seconds."""
-    import dynts
-    import trainers.testbed_report as report
+    import eval.rescue.prm_traces as prm_traces
 
     calls = []
 
@@ -118,8 +118,8 @@ def test_shards_are_written_once_and_resumed(tmp_path, monkeypatch):
         calls.append((method, kw.get("budget")))
         return [" ".join(_generated(p)) for p in problems for _ in range(k)], {"accuracy": 1.0}
 
-    monkeypatch.setattr(report, "run_policy", fake_run_policy)
-    monkeypatch.setattr(dynts, "load", lambda name: (name, None))
+    monkeypatch.setattr(prm_traces, "run_policy", fake_run_policy)
+    monkeypatch.setattr(prm_traces.dynts, "load", lambda name: (name, None))
     cfg = TraceConfig(out_dir=str(tmp_path), base="b", helper="h", methods=["window"], budgets=[72], shard_problems=2, k=2,
                       min_think=60, max_think=200)
     first = generate_traces(cfg, max_seconds=0.0, log=lambda *_: None)  # the first shard starts, then time is up

@@ -21,16 +21,6 @@ def _parser() -> argparse.ArgumentParser:
     carry.add_argument("--run-dir", required=True, help="the training's run_dir, e.g. runs/testbed-chain-lrm-fair-s1")
     carry.add_argument("--dir", default=None, help="the resume point's folder (default: checkpoints/resume/<run name>)")
     carry.add_argument("--force", action="store_true", help="restore: replace the run's existing last.ckpt")
-    traces = sub.add_parser("traces", help="generate a PRM config's policy traces with process labels (resumable shards; "
-                            "trainers.testbed_prm_traces)")
-    traces.add_argument("--config", required=True, help="a PRM config with a traces: block, e.g. configs/testbed/chain-fair-step-prm.yaml")
-    traces.add_argument("--max-minutes", type=float, default=None, help="start no shard after this many minutes (resume later)")
-    traces.add_argument("--threads", type=int, default=1)
-    traces.add_argument("--namespace", default=None, help="held-out traces: dev (or test); default: the config's train namespace")
-    traces.add_argument("--out-dir", default=None, help="default: the config's traces.out_dir")
-    traces.add_argument("--shards", type=int, default=None, help="shards per policy (every policy; default: the config's)")
-    traces.add_argument("--shard-problems", type=int, default=None, help="problems per shard (default: the config's)")
-    traces.add_argument("--k", type=int, default=None, help="traces per problem (default: the config's)")
     sample = sub.add_parser("sample", help="print a generated problem and the model's trace")
     sample.add_argument("--seed", type=int, default=0, help="problem seed")
     sample.add_argument("--model", default="testbed", help="testbed, testbed-helper or a local HF directory")
@@ -84,24 +74,6 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def _traces(args: argparse.Namespace) -> int:
-    import json
-
-    from trainers.testbed import load_config
-    from trainers.testbed_prm_traces import TraceConfig, generate_traces
-
-    block = load_config(args.config).get("traces")
-    if not block:
-        raise SystemExit(f"dynts testbed traces: {args.config} has no traces: block")
-    overrides = {"namespace": args.namespace, "out_dir": args.out_dir, "shard_problems": args.shard_problems, "k": args.k}
-    if args.shards is not None:
-        overrides.update(shards=args.shards, full_shards=args.shards, helper_shards=args.shards)
-    cfg = TraceConfig(**{**block, **{k: v for k, v in overrides.items() if v is not None}})
-    max_seconds = None if args.max_minutes is None else 60 * args.max_minutes
-    print(json.dumps(generate_traces(cfg, max_seconds=max_seconds, threads=args.threads)))
-    return 0
-
-
 def main(argv: list[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = _parser().parse_args(argv)
@@ -121,8 +93,6 @@ def main(argv: list[str]) -> int:
         return 0
     if args.command == "sample":
         return _sample(args)
-    if args.command == "traces":
-        return _traces(args)
     from trainers.testbed_report import family_models, report, table, update_eviction, update_helper, update_oracle_shapes, update_prm
 
     family, out = args.family, args.out or family_models(args.family).out

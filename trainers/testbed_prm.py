@@ -180,7 +180,7 @@ class CorruptStream(IterableDataset):
             self.traces = [(r["tokens"], r["labels"]) for r in load_trace_rows(cfg.traces["out_dir"])]  # type: ignore[index]
             if not self.traces:
                 raise ValueError(f"traces.out_dir={cfg.traces['out_dir']!r} holds no traces: generate them first "  # type: ignore[index]
-                                 "(dynts testbed traces --config CONFIG)")
+                                 "(python -m eval.rescue.prm_traces --config CONFIG)")
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         d = self.cfg.data

@@ -4,33 +4,33 @@ A PRM that KV-Rescue trusts alone has to catch the errors the search actually pr
 base's (lost operands, loops, premature answers under every base evictor of the tables) and the
 full-context helper's arithmetic slips. So its rows are the policies' own traces, not corrupted
 reference traces: each :class:`TracePolicy` (a model, an eviction method, a budget) generates ``k``
-traces per problem with :func:`trainers.testbed_report.run_policy` (``dynts.generate``) on
+traces per problem (:func:`eval.rescue.prm_traces.generate_traces`, with ``dynts.generate``) on
 ``train:prm-traces:...`` problems, and every step is labelled by the testbed's oracle
 (:func:`process_labels`):
 
 * a thinking step (the words after the previous ``;`` up to its own ``;``) is right when the exact step
-  check (:func:`eval.rescue.verifiers.testbed_step_verifier`) passes it given the steps committed before
+  check (:func:`data_pipeline.testbed.steps.check_step`) passes it given the steps committed before
   it: the next key, operands copied from the question or the committed results, the value computed;
 * the answer (``</think> rK= v``, the PRM's ``;`` appended as the search's scorer appends it) is right
   when the grader (:func:`data_pipeline.testbed.task.check_answer`) accepts the whole trace.
 
 Shards (``<out_dir>/<policy>/<shard>.jsonl``: one ``{"tokens", "labels", "policy", "problem"}`` per
-trace) are written atomically and skipped when present, so :func:`generate_traces` resumes after a
-kill and stops itself after ``max_seconds`` (``dynts testbed traces --config CONFIG --max-minutes 14``).
-The PRM trainer reads them with :func:`load_trace_rows` (``PRMConfig.trace_prob``).
+trace) are written atomically and skipped when present, so the generation resumes after a kill and stops
+itself after ``max_seconds`` (``python -m eval.rescue.prm_traces --config CONFIG --max-minutes 14``). This module
+holds what the trainer needs: the configuration, the labels and :func:`load_trace_rows` (``PRMConfig.trace_prob``).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from data_pipeline.testbed import task
+from data_pipeline.testbed.steps import check_step
 
-__all__ = ["TraceConfig", "TracePolicy", "generate_traces", "load_trace_rows", "process_labels", "trace_row"]
+__all__ = ["TraceConfig", "TracePolicy", "load_trace_rows", "process_labels", "shard_path", "trace_row"]
 
 IGNORE = -100
 
@@ -115,8 +115,6 @@ def process_labels(question: str, generated: Sequence[str], family: str = "chain
     generated words up to the answer's value (or the last ``;`` when the trace never closed its thinking),
     with ``;`` appended after the answer; ``labels`` is 1 / 0 at each step's ``;`` and at that final ``;``
     (the oracle, module docstring), ``IGNORE`` elsewhere."""
-    from eval.rescue.verifiers import testbed_step_verifier
-
     words = [w for w in generated if w not in (task.EOS, task.PAD)]
     prompt = [task.BOS, *question.split(), task.THINK]
     close = words.index(task.END_THINK) if task.END_THINK in words else None
@@ -128,7 +126,7 @@ def process_labels(question: str, generated: Sequence[str], family: str = "chain
         if w != task.SEP:
             continue
         step = " ".join(thinking[start : i + 1])
-        labels += [IGNORE] * (i - start) + [int(testbed_step_verifier(question, [*steps, step], family))]
+        labels += [IGNORE] * (i - start) + [int(check_step(question, [*steps, step], family))]
         tokens += thinking[start : i + 1]
         steps.append(step)
         start = i + 1
@@ -147,54 +145,8 @@ def trace_row(problem: task.Problem, text: str, policy: TracePolicy) -> dict[str
     return {"tokens": tokens, "labels": labels, "policy": policy.name, "problem": problem.name}
 
 
-def _shard_path(cfg: TraceConfig, policy: TracePolicy, shard: int) -> Path:
+def shard_path(cfg: TraceConfig, policy: TracePolicy, shard: int) -> Path:
     return Path(cfg.out_dir) / policy.name / f"{shard:03d}.jsonl"
-
-
-def generate_traces(cfg: TraceConfig, max_seconds: float | None = None, threads: int = 1, log=print) -> dict[str, Any]:
-    """Generate the missing shards of ``cfg`` (each written atomically), policy by policy; after the first
-    shard, start none once ``max_seconds`` have passed. Returns counts of what is done and left."""
-    import torch
-
-    import dynts
-    from dynts.io import write_atomic
-    from eval.harness.methods import parse_method
-    from trainers.testbed_report import run_policy
-
-    torch.set_num_threads(threads)
-    start = time.monotonic()
-    models: dict[str, Any] = {}
-    done = left = made = 0
-    for policy, shards in cfg.policies():
-        for shard in range(shards):
-            path = _shard_path(cfg, policy, shard)
-            if path.exists():
-                done += 1
-                continue
-            if made and max_seconds is not None and time.monotonic() - start > max_seconds:
-                left += 1
-                continue
-            if policy.model not in models:
-                models[policy.model] = dynts.load(cfg.base if policy.model == "base" else cfg.helper)
-            model, tokenizer = models[policy.model]
-            spec = parse_method(policy.method)
-            kw: dict[str, Any] = {}
-            if policy.budget is not None:
-                kw = {"budget": policy.budget, "local_window": spec.local_window_at(policy.budget) or cfg.local_window,
-                      "eviction": {"retention": spec.retention or cfg.retention,
-                                   **({"predictor": cfg.predictor} if spec.name == "dynts" else {})}}
-            problems = cfg.problems(policy, shard)
-            seed = cfg.seed + 1000 * shard + sum(map(ord, policy.name))
-            tick = time.monotonic()
-            texts, result = run_policy(model, tokenizer, problems, spec.name, dict(spec.options) or None, seed=seed,
-                                       batch_size=cfg.batch_size, max_new_tokens=cfg.max_think + 200, k=cfg.k, **kw)
-            rows = [trace_row(p, t, policy) for p, t in zip([p for p in problems for _ in range(cfg.k)], texts)]
-            write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
-            made += 1
-            steps = [lab for r in rows for lab in r["labels"] if lab != IGNORE]
-            log(f"{path}: {len(rows)} traces, accuracy {result['accuracy']:.3f}, {len(steps)} labelled steps "
-                f"({steps.count(0)} wrong), {time.monotonic() - tick:.0f} s")
-    return {"shards_done": done + made, "shards_made": made, "shards_left": left, "seconds": time.monotonic() - start}
 
 
 def load_trace_rows(out_dir: str | Path, policies: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -202,7 +154,7 @@ def load_trace_rows(out_dir: str | Path, policies: Sequence[str] | None = None) 
     root = Path(out_dir)
     if not root.is_dir():
         raise ValueError(f"trace directory {str(root)!r} does not exist: generate it first "
-                         "(dynts testbed traces --config CONFIG)")
+                         "(python -m eval.rescue.prm_traces --config CONFIG)")
     rows = []
     for path in sorted(root.glob("*/*.jsonl")):
         if policies is None or path.parent.name in policies:

@@ -4,7 +4,7 @@ KV-Rescue commits, at every step, the candidate its verifier scores highest, so 
 steps from wrong ones among the candidates both policies write. This scores any verifier ``dynts rescue --prm``
 takes (:func:`eval.rescue.verifiers.load_eval_prm`, ``A*B`` products included) on two held-out sets:
 
-* **steps** (``--traces DIR``): policy traces on ``dev`` problems written by ``dynts testbed traces --namespace dev``
+* **steps** (``--traces DIR``): policy traces on ``dev`` problems written by ``python -m eval.rescue.prm_traces --namespace dev``
   (:mod:`trainers.testbed_prm_traces`: the evicted base under every base evictor and budget, the base and the helper
   at full cache), each labelled step asked as the search asks it (a :class:`~dynts.rescue.StepRequest`: the committed
   steps split at the delimiter, the step as the candidate; an answer step with EOS), labelled by the testbed's oracle;
@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.rescue.step_auroc",
                                 description="step and answer AUROC of dynts rescue verifiers on dev traces and dev answers")
     p.add_argument("--prm", action="append", required=True, help="a verifier as dynts rescue --prm names it (repeat)")
-    p.add_argument("--traces", required=True, help="held-out policy traces (dynts testbed traces --namespace dev --out-dir DIR)")
+    p.add_argument("--traces", required=True, help="held-out policy traces (python -m eval.rescue.prm_traces --namespace dev --out-dir DIR)")
     p.add_argument("--samples", required=True, help="a dynts eval run directory on dev whose samples/ holds the answers")
     p.add_argument("--cell", default=None, help="the samples cell to read, when the run has several")
     p.add_argument("--family", default="chain", help="the testbed family of the grader")
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sets = {"steps": step_requests_from_traces(args.traces, tokenizer, args.delimiter),
             "answers": answer_requests_from_samples(args.samples, tokenizer, args.delimiter, args.cell, args.family)}
     if not all(g.startswith("dev:") for g in sets["steps"][2]):
-        raise SystemExit(f"step_auroc: --traces {args.traces} holds problems outside dev (dynts testbed traces --namespace dev)")
+        raise SystemExit(f"step_auroc: --traces {args.traces} holds problems outside dev (python -m eval.rescue.prm_traces --namespace dev)")
     if "set=dev" not in sets["answers"][3]["benchmark"].split(","):
         raise SystemExit(f"step_auroc: --samples {args.samples} is not a dev run ({sets['answers'][3]['benchmark']})")
     out: dict[str, Any] = {"command": "python -m eval.rescue.step_auroc " + " ".join(shlex.quote(a) for a in argv),

@@ -42,36 +42,11 @@ def product_verifier(helper: str) -> str:
 def testbed_step_verifier(question: str, steps: Sequence[str], family: str = "copy") -> float:
     """An exact step checker for the testbed, usable as ``prm=`` (a :class:`~dynts.rescue.CallablePRM`):
     the *ideal* process reward the trained testbed PRM approximates, for an upper-bound reference.
-
-    A thinking step (``x xv op y yv gives rK= v ;``) scores 1 when it is the next key, copies the
-    question's operand values and computes ``v`` right; an answer step (``</think> rK= v``) scores 1
-    when it names the asked key and carries the value that key has in the committed steps; else 0.
-    ``family="chain"``: an operand naming a result (``r3``) must copy the value written at that
-    result's most recent committed definition (``task.operand_copies``).
+    1.0 when :func:`data_pipeline.testbed.steps.check_step` passes the last step given the ones before it, else 0.0.
     """
-    from data_pipeline.testbed import task
+    from data_pipeline.testbed.steps import check_step
 
-    parsed = task.parse_question(question)
-    if parsed is None:
-        return 0.0
-    operands, asked = parsed
-    words = steps[-1].split()
-    if task.END_THINK in words:
-        return float(task.check_answer(question, " ".join([*" ".join(steps[:-1]).split(), *words]), family))
-    found = task.parse_steps(words + ([task.SEP] if words and words[-1] != task.SEP else []), family)
-    if len(found) != 1:
-        return 0.0
-    x, xv, op, y, yv, key, v = found[0]
-    committed = task.parse_steps(" ".join(steps[:-1]), family)
-    done = len(committed)
-    if family == "copy":
-        value = operands[task.VARIABLES.index(x)], operands[task.VARIABLES.index(y)]
-        copied = (xv, yv) == value
-    else:
-        text = " ".join(steps[:-1]).split() + words + ([task.SEP] if words[-1] != task.SEP else [])
-        copied = all(task.operand_copies(text, operands, family)[-2:])
-    right = copied and v == task.OPS[op](xv, yv) and key == done + 1  # type: ignore[operator]
-    return float(right)
+    return float(check_step(question, steps, family))
 
 
 def load_eval_prm(name: str, delimiter: str, trust_remote_code: bool = False, load_options: dict[str, Any] | None = None):
