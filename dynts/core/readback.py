@@ -7,35 +7,20 @@ read once the copy has run: :meth:`HostReadback.post` queues the copy (and a CUD
 :meth:`HostReadback.ready` hands back every posted result whose event has completed (polled, never waited on), in
 posting order. On CPU the copy is a plain one and a result is ready at the next :meth:`HostReadback.ready`.
 
-:func:`readback_active` tells a sync counter (``eval.perf.syncs``) that the code running is this audited path.
+Its copies and reads run inside :func:`dynts.core.upload.audited_transfer`, so a sync counter (``eval.perf.syncs``)
+knows them for the audited path they are.
 """
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["HostReadback", "readback_active"]
+from .upload import audited_transfer
 
-_LOCAL = threading.local()
-
-
-def readback_active() -> bool:
-    """True while :class:`HostReadback` copies to or reads its pinned host buffers (the one audited read path)."""
-    return getattr(_LOCAL, "depth", 0) > 0
-
-
-@contextmanager
-def _reading() -> Iterator[None]:
-    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _LOCAL.depth -= 1
+__all__ = ["HostReadback"]
 
 
 class HostReadback:
@@ -70,7 +55,7 @@ class HostReadback:
             self._free.append(self._new())
             self.buffers_made += 1
         host = self._free.pop()
-        with _reading(), torch.inference_mode(False):
+        with audited_transfer(), torch.inference_mode(False):
             host[:n].copy_(flags.reshape(-1), non_blocking=self.pinned)
             event = None
             if self.pinned:
@@ -82,7 +67,7 @@ class HostReadback:
         """``(payload, flags)`` of every posted result whose copy has run, oldest first (a later one waits behind an
         earlier one still in flight); the buffers go back to the pool."""
         out = []
-        with _reading():
+        with audited_transfer():
             while self._posted:
                 host, n, payload, event = self._posted[0]
                 if event is not None and not event.query():

@@ -12,7 +12,8 @@ The buffers outlive the call that made them and are shared by threads, so they a
 evaluation block) would be an inference tensor that no later call outside inference mode may write. The
 uploaded tensors are plain tensors, usable in either mode.
 
-:func:`staging_active` tells a sync counter (``eval.perf.syncs``) that the code running is this audited path.
+:func:`transfer_active` tells a sync counter (``eval.perf.syncs``) that the code running is an audited transfer:
+these uploads, or :class:`~dynts.core.readback.HostReadback`'s reads (both enter :func:`audited_transfer`).
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-__all__ = ["HostStaging", "staging_active", "upload"]
+__all__ = ["HostStaging", "audited_transfer", "transfer_active", "upload"]
 
 _LOCAL = threading.local()
 
 
-def staging_active() -> bool:
-    """True while :class:`HostStaging` copies host data to the device (the one audited upload path)."""
+def transfer_active() -> bool:
+    """True inside :func:`audited_transfer`: :class:`HostStaging` copying host data to the device, or
+    :class:`~dynts.core.readback.HostReadback` copying to or reading its pinned host buffers."""
     return getattr(_LOCAL, "depth", 0) > 0
 
 
 @contextmanager
-def _staging() -> Iterator[None]:
+def audited_transfer() -> Iterator[None]:
+    """Mark the block as one of dynts' audited host-device transfers (pinned, never waited on) for this thread."""
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
         yield
@@ -71,7 +74,7 @@ class HostStaging:
     def upload(self, data: np.ndarray) -> torch.Tensor:
         """``data`` (any integer array) as an int64 tensor of its shape on the device: one copy, never waited on."""
         flat = np.ascontiguousarray(data, dtype=np.int64).reshape(-1)
-        with self._lock, _staging(), torch.inference_mode(False):
+        with self._lock, audited_transfer(), torch.inference_mode(False):
             i = self._buffer(flat.size)
             host = self._ring[i][0]
             staged = host[: flat.size]

@@ -34,8 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-from dynts.core.readback import readback_active
-from dynts.core.upload import staging_active
+from dynts.core.upload import transfer_active
 
 __all__ = ["CudaSyncCounter", "SyncCounter", "V1_HOOKS", "V2_HOOKS", "sync_counter"]
 
@@ -64,7 +63,7 @@ def _pageable(t: Any) -> bool:
 def _audited() -> bool:
     """Inside dynts' audited host-device paths: :class:`dynts.core.upload.HostStaging` (pinned uploads, never
     waited on) or :class:`dynts.core.readback.HostReadback` (pinned reads of copies that have run)."""
-    return staging_active() or readback_active()
+    return transfer_active()
 
 
 def _count(upload: bool) -> None:
