@@ -331,7 +331,7 @@ def test_per_request_variants_are_bounded():
 def test_slot_table_is_sized_by_the_engine_and_charged():
     from dynts.vllm.config import PluginConfig
     from dynts.vllm.memory import (EVENT_BYTES_PER_SLOT, PREDICTOR_BYTES_PER_TOKEN_AND_DIM, TABLE_CELL_BYTES,
-                                   hooks_bytes, slot_table_bytes, slot_table_shape)
+                                   hooks_bytes, predictor_bytes, slot_table_bytes, slot_table_shape)
 
     vllm_config = NS(scheduler_config=NS(max_num_seqs=256, max_num_batched_tokens=8192),
                      model_config=NS(max_model_len=131072, get_hidden_size=lambda: 3584))
@@ -342,7 +342,24 @@ def test_slot_table_is_sized_by_the_engine_and_charged():
     assert hooks_bytes(config, vllm_config) == 257 * 4096 * (TABLE_CELL_BYTES + EVENT_BYTES_PER_SLOT)
     scoring = PluginConfig({"method": "dynts", "budget": 4096, "local_window": 512,
                             "predictor": str(checkpoints_dir() / "testbed-predictor")})
-    assert hooks_bytes(scoring, vllm_config) == (hooks_bytes(config, vllm_config)
-                                                 + 8192 * 3584 * PREDICTOR_BYTES_PER_TOKEN_AND_DIM)  # + 560 MiB
+    assert hooks_bytes(scoring, vllm_config) == (hooks_bytes(config, vllm_config) + predictor_bytes(3584)
+                                                 + 8192 * 3584 * PREDICTOR_BYTES_PER_TOKEN_AND_DIM)  # + 147 + 560 MiB
+    assert predictor_bytes(3584) == 4 * (3 * 3584 ** 2 + 3 * 3584 + 1)  # d -> 2d -> d/2 -> 1 in fp32
     small = NS(scheduler_config=NS(max_num_seqs=8), model_config=NS(max_model_len=128))
     assert slot_table_shape(config, small) == (9, 128)
+    wider = PluginConfig({"method": "window", "budget": 4096, "local_window": 512, "max_budget": 16384})
+    assert slot_table_shape(wider, vllm_config) == (257, 16384)  # the largest budget a request may ask for
+    assert slot_table_shape(PluginConfig({"method": "full"}), vllm_config) == (257, 1)  # no budget: the scratch slot
+
+
+def test_dynts_serve_passes_max_budget_to_the_plugin_and_checks_it_first():
+    import json
+
+    from dynts.vllm.serve import build_command, parse_args
+
+    flags = ["testbed", "--kv-method", "window", "--kv-budget", "64", "--kv-local-window", "16"]
+    command = build_command(*parse_args([*flags, "--kv-max-budget", "256"]))
+    engine = json.loads(command[command.index("--additional-config") + 1])["dynts"]
+    assert engine["max_budget"] == 256 and engine["budget"] == 64
+    with pytest.raises(ValueError, match="max_budget=32 must be an int >= the engine's budget"):
+        build_command(*parse_args([*flags, "--kv-max-budget", "32"]))

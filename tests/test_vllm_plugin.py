@@ -108,9 +108,10 @@ def test_bad_request_fields_are_validation_errors():
     from dynts.vllm.config import PluginConfig
     from dynts.vllm.patches import check_request
 
-    config = PluginConfig({"method": "window", "budget": 64, "local_window": 16})
+    config = PluginConfig({"method": "window", "budget": 64, "local_window": 16, "max_budget": 96})
     check_request(config, {"dynts_method": "streamingllm", "dynts_budget": 96}, 20)
     for extra, match in [({"dynts_method": "h2o"}, "attention statistics"), ({"dynts_budget": -3}, "budget"),
+                         ({"dynts_budget": 97}, "max_budget': 97"),
                          ({"dynts_color": 1}, "unknown dynts request fields"), ({"dynts": [1]}, "must be an object"),
                          ({"dynts_method": "dynts"}, "predictor")]:
         with pytest.raises(VLLMValidationError, match=match):
@@ -194,6 +195,36 @@ def test_each_request_equals_generate_alone(tmp_path, testbed):
         stats = result["request_stats"][str(i)]
         assert stats["evictions"] > 0 and stats["evicted_tokens"] >= stats["evictions"]
         assert result["max_stored"][str(i)] <= stats["peak_slots"] <= budget
+
+
+def test_the_slot_table_never_grows_across_a_soak_with_budget_overrides(tmp_path, testbed):
+    """The worker's slot table is reserved at start-up (a row per request the engine may run and the scratch row,
+    ``max_budget`` slots each) and no column is reallocated while 14 requests come and go with their own methods and
+    budgets up to ``max_budget`` (a full-cache one among them, not recorded: it would outgrow any budget); a request
+    asking for more than ``max_budget`` is refused before it runs. Each request stays within its own budget, and
+    every block is back in the pool."""
+    model, tok = testbed
+    window, max_budget = 16, 160
+    overrides = [{"method": m, "budget": b} for b in (64, 96, 128, 160) for m in ("dynts", "window", "sepllm")]
+    overrides += [{"method": "full"}, {"method": "streamingllm", "budget": 200}]
+    prompts = fresh_questions(len(overrides))
+    requests = [{"prompt_token_ids": p, "max_tokens": 300, "arrive_at_step": 5 * i, "extra_args": {"dynts": o}}
+                for i, (p, o) in enumerate(zip(prompts, overrides))]
+    engine = {"method": "dynts", "budget": 96, "local_window": window, "predictor": str(PREDICTOR),
+              "max_budget": max_budget}
+    result = run_engine(tmp_path, TESTBED, requests, additional_config={"dynts": engine}, num_gpu_blocks_override=80)
+    table = result["slot_table"]
+    assert (table["rows"], table["width"], table["fixed"], table["reallocated"]) == (16 + 1, max_budget, True, False)
+    refused = result["outputs"][str(len(overrides) - 1)]
+    assert "max_budget" in refused.get("error", ""), refused
+    for i, override in enumerate(overrides[:-1]):
+        out = result["outputs"][str(i)]
+        assert out["finish_reason"] in ("stop", "length"), (override, out)
+        if "budget" in override:
+            assert result["max_stored"][str(i)] <= override["budget"], override
+    full = len(overrides) - 2
+    assert result["outputs"][str(full)]["token_ids"] == reference(model, tok, prompts[full], 300, method="full")
+    assert result["free_blocks_at_end"] == result["num_blocks"] - 1
 
 
 FAULTS = {  # fault -> (the driver's option, what the log line says)

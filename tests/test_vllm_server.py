@@ -20,7 +20,8 @@ openai = pytest.importorskip("openai")
 QUESTION = [{"role": "user", "content": "a 6 b 0 c 4 d 8 e 7 find r2"}]
 PROMPT = "<bos> a 1 b 2 c 3 d 4 e 5 find r1 <think>"
 BUDGET = 96
-SERVER_ARGS = ["--engine", "vllm", "--kv-method", "streamingllm", "--kv-budget", str(BUDGET), "--kv-local-window", "16",
+SERVER_ARGS = ["--engine", "vllm", "--kv-method", "streamingllm", "--kv-budget", str(BUDGET), "--kv-max-budget", "128",
+               "--kv-local-window", "16",
                "--served-name", "testbed", "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
                "--num-gpu-blocks-override", "64", "--enforce-eager", "--max-num-seqs", "8"]
 
@@ -83,7 +84,7 @@ def test_per_request_dynts_fields_and_bad_ones_get_400(server):
         "vllm_xargs": {"dynts_method": "window", "dynts_budget": 128}})
     assert ok.status_code == 200, ok.text
     for xargs, word in [({"dynts_method": "h2o"}, "attention statistics"), ({"dynts_budget": 8}, "raise budget"),
-                        ({"dynts_colour": 1}, "unknown dynts request fields")]:
+                        ({"dynts_budget": 4096}, "max_budget"), ({"dynts_colour": 1}, "unknown dynts request fields")]:
         bad = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
             "model": "testbed", "messages": QUESTION, "max_tokens": 20, "vllm_xargs": xargs})
         assert bad.status_code == 400, (xargs, bad.status_code, bad.text)

@@ -12,7 +12,8 @@ reads at replay), and whether any K/V copy ran inside the model's forward (``"bu
 must not have: the test that catches it). ``"lose_shipment": [rid, k]`` makes the V2 worker lose request ``rid``'s
 ``k``-th shipment of token ids (a fault confined to one request); ``"forget_request": [rid, k]`` makes the worker
 lose its record of request ``rid`` before its ``k``-th event; ``"unscore_request": [rid, k]`` clears the score of one
-of its thinking tokens before its ``k``-th event (a stale score); ``"log_warnings"`` lists the plugin's warnings. Async scheduling is vLLM's default unless ``"engine"`` sets
+of its thinking tokens before its ``k``-th event (a stale score); ``"log_warnings"`` lists the plugin's warnings; ``"slot_table"`` reports the worker's slot table (shape, reserved
+in the profiling run, reallocated since start-up). Async scheduling is vLLM's default unless ``"engine"`` sets
 ``async_scheduling`` (on vLLM 0.34's CPU test bed, tests/support/vllm_cpu_testbed keeps vLLM's default, on).
 Prints ``{"outputs": {rid: {"token_ids", "finish_reason"} or {"error"}}, "max_stored": {rid: n},
 "prefix_hits": {rid: tokens}, "stats": ..., "request_stats": ..., "wrapped": [...]}`` (``wrapped``: the
@@ -100,6 +101,7 @@ def main(spec_path: str) -> None:  # noqa: C901
         steps[0] += 1
 
     steps = [0]
+    table_before = slot_table_state(model_runner(llm))
     outputs = drive(llm, spec["requests"], after_step)
     per_request = {}
     for rid, out in outputs.items():
@@ -125,8 +127,29 @@ def main(spec_path: str) -> None:  # noqa: C901
         "engine_classes": engine_classes(llm, scheduler, core),
         "buffers": buffers,
         "log_warnings": log_lines,
+        "slot_table": slot_table_report(model_runner(llm), table_before),
     }
     print("DYNTS_RESULT " + json.dumps(result))
+
+
+def slot_table_state(runner) -> dict | None:
+    """Where each column of the worker's slot table lives (``None`` without dynts hooks)."""
+    hooks = getattr(runner, "_dynts", None)
+    if hooks is None:
+        return None
+    return {name: (column.data_ptr(), tuple(column.shape)) for name, column in hooks.tracker.table.columns()}
+
+
+def slot_table_report(runner, before: dict | None) -> dict | None:
+    """The slot table after the run: its shape, whether it is the one reserved in vLLM's profiling run, and whether
+    any column was reallocated since start-up."""
+    if before is None:
+        return None
+    table = runner._dynts.tracker.table
+    state = getattr(runner, "_dynts_state", None)
+    return {"rows": table.rows, "width": table.width, "fixed": table.fixed,
+            "from_profile": state is not None and state.table is table,
+            "reallocated": slot_table_state(runner) != before}
 
 
 def watch_log() -> list[str]:

@@ -259,7 +259,8 @@ class SlotTable:
     The one slot-table schema (:data:`SlotTable.FILL`: each column's value on an empty slot) and the one
     compaction (:meth:`compact`) of every cache: the paged engines (one row per request in flight, rows
     recycled when requests finish), the dense cache (one row per batch row) and the ragged KV-Rescue cache.
-    Rows and width grow by doubling (never per step).
+    Rows and width grow by doubling (never per step); a ``fixed`` table (vLLM's, reserved at start-up inside vLLM's
+    memory profile) never reallocates: running out of rows or width is a broken invariant and raises.
     """
 
     device: torch.device
@@ -267,6 +268,7 @@ class SlotTable:
     width: int = 256
     statistics: frozenset[str] = frozenset()
     window: int = 8
+    fixed: bool = False
     positions: torch.Tensor = field(init=False)
     segments: torch.Tensor = field(init=False)
     token_ids: torch.Tensor = field(init=False)
@@ -299,6 +301,10 @@ class SlotTable:
                 yield name, t
 
     def _resize(self, rows: int, width: int) -> None:
+        if self.fixed:
+            raise RuntimeError(
+                f"the slot table was reserved for {self.rows} rows of {self.width} slots and may not grow to {rows} x "
+                f"{width} (a request stores more slots than its budget allows, or more requests run than max_num_seqs)")
         for name, old in list(self.columns()):
             new = self._new(name, rows, width)
             new[: old.shape[0], ..., : old.shape[-1]] = old

@@ -6,8 +6,9 @@ asked for dynts, when its KV cache is allocated (:func:`dynts.vllm.wrapping.bind
 
 | runner | method | what dynts adds |
 |---|---|---|
-| both | ``initialize_kv_cache`` | builds and checks the worker hooks (layout, KV groups and their kind, cross-layer KV sharing, kernel blocks, tokenizer, predictor), compiles the eviction kernels (:func:`dynts.kernels.warm_up_kernels`); binds the rest |
-| both | ``Worker.determine_available_memory`` (and the CPU worker's) | the hooks' device bytes (slot table, predictor activations at a full batch, an eviction round's temporaries) are charged against the KV cache |
+| both | ``profile_run`` | the hooks' persistent state (tokenizer, evictor, the fixed slot table, the predictor: :class:`~dynts.vllm.memory.HookState`) is made inside vLLM's memory profile, and one dummy eviction round at the engine's limits runs there (:func:`~dynts.vllm.memory.profile_round`): vLLM sizes the KV cache without their memory |
+| both | ``initialize_kv_cache`` | builds and checks the worker hooks on that state (layout, KV groups and their kind, cross-layer KV sharing, kernel blocks, tokenizer, predictor), compiles the eviction kernels (:func:`dynts.kernels.warm_up_kernels`); binds the rest |
+| both | ``Worker.determine_available_memory`` (and the CPU worker's) | where vLLM measured no profile (the CPU worker's fixed KV space, an explicit ``kv_cache_memory_bytes``), the hooks' device bytes from the shapes (:func:`~dynts.vllm.memory.hooks_bytes`) are charged against the KV cache |
 | V1 | ``execute_model`` / ``_prepare_inputs`` / ``_model_forward`` (bound) | :class:`~dynts.vllm.worker.WorkerHooks`: events, recording, scores |
 | V1 | ``execute_model``, ``sample_tokens`` (bound) | requests the worker failed (an event for a request it does not track) ride on the round's ``ModelRunnerOutput`` to the scheduler (:func:`report_faults`) |
 | V2 | ``execute_model`` (bound) | :class:`~dynts.vllm.worker_v2.RunnerV2Hooks`: events before the round's block writes |
@@ -24,7 +25,7 @@ from typing import Any, Callable
 from ..kernels import warm_up_kernels
 from .checks import check_kv_sharing
 from .config import PluginConfig
-from .memory import hooks_bytes
+from .memory import hooks_bytes, profile_round
 from .worker import WorkerHooks
 from .worker_v2 import RunnerV2Hooks
 from .wrapping import bind, wrap
@@ -99,6 +100,15 @@ def _bind_v2(runner: Any) -> None:
     bind(runner, "sample_tokens", sample)
 
 
+def _profiled(worker: Any) -> bool:
+    """Whether vLLM sized this worker's KV cache from a memory profile that saw the hooks' state and dummy round
+    (a CUDA worker without an explicit ``kv_cache_memory_bytes``)."""
+    runner = getattr(worker, "model_runner", None)
+    state = getattr(runner, "_dynts_state", None)
+    return (state is not None and state.table.device.type == "cuda"
+            and not getattr(worker.cache_config, "kv_cache_memory_bytes", None))
+
+
 def _reporting_faults(original: Callable) -> Callable:
     def sample_tokens(self, *args, **kwargs):
         return report_faults(self._dynts, original(self, *args, **kwargs))
@@ -149,24 +159,40 @@ def install_runner(kind: str) -> None:
             original(self, kv_cache_config, *args, **kwargs)
             if _profiling(args, kwargs):
                 return
-            config = PluginConfig.from_vllm(self.vllm_config)
+            state = getattr(self, "_dynts_state", None)  # made in the profiling run, where vLLM profiled
+            config = state.config if state is not None else PluginConfig.from_vllm(self.vllm_config)
             if config is not None:
                 check_kv_sharing(self)
             # built and checked now (backend layout, KV groups, kernel blocks, tokenizer, predictor), not at a request
-            self._dynts = hooks_cls(self, config, getattr(self, kernel_attr, None)) if config else None
+            self._dynts = hooks_cls(self, config, getattr(self, kernel_attr, None), state) if config else None
             if self._dynts is not None:  # Triton compiles the round's kernels now, not at the first eviction round
                 warm_up_kernels(self._dynts.kv)
             if config is not None and "execute_model" not in vars(self):  # once, even if the cache is rebuilt
                 binder(self)
         return initialize_kv_cache
 
+    def profile(original: Callable) -> Callable:
+        def profile_run(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            state = getattr(self, "_dynts_state", None)
+            if state is None:
+                config = PluginConfig.from_vllm(self.vllm_config)
+                if config is None:
+                    return
+                state = self._dynts_state = hooks_cls.reserve(self, config)
+            profile_round(state, self.vllm_config, self.model_config.dtype)
+        return profile_run
+
     def available(original: Callable) -> Callable:
         def determine_available_memory(self, *args, **kwargs):
             free = original(self, *args, **kwargs)
             config = PluginConfig.from_vllm(self.vllm_config)
-            return free if config is None else max(0, free - hooks_bytes(config, self.vllm_config))
+            if config is None or _profiled(self):
+                return free
+            return max(0, free - hooks_bytes(config, self.vllm_config))
         return determine_available_memory
 
+    wrap(runner_cls, "profile_run", profile)
     wrap(runner_cls, "initialize_kv_cache", init_cache)
     for worker in workers:
         if "determine_available_memory" in vars(worker):  # each class that defines its own

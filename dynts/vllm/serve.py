@@ -28,6 +28,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("model", help="a bundled name (testbed, smollm2-135m), a local directory or a cached hub id")
     p.add_argument("--engine", choices=["vllm"], default="vllm")
     add_eviction_arguments(p, required=True)
+    p.add_argument("--kv-max-budget", type=int, default=None,
+                   help="the largest budget a request may ask for (default --kv-budget): the slots reserved per request")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-name", default=None, help="the model name clients send (default: MODEL)")
@@ -61,6 +63,8 @@ def build_command(args: argparse.Namespace, passthrough: list[str]) -> list[str]
     from .config import PluginConfig
 
     engine = eviction_fields(args)
+    if args.kv_max_budget is not None:
+        engine["max_budget"] = args.kv_max_budget
     if args.predictor is not None:
         engine["predictor"] = str(resolve_path(args.predictor)) if not os.path.isdir(args.predictor) else args.predictor
     PluginConfig(engine)  # ValueError naming the field, before a 40 s engine start

@@ -51,7 +51,7 @@ from ..thinking import think_end_ids
 from .checks import check_worker
 from .config import PluginConfig
 from .layouts import geometry_for
-from .memory import slot_table_shape
+from .memory import HookState, slot_table_shape
 
 __all__ = ["WorkerHooks"]
 
@@ -72,30 +72,41 @@ class _FirstRankDecides:
 class WorkerHooks:
     """The plugin's state in one model runner; built and checked when its KV cache is allocated."""
 
-    def __init__(self, runner: Any, config: PluginConfig, kernel_block_sizes: Any = None) -> None:
+    def __init__(self, runner: Any, config: PluginConfig, kernel_block_sizes: Any = None,
+                 state: HookState | None = None) -> None:
+        state = state if state is not None else self.reserve(runner, config)  # made in vLLM's profile where it runs
         self.runner = runner
-        self.config = config
+        self.config = config = state.config
         self.block_size = check_worker(runner.kv_cache_config, kernel_block_sizes)
         self.kv = self._paged_kv(runner, self.block_size)
-        tokenizer = self._tokenizer(runner)
-        config.settings.evictor.bind(tokenizer)
-        self.tokenizer = tokenizer
+        self.tokenizer = state.tokenizer
         self.tp_group = self._tp_group()
-        rows, width = slot_table_shape(config, runner.vllm_config)
-        self.tracker = SlotTracker(config.settings, runner.device, think_end_ids(tokenizer, config.settings.think_end),
-                                   table=SlotTable(torch.device(runner.device), rows=rows, width=width))
+        self.tracker = SlotTracker(config.settings, runner.device,
+                                   think_end_ids(state.tokenizer, config.settings.think_end), table=state.table)
         self.scratch_row = self.tracker.scratch_row  # taken now: the table's last spare row
         self.staging = self.tracker.staging
         self._place(config.settings.evictor)
         # the stale-score flags of an eviction round, read on the host a round later (never waited on)
-        self.stale_flags = HostReadback(runner.device, capacity=rows)
-        self.predictor = self._predictor(runner) if config.settings.needs_scores else None
+        self.stale_flags = HostReadback(runner.device, capacity=state.table.rows)
+        self.predictor = state.predictor
         self.shifts: dict[str, int] = {}
         self.untracked: set[str] = set()  # requests that can never evict (no scores needed): nothing recorded
         self.failed: set[str] = set()  # requests ended for a broken invariant, until vLLM finishes them (_fail)
         self.faults: dict[str, str] = {}  # why, per failed request not yet reported to the scheduler (take_faults)
 
     # ------------------------------------------------------------------ setup
+    @classmethod
+    def reserve(cls, runner: Any, config: PluginConfig) -> HookState:
+        """What the hooks hold for the engine's life (:class:`~dynts.vllm.memory.HookState`): the tokenizer, the
+        engine's evictor bound to it, the slot table reserved ``fixed`` at
+        :func:`~dynts.vllm.memory.slot_table_shape` and the predictor checked against the served model."""
+        tokenizer = cls._tokenizer(runner)
+        config.settings.evictor.bind(tokenizer)
+        rows, width = slot_table_shape(config, runner.vllm_config)
+        table = SlotTable(torch.device(runner.device), rows=rows, width=width, fixed=True)
+        predictor = cls._predictor(runner, config) if config.settings.needs_scores else None
+        return HookState(config, tokenizer, table, predictor)
+
     @staticmethod
     def _tokenizer(runner: Any) -> Any:
         from transformers import AutoTokenizer
@@ -133,7 +144,8 @@ class WorkerHooks:
             raise NotImplementedError(f"dynts.vllm needs one KV slot layout for every layer; found {len(geometries)}")
         return PagedKV(caches, block_size, geometries.pop())
 
-    def _predictor(self, runner: Any) -> torch.nn.Module:
+    @staticmethod
+    def _predictor(runner: Any, config: PluginConfig) -> torch.nn.Module:
         """The engine's predictor, checked against the served model (config + final-norm weight fingerprint)."""
         from ..predictor import load_predictor
 
@@ -146,7 +158,7 @@ class WorkerHooks:
                 "DynTS scores its output. Serve a method without a predictor (window, streamingllm, sepllm)"
             )
         mc = runner.model_config
-        return load_predictor(self.config.predictor, mc.hf_text_config, final_norm_weight=weight.detach(),
+        return load_predictor(config.predictor, mc.hf_text_config, final_norm_weight=weight.detach(),
                               name_or_path=mc.model)
 
     # ------------------------------------------------------------------ the runner's request state
@@ -371,15 +383,15 @@ class WorkerHooks:
         if entry is not None:
             return entry, False
         settings = self.settings_of(rid)
-        if self.predictor is None and self._never_evicts(rid, settings, prompt_length):
+        if self._never_evicts(rid, settings, prompt_length):  # its tokens' scores, if any, go to the scratch row
             self.untracked.add(rid)
             return None, False
         return self.tracker.open(rid, prompt_length, settings=settings), True
 
     def _never_evicts(self, rid: str, settings: Any, prompt_length: int) -> bool:
         """True when the request can never have an event (:meth:`EvictionSettings.may_evict`, the scheduler's rule
-        too). Its slot metadata would never be read, so it is not recorded (without a predictor, no hidden-state
-        rows need to line up with the recorded tokens)."""
+        too). Its slot metadata would never be read, so it is not recorded (nor does it take a table row, which
+        holds only a budget's slots)."""
         params = self.sampling_params(rid)
         return not settings.may_evict(prompt_length, params.max_tokens if params is not None else None)
 

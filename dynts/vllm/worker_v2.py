@@ -43,8 +43,8 @@ __all__ = ["RunnerV2Hooks"]
 class RunnerV2Hooks(WorkerHooks):
     """The plugin's state in one V2 model runner (``GPUModelRunner`` of ``vllm.v1.worker.gpu``)."""
 
-    def __init__(self, runner: Any, config: Any, kernel_block_sizes: Any = None) -> None:
-        super().__init__(runner, config, kernel_block_sizes)
+    def __init__(self, runner: Any, config: Any, kernel_block_sizes: Any = None, state: Any = None) -> None:
+        super().__init__(runner, config, kernel_block_sizes, state)
         self.blocks: dict[str, list[int]] = {}  # block ids of the one KV group, as the scheduler allocated them
         self.params: dict[str, Any] = {}  # SamplingParams per request
         self.known: dict[str, tuple[int, list[int]]] = {}  # ids received and not yet recorded: (first index, ids)
