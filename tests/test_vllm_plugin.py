@@ -227,6 +227,23 @@ def test_the_slot_table_never_grows_across_a_soak_with_budget_overrides(tmp_path
     assert result["free_blocks_at_end"] == result["num_blocks"] - 1
 
 
+def test_the_hooks_state_is_made_in_vllms_profiling_run(tmp_path, testbed):
+    """With vLLM's memory profile on (a compiled engine: the CPU worker profiles only then; on a GPU always), the slot
+    table and the predictor the hooks serve with are the ones made inside ``profile_run`` (after the plugin's dummy
+    eviction round at the engine's limits), so vLLM's KV cache was sized without their memory. DynTS requests run on
+    them and stay within the budget."""
+    budget, window = 96, 16
+    prompts = fresh_questions(2)
+    requests = [{"prompt_token_ids": p, "max_tokens": 200} for p in prompts]
+    engine = {"method": "dynts", "budget": budget, "local_window": window, "predictor": str(PREDICTOR)}
+    result = run_engine(tmp_path, TESTBED, requests, additional_config={"dynts": engine}, num_gpu_blocks_override=40,
+                        enforce_eager=False)
+    assert result["slot_table"] == {"rows": 16 + 1, "width": budget, "fixed": True, "from_profile": True,
+                                    "reallocated": False}
+    assert all(result["request_stats"][str(i)]["evictions"] > 0 for i in range(2))
+    assert_bounded_and_freed(result, budget)
+
+
 FAULTS = {  # fault -> (the driver's option, what the log line says)
     "lost record": ("forget_request", "does not track it"),
     "stale score": ("unscore_request", "no predictor score"),
