@@ -13,7 +13,9 @@
 # (reports/tuning/{chain,copy}-fair{,-sepllm}/choices.json), the seed-1 LRMs and predictors committed, the seed-1 dev
 # tables present (their budgets). The first run of a table reads `final` once (its ledger line in
 # reports/final-ledger.jsonl); a run that a stop killed resumes its run dir with `--reread` naming the run it
-# continues (the ledger records why; no cell is recomputed). A table outlasts a working session and runs/ is not
+# continues (the ledger records why; no cell is recomputed). The ledger admits a final read only from a committed
+# tree (its line records the commit) and freezes a table's methods at its first read: a continued run may not add
+# one. Each finished cell is on the run's ledger line as it finishes. A table outlasts a working session and runs/ is not
 # committed: `scripts/run_final_tables.sh carry`, before the machine goes, copies each unfinished table's finished
 # cells (run.json, cells/, records/; not the samples' texts) to reports/final-<family>/carried/, to commit; a
 # table whose run dir is absent starts from them (with --reread, as any continued run), and they are deleted once
@@ -72,7 +74,7 @@ table() {  # $1 family
     else $PY -m eval.harness.carried restore "reports/final-$family/carried" "$run"; fi
   fi
   if [ -f "$run/run.json" ]; then  # a run started here and was stopped (with or without finished cells): continue it, and say so
-    reread=(--reread "resume $run, stopped before its last cell (its cells are kept; none is recomputed; a method added to the list since it started runs its cells now)")
+    reread=(--reread "resume $run, stopped before its last cell (its cells are kept; none is recomputed; its methods are the list the ledger froze at the table's first read)")
   fi
   local cmd=($PY -m dynts.cli eval --final "${reread[@]}" --benchmark "$bench" --model "$model" --predictor "$pred"
              --method "full,$dynts,$tuned,$UNTUNED,$oracles" --budget "$budgets" --k 5 --local-window 32 --retention 0.4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -25,12 +26,28 @@ TINY = dict(
 )
 
 
+@functools.lru_cache(maxsize=1)
+def _head() -> str:
+    """This checkout's commit, what a test's final run records."""
+    import subprocess
+
+    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True)
+    return run.stdout.strip() or "unknown"
+
+
 @pytest.fixture(autouse=True)
 def final_ledger(tmp_path, monkeypatch):
-    """Every test's final-set ledger is its own file (``eval.harness.ledger``): a test that runs a ``--final``
-    command never appends to the committed ``reports/final-ledger.jsonl``."""
+    """Every test's final-set ledger is its own file: ``eval.harness.ledger.ledger_path`` is patched in this
+    process (nothing in the environment moves the ledger), so a test that runs a ``--final`` command in-process
+    never appends to the committed ``reports/final-ledger.jsonl``. The ledger's tree check is patched to a clean
+    tree at this checkout's commit too (the tests run beside uncommitted work; tests/test_final_ledger.py checks
+    the real one on a scratch git repository)."""
+    from eval.harness import ledger
+
     path = tmp_path / "final-ledger.jsonl"
-    monkeypatch.setenv("DYNTS_FINAL_LEDGER", str(path))
+    monkeypatch.setattr(ledger, "ledger_path", lambda: path)
+    monkeypatch.setattr(ledger, "revision", lambda root=ledger.ROOT: (_head(), []))
     return path
 
 

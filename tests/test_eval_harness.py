@@ -152,12 +152,21 @@ def test_workers_run_a_final_table_read_once_through_the_ledger(tiny_testbed, tm
     """The final set is read by this process inside the ledger block and handed to the workers, which never read it
     (a worker reading it would be refused: the ledger's handle is this process's)."""
     from eval.harness.ledger import final_run, read_ledger
+    from eval.harness.methods import method_id
 
     cfg = config(tiny_testbed, tmp_path / "run", benchmarks=["testbed:n=2,set=final"], k=1, workers=2)
-    with final_run("pytest", ["--final"], enabled=True, out=str(cfg.run_dir)) as entry:
-        results = run(cfg, after_cell=lambda r: entry["cells"].append(r["key"]))
+    seen = []
+
+    def finished(result: dict) -> None:  # each finished cell is on the ledger line as it finishes
+        ledger.finished_cell(result["key"], method_id(result["method"]))
+        seen.append(sorted(read_ledger()[0]["cells"]))
+
+    with final_run("pytest", ["--final"], enabled=True, out=str(cfg.run_dir),
+                   methods=[method_id(m) for m in cfg.method_specs]) as ledger:
+        results = run(cfg, after_cell=finished)
     (line,) = read_ledger()
     assert line["status"] == "finished" and sorted(line["cells"]) == sorted(r["key"] for r in results)
+    assert [len(cells) for cells in seen] == [1, 2]
     assert [s["set"] for s in line["sets"]] == ["final"] and len(results) == 2
 
 

@@ -30,10 +30,10 @@ FINAL_SHARED = (("copy", 200, {}), ("chain", 500, {}))
 FINAL_DIGEST = "7a5d7f0b4810b3c3d36c5daf8b89e1e7e8cc92f69f61c220768aaa5f91d5b613"
 
 
-def final_sets(*argv: str, **kw):
+def final_sets(*argv: str, methods=("m",), **kw):
     """The tests' one way into the final-only sets: a final run that logs to the test's own ledger
-    (conftest's ``final_ledger`` points ``$DYNTS_FINAL_LEDGER`` at a tmp file)."""
-    return final_run("pytest", list(argv), enabled=True, **kw)
+    (conftest's ``final_ledger`` patches ``ledger_path`` to a tmp file, in-process)."""
+    return final_run("pytest", list(argv), enabled=True, methods=methods, **kw)
 
 
 @pytest.mark.parametrize("space", task.FINAL_ONLY)
@@ -143,12 +143,12 @@ def test_final_tables_cannot_be_entered_without_the_ledger():
 def test_the_line_is_written_at_the_first_read(final_ledger):
     """A final run's line exists from its first read on (``running``), so a run killed without a
     chance to clean up (SIGKILL) still leaves it; the exit makes it ``finished``."""
-    with final_sets(out="runs/x") as entry:
+    with final_sets(out="runs/x") as run:
         assert read_ledger() == []
         task.problem_set("final", 2, family="chain")
         (line,) = read_ledger()
         assert line["status"] == "running" and line["sets"][0]["set"] == "final"
-        entry["cells"].append("cell-a")
+        run.finished_cell("cell-a", "m")
     (line,) = read_ledger()
     assert line["status"] == "finished" and line["cells"] == ["cell-a"] and line["out"] == "runs/x"
 
@@ -252,18 +252,20 @@ def test_eval_and_demo_opt_in_with_final(monkeypatch, tmp_path, final_ledger):
 
 
 def test_ledger_logs_failed_final_runs_and_nothing_else(final_ledger):
-    with final_run("dynts eval", ["--final"], enabled=False) as entry:
+    with final_run("dynts eval", ["--final"], enabled=False) as run:
         with pytest.raises(ValueError):
             task.problem_set("final", 1)
-    with final_run("dynts eval", ["--final"], enabled=True):
+        run.finished_cell("cell-x", "anything")  # records nothing
+    with final_run("dynts eval", ["--final"], enabled=True, methods=["m"]):
         task.problem_set("dev", 1)  # no final set read: no line
     assert read_ledger() == []
     with pytest.raises(RuntimeError):
-        with final_run("dynts eval", ["--final", "--benchmark", "testbed:set=final"], enabled=True, out="runs/x") as entry:
+        with final_run("dynts eval", ["--final", "--benchmark", "testbed:set=final"], enabled=True, out="runs/x",
+                       methods=["m"]) as run:
             task.problem_set("final", 3, family="chain")
-            entry["cells"].append("cell-a")
+            run.finished_cell("cell-a", "m")
             raise RuntimeError("killed")
-    with final_run("dynts demo", ["--final"], enabled=True) as entry:
+    with final_run("dynts demo", ["--final"], enabled=True, methods=["m"]):
         task.problem_set("confirm", 1)
     first, second = read_ledger()
     assert first["status"] == "failed" and first["cells"] == ["cell-a"] and first["sets"][0]["set"] == "final"
@@ -278,9 +280,9 @@ def test_ledger_logs_a_final_run_stopped_by_sigterm(final_ledger):
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as stopped:
-        with final_run("dynts eval", ["--final"], enabled=True, out="runs/x") as entry:
+        with final_run("dynts eval", ["--final"], enabled=True, out="runs/x", methods=["m"]) as run:
             task.problem_set("final", 2)
-            entry["cells"].append("cell-a")
+            run.finished_cell("cell-a", "m")
             os.kill(os.getpid(), signal.SIGTERM)
     assert stopped.value.code == 128 + signal.SIGTERM
     (line,) = read_ledger()
@@ -292,10 +294,10 @@ def test_ledger_keeps_the_revision_the_run_started_from(final_ledger, monkeypatc
     """A commit made while a final run reads (hours, on CPU) does not move the line's ``git``/``dirty``."""
     from eval.harness import ledger
 
-    monkeypatch.setattr(ledger, "revision", lambda: ("start", False))
-    with ledger.final_run("dynts eval", ["--final"], enabled=True):
+    monkeypatch.setattr(ledger, "revision", lambda: ("start", []))
+    with ledger.final_run("dynts eval", ["--final"], enabled=True, methods=["m"]):
         task.problem_set("final", 1)
-        monkeypatch.setattr(ledger, "revision", lambda: ("later", True))
+        monkeypatch.setattr(ledger, "revision", lambda: ("later", ["x.py"]))
     (line,) = ledger.read_ledger()
     assert (line["git"], line["dirty"]) == ("start", False)
 
@@ -369,7 +371,8 @@ def _python_files():
 # set reference (the whole string, ``final:...``, ``set=final``, ``--set final``, ``testbed:final:...``).
 PROSE_NAMES = {task.FINAL}
 # What only task.py and the ledger may name: the constants, the door and its key.
-DOOR_NAMES = ("CONFIRM", "FINAL", "SEALED", "FINAL_ONLY", "READ_ONCE", "RETIRED", "final_tables", "LedgerHandle", "_FINAL_DOOR")
+DOOR_NAMES = ("CONFIRM", "FINAL", "SEALED", "FINAL_ONLY", "READ_ONCE", "RETIRED", "final_tables", "LedgerHandle", "_FINAL_DOOR",
+              "_make_problem")
 
 
 def names_a_final_set(text: str) -> bool:
@@ -416,8 +419,9 @@ def test_rescue_bench_opts_in_with_final(monkeypatch, tmp_path):
 
     seen = []
 
-    def fake_evaluate(config):
+    def fake_evaluate(config, after_cell=None):
         seen.append(len(benchmarks.load_benchmark(config.benchmark).examples))
+        after_cell("evict-window-0123456789", "evict-window")
         return {}
 
     monkeypatch.setattr(cli, "evaluate", fake_evaluate)
@@ -432,6 +436,8 @@ def test_rescue_bench_opts_in_with_final(monkeypatch, tmp_path):
     (line,) = read_ledger()  # the final run's ledger line
     assert line["command"].startswith("dynts rescue bench --benchmark testbed:n=2,set=confirm") and line["status"] == "finished"
     assert line["sets"][0]["set"] == "confirm" and line["out"] == str(tmp_path / "run")
+    assert line["program"] == "dynts rescue" and "evict-window" in line["methods"]
+    assert line["cells"] == ["evict-window-0123456789"]
 
 
 def test_analysis_traces_opt_in_with_final(tmp_path):

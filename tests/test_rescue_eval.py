@@ -242,7 +242,7 @@ def test_the_default_verifier_is_the_families_prm_alone(monkeypatch, tmp_path):
     from eval.rescue.verifiers import product_verifier
 
     seen = []
-    monkeypatch.setattr(cli, "evaluate", lambda config: seen.append(config.prm) or {})
+    monkeypatch.setattr(cli, "evaluate", lambda config, **kw: seen.append(config.prm) or {})
     monkeypatch.setattr(cli, "summary_table", lambda summary: "")
     helpers = ("testbed-helper", "testbed-chain-helper", "checkpoints/testbed-chain-fair-helper")
     for helper in helpers:

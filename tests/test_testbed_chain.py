@@ -121,7 +121,7 @@ def test_chain_namespaces_are_disjoint():
     sets["ptest"] = _chain(40, task.PREDICTOR_TEST)
     from eval.harness.ledger import final_run
 
-    with final_run("pytest", [], enabled=True):  # the final-only sets open only through the ledger (a tmp file here)
+    with final_run("pytest", [], enabled=True, methods=["m"]):  # the final-only sets open only through the ledger (a tmp file here)
         sets["confirm"] = _chain(40, task.CONFIRM)
         sets["final"] = _chain(40, task.FINAL)
         copy_final = task.problem_set(task.FINAL, 40, min_think=150, max_think=700)  # each family its own stream

@@ -184,9 +184,29 @@ def make_problem(
     answer copies the value as written and ``Step.value`` holds it too (the random stream, hence
     the problem, is the same as without the slip). ``family``: :data:`FAMILIES` (module
     docstring); a chain problem seeds its own stream (``"chain|{seed}"``), so it shares no draws
-    with the copy problem of the same seed, and ignores ``early_prob``.
+    with the copy problem of the same seed, and ignores ``early_prob``. A seed of a final-only
+    namespace (``"final:..."``, ``"confirm:..."``: :data:`FINAL_ONLY`) is refused with
+    :class:`FinalSetError`: only :func:`problem_set` inside :func:`final_tables` draws those.
     """
     check_family(family)
+    if _final_stream(seed if family == "copy" else f"{family}|{seed}"):
+        raise FinalSetError(f"make_problem({seed!r}, family={family!r}) draws a problem of a final-only namespace "
+                            f"({', '.join(FINAL_ONLY)}); those are drawn only by problem_set inside the final tables "
+                            "(dynts eval --final, through the final-set ledger)")
+    return _make_problem(seed, min_think, max_think, max_gap, early_prob, name, slip, family)
+
+
+def _final_stream(stream: int | str) -> bool:
+    """Whether ``stream`` (a problem's random seed: ``seed``, or ``"{family}|{seed}"``) is a final-only namespace's."""
+    text = str(stream)
+    head, _, rest = text.partition("|")
+    return namespace(text) in FINAL_ONLY or (head in FAMILIES and namespace(rest) in FINAL_ONLY)
+
+
+def _make_problem(seed: int | str, min_think: int = 150, max_think: int = 900, max_gap: int = 40,
+                  early_prob: float = 0.8, name: str | None = None, slip: str | None = None,
+                  family: str = "copy") -> Problem:
+    """:func:`make_problem` without its final-only check (``problem_set`` draws the admitted final-only sets here)."""
     if slip is not None and slip not in SLIPS:
         raise ValueError(f"slip={slip!r} is not a known rule; use one of {sorted(SLIPS)} or None")
     rng = random.Random(seed if family == "copy" else f"{family}|{seed}")
@@ -378,8 +398,7 @@ class LedgerHandle:
 _FINAL_DOOR: contextvars.ContextVar[LedgerHandle | None] = contextvars.ContextVar("final_tables", default=None)
 _NO_DOOR = ("the final-only sets ({sets}) open only through the final-set ledger, which writes the run's line "
             "to reports/final-ledger.jsonl: run the work inside eval.harness.ledger.final_run(command, argv, "
-            "enabled=True) (what dynts eval/demo/rescue bench/analyze traces --final do; tests pass "
-            "their own ledger file through $DYNTS_FINAL_LEDGER)")
+            "enabled=True, methods=...) (what dynts eval/demo/rescue bench/analyze traces --final do)")
 
 
 @contextlib.contextmanager
@@ -439,7 +458,8 @@ def problem_set(
         seeds = [f"{base}:{min_think}-{max_think}{extra}:{i}" for i in range(n)]
     else:
         seeds = [f"{base}:{i}" for i in range(n)]
-    return [make_problem(s, min_think=min_think, max_think=max_think, name=s, **kw)  # type: ignore[arg-type]
+    draw = _make_problem if space in FINAL_ONLY else make_problem  # a final-only set: admitted above
+    return [draw(s, min_think=min_think, max_think=max_think, name=s, **kw)  # type: ignore[arg-type]
             for s in seeds]
 
 

@@ -62,19 +62,28 @@ def _traces(path: str, limit: int | None) -> Any:
 
 
 def cmd_traces(args: argparse.Namespace) -> int:
+    if args.source != "testbed":
+        return _traces(args, None)
+    from data_pipeline.testbed import task
+
+    from eval.harness.ledger import final_run
+
+    method = "traces:reference" if args.reference else "traces"  # what the final-set ledger freezes
+    with final_run("dynts analyze", getattr(args, "argv", None), args.final, args.out,
+                   reread=getattr(args, "reread", None), methods=[method]) as ledger:
+        # the problems first: a refused set costs no model load
+        problems = task.problem_set(args.set, args.n, min_think=args.min_think, max_think=args.max_think, family=args.family)
+        code = _traces(args, problems)
+        ledger.finished_cell(f"traces:{args.set}:{args.family}:n={args.n}", method)
+    return code
+
+
+def _traces(args: argparse.Namespace, problems: list | None) -> int:
+    """Write the traces of ``problems`` (the testbed's), or of ``args.source``'s benchmark."""
     import torch
 
     from .traces import ChatTraceConfig, add_importance, chat_traces, load_model, save_traces, testbed_traces
 
-    if args.source == "testbed":  # the problems first: a refused set costs no model load
-        from data_pipeline.testbed import task
-
-        from eval.harness.ledger import final_run
-
-        with final_run("dynts analyze", getattr(args, "argv", None), args.final, args.out,
-                       reread=getattr(args, "reread", None)) as ledger:
-            ledger["cells"] = [f"traces:{args.set}:{args.family}:n={args.n}"]
-            problems = task.problem_set(args.set, args.n, min_think=args.min_think, max_think=args.max_think, family=args.family)
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, **load_kwargs(args))
     start = time.perf_counter()

@@ -211,10 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dynts eval: run dir {config.run_dir}", file=sys.stderr)
         from eval.harness.ledger import final_run
 
-        with final_run("dynts eval", argv, args.final, config.run_dir, reread=args.reread) as ledger:
-            results = run(config, after_cell=lambda cell: ledger["cells"].append(cell["key"]),
+        from .methods import method_id
+
+        with final_run("dynts eval", argv, args.final, config.run_dir, reread=args.reread,
+                       methods=[method_id(m) for m in config.method_specs]) as ledger:
+            results = run(config, after_cell=lambda cell: ledger.finished_cell(cell["key"], method_id(cell["method"])),
                           load_options=load_kwargs(args, given_only=True))
-            ledger["cells"] = [r["key"] for r in results]
+            for r in results:  # the cells read back from an earlier run of this run dir too
+                ledger.finished_cell(r["key"], method_id(r["method"]))
     except ValueError as err:
         print(f"dynts eval: error: {err}", file=sys.stderr)
         return 2

@@ -171,16 +171,23 @@ def run_family(family: str, args: argparse.Namespace, load_options: dict) -> int
         config = make()
         from eval.harness.ledger import final_run
 
-        with final_run("dynts demo", args.argv, args.final, run_dir, reread=args.reread) as ledger:
+        from .methods import method_id
+
+        with final_run("dynts demo", args.argv, args.final, run_dir, reread=args.reread,
+                       methods=[method_id(m) for m in config.method_specs]) as ledger:
+            def finished(cell: dict) -> None:
+                ledger.finished_cell(cell["key"], method_id(cell["method"]))
+
             try:
-                results = run(config, after_cell=lambda cell: ledger["cells"].append(cell["key"]), load_options=load_options)
+                results = run(config, after_cell=finished, load_options=load_options)
             except ValueError as err:
                 if "other settings" not in str(err):
                     raise
                 print(f"demo: checkpoints changed since the last demo; starting over in {run_dir}", file=sys.stderr)
                 shutil.rmtree(run_dir)
-                results = run(make(), load_options=load_options)
-            ledger["cells"] = [r["key"] for r in results]
+                results = run(make(), after_cell=finished, load_options=load_options)
+            for result in results:  # the cells read back from an earlier demo too
+                finished(result)
     except ValueError as err:
         print(f"demo: error: {err}", file=sys.stderr)
         return 2

@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import dynts
 from dynts.cli_options import parse_option_value
 from dynts.evictors.base import EVICTORS, Evictor
 
-__all__ = ["ABLATIONS", "CACHE_OPTIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PER_HEAD", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "parse_method", "parse_methods", "spec_label",
+__all__ = ["ABLATIONS", "CACHE_OPTIONS", "CHAIN_ORACLES", "CONTROLS", "ORACLES", "PER_HEAD", "PRESETS", "QUESTION_PROTECTED", "MethodSpec", "method_id", "parse_method", "parse_methods", "spec_label",
            "window_of_share"]
 
 # Paper Table 2 under the equal-n_keep contract of C.3 (every method keeps the same count, so
@@ -141,6 +141,16 @@ class MethodSpec:
         if self.cache:  # only then (cells without overrides keep their keys)
             out["cache"] = dict(self.cache)
         return out
+
+
+def method_id(method: "MethodSpec | Mapping[str, Any]") -> str:
+    """What a method is, whatever it is called: its registry name with its options and cache settings, each
+    sorted (``h2o+q`` is ``h2o:keep_question=true``); a :class:`MethodSpec` or its :meth:`~MethodSpec.as_dict`
+    (a cell's ``"method"``) give the same text. The final-set ledger freezes these."""
+    if isinstance(method, MethodSpec):
+        method = method.as_dict()
+    items = sorted(dict(method.get("options") or {}).items()) + sorted(dict(method.get("cache") or {}).items())
+    return spec_label(str(method["name"]), items)
 
 
 def window_of_share(share: float, budget: int) -> int:

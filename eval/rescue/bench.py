@@ -39,7 +39,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -50,7 +50,7 @@ from eval.rescue.oracle_choice import oracle_choice, plot_oracle_choice
 from eval.rescue.table import CONTROLS, SEARCHES, STEPWISE, control_columns, summary_table, write_records
 from eval.rescue.verifiers import load_eval_prm
 
-__all__ = ["CONTROLS", "RescueEvalConfig", "check_settings", "SETTINGS", "STEPWISE", "evaluate"]
+__all__ = ["CONTROLS", "RescueEvalConfig", "cell_names", "check_settings", "SETTINGS", "STEPWISE", "evaluate"]
 
 
 def helper_options(load_options: dict[str, Any]) -> dict[str, Any]:
@@ -141,9 +141,26 @@ def metrics(records: Sequence[dict[str, Any]], degen_steps: int) -> dict[str, An
     }
 
 
-def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
+def _cells(config: RescueEvalConfig) -> list[tuple[str, str | None]]:
+    """The run's cells as ``(setting, method)``, in run order (``method`` None: method-independent)."""
+    cells: list[tuple[str, str | None]] = [(s, None) for s in ("full", "helper", *CONTROLS) if s in config.settings]
+    return cells + [(s, m) for m in config.methods for s in ("evict", *STEPWISE) if s in config.settings]
+
+
+def _name(setting: str, method: str | None) -> str:
+    return setting if method is None else f"{setting}-{method}"
+
+
+def cell_names(config: RescueEvalConfig) -> list[str]:
+    """Each cell's name (``full``, ``kvr-window``, ...: its setting and base method), what a final run's ledger
+    line declares as its methods."""
+    return [_name(s, m) for s, m in _cells(config)]
+
+
+def evaluate(config: RescueEvalConfig, log=print, after_cell: Callable[[str, str], None] | None = None) -> dict[str, Any]:
     """Run (or resume) every cell; write ``cells/*.json``, ``results.json`` and ``results.md`` under
-    ``config.out``; return the results."""
+    ``config.out``; return the results. ``after_cell(file stem, cell name)`` is called as each cell is
+    finished (computed or read back)."""
     from eval.harness.benchmarks import load_benchmark
     from eval.harness.prompts import encode_prompts, user_message
 
@@ -157,11 +174,9 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
     tokenizer = models["base"][1]
     models["messages"] = [user_message(e, bench) for e in bench.examples]
     prompts = encode_prompts(tokenizer, models["messages"])
-    cells = [(s, None) for s in ("full", "helper", *CONTROLS) if s in config.settings]
-    cells += [(s, m) for m in config.methods for s in ("evict", *STEPWISE) if s in config.settings]
     results = []
-    for setting, method in cells:
-        key = setting if method is None else f"{setting}-{method}"
+    for setting, method in _cells(config):
+        key = _name(setting, method)
         digest = hashlib.sha256(json.dumps(config.cell_settings(setting, method), sort_keys=True, default=str).encode()).hexdigest()[:10]
         path = out / "cells" / f"{key}-{digest}.json"
         if path.is_file():
@@ -169,6 +184,8 @@ def evaluate(config: RescueEvalConfig, log=print) -> dict[str, Any]:
         else:
             cell = _cell(config, setting, method, models, bench, prompts)
             write_atomic(path, json.dumps(cell, indent=1))
+        if after_cell:
+            after_cell(path.stem, key)
         m = cell["metrics"]
         log(f"{key:22s} acc {m['accuracy']:.3f}  base tok {m['base_tokens']:8.1f}  helper share {m['helper_share']:.3f}  ({cell['seconds']:.0f} s)")
         results.append(cell)

@@ -16,7 +16,7 @@ from dynts.cli_options import add_load_arguments, load_kwargs
 from dynts.io import write_atomic
 from dynts.rescue import RescueConfig
 from eval.harness.ledger import add_final_arguments
-from eval.rescue.bench import evaluate, helper_options, load_model
+from eval.rescue.bench import cell_names, evaluate, helper_options, load_model
 from eval.rescue.calibrate import calibrate
 from eval.rescue.config import SETTINGS, RescueEvalConfig, check_settings
 from eval.rescue.table import summary_table
@@ -203,9 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     from eval.harness.ledger import final_run
 
     with final_run("dynts rescue", sys.argv[1:] if argv is None else argv, args.final, config.out,
-                   reread=args.reread) as ledger:
-        summary = evaluate(config)
-        ledger["cells"] = sorted(p.stem for p in (Path(config.out) / "cells").glob("*.json"))
+                   reread=args.reread, methods=cell_names(config)) as ledger:
+        summary = evaluate(config, after_cell=ledger.finished_cell)
     print(summary_table(summary))
     print(f"wrote {Path(config.out) / 'results.md'}")
     return 0
