@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=model, dtype="float32", block_size=32, enforce_eager=True, async_scheduling=False, seed=0,
               max_num_seqs=args.in_flight, max_model_len=256, enable_prefix_caching=True,
               **({} if args.stock else
-                 {"additional_config": {"dynts": {"method": "window", "budget": 64, "local_window": 16}}}))
+                 {"additional_config": {"dynts": {"method": "window", "budget": 64, "local_window": 16,
+                                                  "max_budget": 48 + 96}}}))  # the requests' own budgets: send()
     engine = llm.llm_engine
     scheduler_hooks = engine.engine_core.engine_core.scheduler._dynts
     worker = None if args.stock else worker_hooks(llm)

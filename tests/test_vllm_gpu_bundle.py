@@ -281,6 +281,9 @@ def test_cost_engine_on_the_cpu_test_bed(tmp_path):
     assert nothing["evictions"] == 0 and dynts_run["evictions"] > 0 and streaming["evictions"] > 0
     # at the budget a request holds 1 block instead of 2: more of them run at once in the 3 usable blocks
     assert dynts_run["in_flight_max"] > nothing["in_flight_max"] and streaming["in_flight_max"] > nothing["in_flight_max"]
+    memory = result["memory"]  # the worker's fixed slot table: a row per request and the scratch row, never reallocated
+    assert memory["table_shape"][0] == spec["requests"] + 1 and memory["slot_table_reallocated"] is False
+    assert memory["predictor_bytes"] > 0 and memory["table_bytes"] > 0
 
 
 def test_counting_graph_replays_counts_inside_and_restores(monkeypatch):

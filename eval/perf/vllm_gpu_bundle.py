@@ -212,7 +212,7 @@ def cost_specs(model: str, predictor: str, *, requests: int = 32, prompt: int = 
     above = prompt + generate + 1
     base = {"model": model, "requests": requests, "prompt": prompt, "generate": generate}
     plugin = {"method": "dynts", "budget": budget, "local_window": local_window, "predictor": predictor,
-              "think_end": None}
+              "think_end": None, "max_budget": above}  # the first workload's requests ask for a budget above every length
     workloads = [{"label": f"plugin@{above} (nothing evicted)",
                   "extra_args": {"dynts": {"method": "streamingllm", "budget": above}}},
                  {"label": f"dynts@{budget}", "extra_args": None},
@@ -428,14 +428,46 @@ def _cost_engine(spec: dict[str, Any], replays: list[int]) -> dict[str, Any]:
                 "itl_p50_ms": 1e3 * (_percentile(itl, 0.5) or 0), "itl_p99_ms": 1e3 * (_percentile(itl, 0.99) or 0),
                 "graph_replays": replays[0] - r0, "graph_replays_per_step": (replays[0] - r0) / len(flight)}
 
-    # untimed warm-up at full length: Triton's first launches at each shape, the plugin's slot table at its width
+    # untimed warm-up at full length: Triton's first launches at each shape
     workload(2, spec["generate"], spec["workloads"][0]["extra_args"])
+    table = hooks_memory(llm)
     runs = []
     for w in spec["workloads"]:
         runs.append({"label": w["label"], **workload(spec["requests"], spec["generate"], w["extra_args"])})
+    memory = hooks_memory(llm)
+    if "table_pointers" in table:
+        memory["slot_table_reallocated"] = memory.pop("table_pointers") != table["table_pointers"]
     return {"engine": engine_info(llm), "init_s": init_s, "gpu_memory_utilization": kwargs.get("gpu_memory_utilization"),
             "pool_blocks": pool.num_gpu_blocks, "pool_override": spec["pool_blocks"], "requests": spec["requests"],
-            "prompt": spec["prompt"], "generate": spec["generate"], "dynts": spec["dynts"], "workloads": runs}
+            "prompt": spec["prompt"], "generate": spec["generate"], "dynts": spec["dynts"], "workloads": runs,
+            "memory": memory}
+
+
+def hooks_memory(llm: Any) -> dict[str, Any]:
+    """What the plugin's worker holds (an in-process worker): whether its state was made in vLLM's profiling run, the
+    slot table's shape, bytes and column addresses, the predictor's bytes; and the device's peak allocated memory
+    against what vLLM was allowed (``gpu_memory_utilization`` of the device)."""
+    import torch
+
+    from dynts.vllm.selfcheck import model_runner
+
+    runner = model_runner(llm)
+    out: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        utilization = llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization
+        out.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30, allowed_gib=utilization * total / 2**30)
+    hooks = getattr(runner, "_dynts", None)
+    if hooks is None:
+        return out
+    table = hooks.tracker.table
+    state = getattr(runner, "_dynts_state", None)
+    predictor = hooks.predictor
+    out.update(from_profile=state is not None and state.table is table, table_shape=[table.rows, table.width],
+               table_bytes=sum(c.numel() * c.element_size() for _, c in table.columns()),
+               predictor_bytes=0 if predictor is None else sum(p.numel() * p.element_size() for p in predictor.parameters()),
+               table_pointers=[c.data_ptr() for _, c in table.columns()])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
