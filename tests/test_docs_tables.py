@@ -157,6 +157,35 @@ def final_cells(family: str) -> list[list[str]]:
     return [[c.strip() for c in line.strip("|").split("|")] for line in printed if line.startswith(f"| {family} |")]
 
 
+def final_tests(family: str) -> tuple[list[dict], dict, int]:
+    """``eval.harness.seeds``' best-baseline rows of ``reports/final-<family>``, every paired test of the table (by
+    method and budget) and the size of its Holm family (the non-vacuous cells)."""
+    from eval.harness.compare import cells_from_records, paired_tests
+    from eval.harness.records import read_records
+    from eval.harness.seeds import best_baseline_rows
+
+    records = read_records(ROOT / "reports" / f"final-{family}")
+    rows = best_baseline_rows(records)
+    tests = paired_tests(cells_from_records(records), rows[0]["against"], {r["key"]: r for r in records})
+    return rows, tests, sum(1 for t in tests.values() if t["p_holm"] is not None)
+
+
+def slash(values) -> str:
+    """``a / b / c`` in ``eval.harness.compare``'s p-value format."""
+    from eval.harness.compare import _p
+
+    return " / ".join(_p(v) for v in values)
+
+
+ATTENTION = ("h2o", "snapkv", "rkv")
+
+
+def attention_cells_without_a_lead(tests: dict) -> list[tuple[str, int, str]]:
+    """(label, budget, verdict) of every H2O / SnapKV / R-KV cell (any form) that DynTS does not lead."""
+    return sorted((m, b, t["verdict"]) for (m, b), t in tests.items()
+                  if m.split(":")[0].split("-")[0].removesuffix("+q") in ATTENTION and t["verdict"] != "leads")
+
+
 def test_readme_results_at_a_glance_are_the_records():
     """Every number of README's results at a glance is recomputed from the committed record its line names."""
     import json
@@ -168,11 +197,22 @@ def test_readme_results_at_a_glance_are_the_records():
     assert f"DynTS scores {' / '.join(c[3] for c in cells)} % at budgets B = {' / '.join(c[1] for c in cells)}" in copy
     assert f"(full cache {cells[0][2]} %)" in copy
     assert f"({' / '.join(c[5] for c in cells)} %)" in copy and {c[7] for c in cells} == {"inconclusive"}
+    rows, tests, family = final_tests("copy")
+    best = [tests[(r["best"], r["budget"])] for r in rows]
+    assert f"its {' / '.join(c[6].split(' [')[0] for c in cells)} points are inconclusive" in copy
+    assert f"(sign test p = {slash(t['p'] for t in best)}, Holm over the table's {family} tests {slash(t['p_holm'] for t in best)};" in copy
+    assert all(t["tost_p_holm"] >= 0.05 for t in best) and "not equivalent within ±3 either" in copy
 
     chain = lines["Chain, toy testbed"]
     cells = final_cells("chain")
     assert "`reports/final-chain/`" in chain and all(c[4].startswith("sepllm") for c in cells)
     assert f"({' / '.join(c[6].split(' [')[0] for c in cells)} points" in chain and {c[7] for c in cells} == {"trails"}
+    rows, tests, family = final_tests("chain")
+    best = [tests[(r["best"], r["budget"])] for r in rows]
+    assert f"sign test, Holm over the table's {family} tests p = {slash(t['p_holm'] for t in best)})" in chain
+    (label, budget, verdict), = attention_cells_without_a_lead(tests)  # the one attention-score cell DynTS does not lead
+    assert label.startswith("snapkv+q:") and verdict == "inconclusive" and budget == max(r["budget"] for r in rows)
+    assert f"all but SnapKV+q ({100 * tests[(label, budget)]['diff']:+.1f} points, inconclusive) at B = {budget}" in chain
 
     seeds = lines["Three training seeds, toy testbed"]
     rows = [[c.strip() for c in row.strip("|").split("|")] for row in seed_rows()]
@@ -188,12 +228,26 @@ def test_readme_results_at_a_glance_are_the_records():
     assert f"DynTS scores {pct('copy', 'dynts')} % on copy (full cache {pct('copy', 'full')} %)" in demo
     assert f"{pct('chain', 'dynts')} % on chain (full cache {pct('chain', 'full')} %)" in demo
     assert f"SepLLM scores {pct('chain', 'sepllm')} %" in demo and "at B = 96" in demo
+    from eval.harness.compare import cells_from_records, paired_tests
+    from eval.harness.records import read_records
+
+    records = read_records(ROOT / "reports/demo/chain")
+    cells = cells_from_records(records)
+    ours = next(c["method"]["label"] for c in cells if c["method"]["name"] == "dynts")
+    (test,) = [t for (m, _), t in paired_tests(cells, ours, {r["key"]: r for r in records}).items() if m.split(":")[0] == "sepllm"]
+    assert f"SepLLM scores {pct('chain', 'sepllm')} % ({100 * test['diff']:+.1f} points, {test['verdict']})" in demo
 
     rescue = lines["KV-Rescue, toy testbed"]
     run = json.loads((ROOT / "reports/rescue/dev-chain-fair-s1-B72-N4/results.json").read_text())
     accuracy = {cell["setting"]: f"{100 * cell['metrics']['accuracy']:.1f}" for cell in run["cells"]}
     assert f"at B = {run['config']['budget']} " in rescue and f"best-of-N's {accuracy['bon']} % to {accuracy['kvr']} %" in rescue
-    assert f"(full cache {accuracy['full']} %)" in rescue and f"alone scores {accuracy['helper-search']} %" in rescue
+    assert f"(full cache {accuracy['full']} %;" in rescue and f"alone scores {accuracy['helper-search']} %" in rescue
+    from eval.rescue.table import DIFFERENCES, judged, rows as rescue_rows
+
+    (row,) = judged(rescue_rows([ROOT / "reports/rescue/dev-chain-fair-s1-B72-N4"], from_records=True))
+    gain, tests = row["stats"]["kvr_minus_bon"], sum(1 for name in DIFFERENCES if row["stats"].get(name))
+    assert (f"{100 * gain['diff']:+.1f} points, McNemar p = {gain['mcnemar']['p']:.2g}, Holm over the table's {tests} tests "
+            f"{gain['p_holm']:.2g}: {gain['verdict']})") in rescue
 
     gpu = lines["Speed, one H200 GPU (7B shapes, bf16)"]
     report = script("report_gpu_run").report(ROOT / "reports/gpu-runs/2026-12-04")
@@ -320,3 +374,95 @@ def test_step_prm_table_in_rescue_md_recomputes_from_the_committed_record():
     printed = step_table(record).splitlines()
     lines = (ROOT / "docs/rescue.md").read_text().splitlines()
     assert len(printed) == 2 + len(record["verifiers"]) and all(line in lines for line in printed)
+
+
+def flat(text: str) -> str:
+    """``text`` with every run of whitespace as one space (the docs' prose wraps anywhere)."""
+    return " ".join(text.split())
+
+
+def test_best_baseline_prose_is_the_records():
+    """The statistics docs/evaluation.md's section on DynTS against the best baseline gives in prose (the final tables'
+    sign-test and TOST p-values before and after Holm, the Holm family sizes, the one attention-score cell DynTS does
+    not lead on chain, each method's kept count, SepLLM's range on each seed's dev table) are the records'."""
+    import json
+
+    text = flat(best_baseline_section())
+
+    rows, tests, family = final_tests("copy")
+    best = [tests[(r["best"], r["budget"])] for r in rows]
+    signs = ", ".join(f"{t['sign']['plus']} / {t['sign']['minus']}" for t in best).rsplit(", ", 1)
+    assert (f"the sign test over problems gives p = {slash(t['p'] for t in best)} ({' and '.join(signs)} problems with "
+            f"DynTS higher / lower), {slash(t['p_holm'] for t in best)} after Holm over the table's {family} cells, and TOST "
+            f"within ±3 points fails as well (Holm p {slash(t['tost_p_holm'] for t in best)})") in text
+    plus_q = [tests[(r["best"].replace("h2o:", "h2o+q:"), r["budget"])] for r in rows]
+    assert {t["verdict"] for t in best + plus_q} == {"inconclusive"}
+    diffs = " / ".join(f"{100 * t['diff']:+.1f}" for t in plus_q)
+    assert f"H2O+q is inconclusive too ({diffs})" in text
+    assert f"(54 on copy, 57 on chain;" in text and family == 54
+
+    rows, tests, family = final_tests("chain")
+    best = [tests[(r["best"], r["budget"])] for r in rows]
+    assert {t["verdict"] for t in best} == {"trails"} and family == 57
+    assert f"gives p = {slash(t['p'] for t in best)}, {slash(t['p_holm'] for t in best)} after Holm over the table's {family} cells" in text
+    (label, budget, verdict), = attention_cells_without_a_lead(tests)
+    t = tests[(label, budget)]
+    assert label.startswith("snapkv+q:") and budget == rows[-1]["budget"]
+    assert f"every one but token-level SnapKV+q at {budget}, where {100 * t['diff']:+.1f} [{100 * t['lo']:+.1f}, {100 * t['hi']:+.1f}] is {verdict}" in text
+
+    def counts(cells, pick) -> str:
+        return " / ".join(str(next(c["n_keep"] for c in cells if c.get("budget") == b and pick(c))) for b in budgets)
+
+    for family_name, rival, rival_pick in (("copy", "tuned H2O", lambda c: c["method"]["label"].startswith("h2o:")),
+                                           ("chain", "untuned SepLLM", lambda c: c["method"]["label"] == "sepllm")):
+        cells = json.loads((ROOT / "reports" / f"final-{family_name}" / "results.json").read_text())
+        budgets = sorted({c["budget"] for c in cells if c.get("budget") is not None})
+        untuned = [c for c in cells if c.get("budget") is not None and not c["method"].get("cache")]
+        assert all(len({c["n_keep"] for c in untuned if c["budget"] == b}) == 1 for b in budgets)  # one count per budget
+        spans = " / ".join(f"{min(ks)}-{max(ks)}" for ks in ([c["n_keep"] for c in cells if c.get("budget") == b] for b in budgets))
+        dynts = f"on {family_name} DynTS keeps {counts(cells, lambda c: c['method']['name'] == 'dynts')} at B = {' / '.join(map(str, budgets))}"
+        assert f"{dynts}, {rival} {counts(cells, rival_pick)}," in text, family_name
+        assert f"the table's methods {spans}" in text, family_name
+        if family_name == "copy":
+            assert f"the untuned methods {counts(untuned, lambda c: True)}," in text
+        else:
+            tuned = counts(cells, lambda c: c["method"]["label"].startswith("sepllm:"))
+            assert f"tuned SepLLM {tuned}," in text
+
+    ranges = []
+    for seed in (1, 2, 3):
+        cells = json.loads((ROOT / "reports" / f"chain-dev-fair-s{seed}" / "results.json").read_text())
+        scores = [100 * c["pass@1"] for c in cells if c["method"]["name"] == "sepllm"]
+        ranges.append(f"{min(scores):.1f}-{max(scores):.1f} % on seed {seed}")
+    assert f"SepLLM (both rows) scores {ranges[0]}, {ranges[1]} and {ranges[2]}" in text
+
+
+def test_final_reads_in_evaluation_md_are_the_ledger():
+    """What docs/evaluation.md says of the final tables' reads is on their ledger lines: the copy table's first run
+    (its commit, its 13 cells) did not list tuned SepLLM, which the finished run did; the lines that started from a
+    tree with uncommitted changes (``"dirty": true``) are the ones named; and no seed LRM's eviction mixture holds a
+    SepLLM shape."""
+    import json
+
+    import yaml
+
+    text = flat(best_baseline_section())
+    lines = [json.loads(line) for line in (ROOT / "reports/final-ledger.jsonl").read_text().splitlines() if line.strip()]
+    final = {family: [line for line in lines if any(s.get("set") == "final" and s.get("family") == family for s in line["sets"])]
+             for family in ("copy", "chain")}
+    first = final["copy"][0]
+    assert "sepllm:" not in first["command"] and any("sepllm:" in line["command"] for line in final["copy"][1:])
+    assert len(first["cells"]) == 13 and first["utc"].startswith("2026-12-05T14:09")
+    assert f"(2026-12-05 14:09, commit {first['git'][:7]}, 13 cells:" in text
+    assert final["chain"][0]["utc"].startswith("2026-12-05T17:57") and "the chain table's first read (17:57)" in text
+    dirty = {family: [line["utc"][11:16] for line in final[family] if line["dirty"]] for family in final}
+    assert dirty == {"copy": ["17:57"], "chain": ["17:57", "21:47", "02:33", "02:35", "02:37"]}
+    (copy_dirty,) = [line for line in final["copy"] if line["dirty"]]
+    assert len(copy_dirty["cells"]) == 1 and "1 copy cell (17:57)" in text
+    assert "runs of 21:47 and 02:37, 14 each" in text
+    configs = sorted((ROOT / "configs/testbed").glob("*-s[123].yaml"))  # the seed LRMs of both families
+    assert len(configs) == 6
+    for config in configs:
+        shapes = yaml.safe_load(config.read_text())["data"]["evict_shapes"]
+        assert {"h2o", "snapkv", "rkv"} <= set(shapes) and not any("sep" in shape for shape in shapes), config.name
+    assert "SepLLM's kept set (sinks, separators, local window) is not in it" in text
