@@ -466,3 +466,14 @@ def test_final_reads_in_evaluation_md_are_the_ledger():
         shapes = yaml.safe_load(config.read_text())["data"]["evict_shapes"]
         assert {"h2o", "snapkv", "rkv"} <= set(shapes) and not any("sep" in shape for shape in shapes), config.name
     assert "SepLLM's kept set (sinks, separators, local window) is not in it" in text
+
+
+def test_label_predictor_table_in_testbed_md_comes_from_the_committed_records():
+    """docs/testbed.md's "What a predictor learns from each label" table is ``python -m eval.analyses.label_predictors``'s
+    output over the committed dev reports it names."""
+    from eval.analyses.label_predictors import label_predictor_table
+
+    text = (ROOT / "docs/testbed.md").read_text().split("### What a predictor learns from each label", 1)[1]
+    command = text.split("`python -m eval.analyses.label_predictors ", 1)[1].split("`", 1)[0].split()
+    want = label_predictor_table(ROOT / command[0], [ROOT / c for c in command[1:]])
+    assert want in text
