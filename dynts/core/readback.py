@@ -67,6 +67,8 @@ class HostReadback:
         """``(payload, flags)`` of every posted result whose copy has run, oldest first (a later one waits behind an
         earlier one still in flight); the buffers go back to the pool."""
         out = []
+        if not self._posted:
+            return out
         with audited_transfer():
             while self._posted:
                 host, n, payload, event = self._posted[0]

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import torch
@@ -250,6 +251,13 @@ def select_kept(
     return out
 
 
+@lru_cache(maxsize=4)
+def _nans(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` NaNs on ``device`` (an unscored slot's score), made once per length (a plain tensor)."""
+    with torch.inference_mode(False):
+        return torch.full((n,), float("nan"), device=device)
+
+
 @dataclass
 class SlotTable:
     """Device tensors ``[rows, width]`` of slot metadata (positions, segments, token ids, scores), and the
@@ -340,6 +348,16 @@ class SlotTable:
         self.token_ids[rows, slots] = token_ids
         if not keep_scores:
             self.scores[rows, slots] = float("nan")
+
+    def put(self, index: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, token_ids: torch.Tensor,
+            keep_scores: bool = False) -> None:
+        """:meth:`write` through flat indices ``index`` ``[T]`` (``row * width + slot`` at the table's width now): one
+        ``put_`` per column, the cheapest indexed write (a decode step's, every step)."""
+        self.positions.put_(index, positions)
+        self.segments.put_(index, segments)
+        self.token_ids.put_(index, token_ids)
+        if not keep_scores:
+            self.scores.put_(index, _nans(self.device, index.numel()))
 
     def relabel_answer(self, row: int, end: int, pieces: Sequence[int] | torch.Tensor) -> None:
         """Mark as answer the thinking slots among the last ``len(pieces)`` before column ``end`` of

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -33,9 +33,10 @@ from .segments import label_request
 from .slots import EvictorCall, RequestRow, SlotTable, select_kept
 from .upload import HostStaging
 
-__all__ = ["EvictionGroup", "Forward", "SlotTracker", "copy_plan"]
+__all__ = ["DecodePlaces", "EvictionGroup", "Forward", "SlotTracker", "copy_plan"]
 
 _ROW = attrgetter("row")
+_PAST_PROMPT = np.array([int(Segment.THINKING), int(Segment.ANSWER)])  # a token after the prompt, by ``in_answer``
 
 
 @dataclass
@@ -53,6 +54,30 @@ class Forward:
     start: int
     stored: int
     token_ids: Sequence[int]
+
+
+class DecodePlaces(NamedTuple):
+    """Where a decode step's tokens go in the table, on the device (``[n]`` each; :meth:`SlotTracker.place_decode`):
+    rows, slots, flat indices ``row * width + slot`` (at the table's ``width`` then) and absolute positions."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    index: torch.Tensor
+    positions: torch.Tensor
+    width: int
+
+
+class _Labels(NamedTuple):
+    """A decode step's tokens to label (:meth:`SlotTracker.record_decode`'s arguments) and their places (``None``: the
+    places :meth:`SlotTracker.place_decode` is making)."""
+
+    entries: Sequence[RequestRow]
+    rows: np.ndarray
+    starts: np.ndarray
+    slots: np.ndarray
+    tokens: Sequence[int]
+    places: DecodePlaces | None
+    keep_scores: bool
 
 
 @dataclass
@@ -115,6 +140,9 @@ class SlotTracker:
         # delimiter's partial match (kept in step with each request's AnswerState by open() and segments())
         self.row_state = np.zeros((3, self.table.rows), dtype=np.int64)
 
+    _deferred: _Labels | None = None  # a decode step's labels waiting for the next table operation (record_decode)
+    generation: int = 0  # counts every open and release: records looked up before are still the records while it holds
+
     @property
     def scratch_row(self) -> int:
         """A table row no request holds: the scores of a forward's tokens that belong to no recorded request (a
@@ -132,6 +160,7 @@ class SlotTracker:
         if entry is None:
             entry = RequestRow(settings or self.settings, question_length, self.table.acquire_row())
             self.slots[rid] = entry
+            self.generation += 1
             if entry.row >= self.row_state.shape[1]:  # the table grew
                 self.row_state = np.pad(self.row_state, ((0, 0), (0, self.table.rows - self.row_state.shape[1])))
             self.row_state[:, entry.row] = (question_length, entry.answer.in_answer, entry.answer.think_match)
@@ -139,7 +168,9 @@ class SlotTracker:
 
     def release(self, rid: str) -> None:
         """Forget a request and free its table row."""
+        self._write_deferred()
         entry = self.slots.pop(rid)
+        self.generation += 1
         self.table.release_row(entry.row)
         entry.row = -1
 
@@ -151,6 +182,7 @@ class SlotTracker:
         Returns the ``(rows, slots)`` ``[T]`` index pairs of the ``T`` tokens; with ``score`` they are kept
         for :meth:`write_scores` (the next final-norm output scores exactly these tokens). ``keep_scores``: the
         tokens were scored already (ids that arrive after their forward), their scores stay."""
+        self._write_deferred()
         if forwards and all(len(f.token_ids) == 1 for f in forwards):  # a decode step: the vectorised path
             return self.record_decode([f.entry for f in forwards], [f.start for f in forwards],
                                       [f.stored for f in forwards], [f.token_ids[0] for f in forwards], score,
@@ -175,30 +207,99 @@ class SlotTracker:
         self.pending_scores = (row_t, slot_t, len(rows)) if score and rows else None
         return row_t, slot_t
 
+    def place_decode(self, rows: np.ndarray, slots: np.ndarray, starts: np.ndarray,
+                     score: bool = False) -> DecodePlaces:
+        """Where a decode step's tokens go (one per request: table row ``rows[i]``, slot ``slots[i]``, absolute index
+        ``starts[i]``), on the device in one upload, the table widened first; with ``score`` the next final-norm
+        output scores exactly these tokens (:meth:`write_scores`). Their labels follow with :meth:`record_decode`;
+        labels it deferred (as many tokens) go up in the same upload."""
+        n = len(rows)
+        needed = int(slots.max()) + 1
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and deferred.places is not None and (len(deferred.rows) != n
+                                                                     or needed > self.table.width):
+            self._write(deferred)  # at the places (and width) they were given
+            deferred = None
+        self.table.ensure_width(needed)
+        width = self.table.width
+        staged = np.empty((4 if deferred is None else 6, n), dtype=np.int64)  # rows, slots, flat index, positions
+        row, slot, index, start = staged[:4]
+        row[:], slot[:], start[:] = rows, slots, starts
+        np.multiply(row, width, out=index)
+        index += slot
+        if deferred is not None:
+            self._labels(deferred, staged[4:])  # ids, segments
+        row_t, slot_t, index_t, start_t, *labels = self.staging.upload(staged).unbind(0)
+        places = DecodePlaces(row_t, slot_t, index_t, start_t, width)
+        if deferred is not None:
+            at = deferred.places or places
+            self.table.put(at.index, at.positions, labels[1], labels[0], keep_scores=deferred.keep_scores)
+        self.pending_scores = (row_t, slot_t, n) if score else None
+        return places
+
     def record_decode(self, entries: Sequence[RequestRow], starts: Sequence[int], stored: Sequence[int],
-                      tokens: Sequence[int], score: bool = False,
-                      keep_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      tokens: Sequence[int], score: bool = False, keep_scores: bool = False,
+                      rows: np.ndarray | None = None, places: DecodePlaces | None = None, defer: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`record` for a decode step: one token per request (``entries[i]`` computes ``tokens[i]`` at absolute
-        index ``starts[i]`` into slot ``stored[i]``), the same table writes in one upload. The labelling rule runs
-        one request at a time only where the delimiter can change something (a partial match, or a delimiter id);
-        every other token is question, thinking or answer by its request's state alone."""
+        index ``starts[i]`` into slot ``stored[i]``; ``rows``: their table rows, when the caller has them), placed and
+        labelled in one upload, one ``put_`` per column (:meth:`SlotTable.put`). ``places``: where
+        :meth:`place_decode` put these tokens already (scored before their ids arrived): only the ids and segments
+        go up. ``defer`` (with ``places``): the labelling and its writes wait for the tracker's next operation on the
+        table, which runs them first (:meth:`place_decode` in its own upload), so whatever goes through the tracker
+        finds the table as if they ran now."""
+        self._write_deferred()
         if not entries:
             return self.record([], score, keep_scores)
-        rows = np.fromiter(map(_ROW, entries), dtype=np.int64, count=len(entries))
-        start, slot, token = np.asarray(starts), np.asarray(stored), np.asarray(tokens)
-        question_length, answering, match = self.row_state[:, rows]
+        if rows is None:
+            rows = np.fromiter(map(_ROW, entries), dtype=np.int64, count=len(entries))
+        labels = _Labels(entries, rows, np.asarray(starts), np.asarray(stored), tokens, None, keep_scores)
+        if places is None or places.width != self.table.width:  # (or the table widened since they were placed)
+            self._deferred = labels  # labelled at the places made now, in their upload
+            places = self.place_decode(rows, labels.slots, labels.starts, score)
+            return places.rows, places.slots
+        self.pending_scores = (places.rows, places.slots, len(rows)) if score else None
+        labels = labels._replace(places=places)
+        if defer:
+            self._deferred = labels
+        else:
+            self._write(labels)
+        return places.rows, places.slots
+
+    def _labels(self, labels: _Labels, out: np.ndarray) -> None:
+        """``out`` ``[2, n]``: the ids and segments of a decode step's tokens."""
+        out[0] = labels.tokens
+        out[1] = self._decode_segments(labels.entries, labels.rows, labels.starts, labels.slots, out[0])
+
+    def _write(self, labels: _Labels) -> None:
+        """A decode step's labels into the table at their places: one upload, one ``put_`` per column."""
+        staged = np.empty((2, len(labels.rows)), dtype=np.int64)
+        self._labels(labels, staged)
+        ids, segments = self.staging.upload(staged).unbind(0)
+        self.table.put(labels.places.index, labels.places.positions, segments, ids, keep_scores=labels.keep_scores)
+
+    def _write_deferred(self) -> None:
+        """The labels :meth:`record_decode` deferred, written now (before anything else touches the table)."""
+        if self._deferred is not None:
+            labels, self._deferred = self._deferred, None
+            self._write(labels)
+
+    def _decode_segments(self, entries: Sequence[RequestRow], rows: np.ndarray, start: np.ndarray, slot: np.ndarray,
+                         token: np.ndarray) -> np.ndarray:
+        """Segments of a decode step's tokens. The labelling rule runs one request at a time only where the delimiter
+        can change something (a partial match, or a delimiter id); every other token is question, thinking or answer
+        by its request's state alone (:attr:`row_state`)."""
+        question_length, answering, match = self.row_state.take(rows, axis=1)
+        segments = _PAST_PROMPT.take(answering)
         asked = start < question_length
-        in_answer = (answering != 0) & ~asked
-        segments = np.where(asked, int(Segment.QUESTION), np.where(in_answer, int(Segment.ANSWER), int(Segment.THINKING)))
-        if self.delimiter is not None:  # rows whose delimiter match could move: the rule, one at a time
-            touched = ~asked & ~in_answer & ((match != 0) | (token[:, None] == self.delimiter_ids).any(1))
-            for i in np.flatnonzero(touched).tolist():
+        if asked.any():
+            segments[asked] = int(Segment.QUESTION)
+        if self.delimiter is None or not (match.any() or not set(self.delimiter.ids).isdisjoint(token.tolist())):
+            return segments
+        for i in np.flatnonzero(match | (token[:, None] == self.delimiter_ids).any(1)).tolist():
+            if segments[i] == Segment.THINKING:  # a thinking row whose delimiter match could move: the rule
                 segments[i] = self.segments(entries[i], (int(token[i]),), int(start[i]), int(slot[i]))[0]
-        self.table.ensure_width(int(slot.max()) + 1)
-        row_t, slot_t, *columns = self.staging.upload(np.stack([rows, slot, start, segments, token])).unbind(0)
-        self.table.write(row_t, slot_t, *columns, keep_scores=keep_scores)
-        self.pending_scores = (row_t, slot_t, len(rows)) if score else None
-        return row_t, slot_t
+        return segments
 
     def segments(self, entry: RequestRow, new: Sequence[int], start: int, stored: int) -> list[int]:
         """Segments of a forward's ``new`` tokens (absolute index ``start`` on; ``stored`` slots before them),
@@ -215,12 +316,15 @@ class SlotTracker:
     def expect_scores(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """The next forward's final-norm output scores ``T`` tokens into ``(rows[i], slots[i])`` (``[T]`` each, one
         per hidden-state row in batch order; a token of no recorded request points at :attr:`scratch_row`)."""
-        row_t, slot_t = self.staging.upload(np.stack([rows, slots])).unbind(0)
+        staged = np.empty((2, len(rows)), dtype=np.int64)
+        staged[0], staged[1] = rows, slots
+        row_t, slot_t = self.staging.upload(staged).unbind(0)
         self.pending_scores = (row_t, slot_t, len(rows))
 
     def write_scores(self, hidden: torch.Tensor, predictor: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Score the recorded tokens from the forward's final-norm output ``[T', h]`` (``T' >= T``; rows
         past the recorded ``T`` are padding, e.g. of a CUDA graph)."""
+        self._write_deferred()
         if self.pending_scores is None:
             return
         rows, slots, total = self.pending_scores
@@ -241,6 +345,7 @@ class SlotTracker:
         (:meth:`RequestBudget.evicted`). A request whose evictor would rank a thinking token without a score raises
         here (one host read per round), or with ``defer_stale`` nothing is read: each group's ``stale`` holds the
         device flags of its requests for the caller to read later (:class:`dynts.core.readback.HostReadback`)."""
+        self._write_deferred()
         due = [(entry, entry.row, EvictorCall(entry.settings.evictor, entry.settings.bounds.local_window,
                                               entry.question_length, stored, n_keep, owner=entry.settings))
                for entry, stored, n_keep in requests]

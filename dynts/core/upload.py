@@ -5,7 +5,8 @@ the host data is written into a persistent pinned buffer and copied with ``non_b
 never waits for the work queued on the stream (a pageable copy, or ``torch.tensor(list, device=...)``, waits
 for the forward in flight -- under vLLM's async scheduling, the next step's). A pinned buffer is written again
 only once the copy that last read it has run (a CUDA event per buffer, polled, never waited on: a busy ring
-grows by one buffer instead). Elsewhere (CPU) the copy is a plain one and nothing is pinned.
+grows by one buffer instead). Elsewhere (CPU) an upload is a copy of the data made into a tensor (no ring,
+nothing pinned): one tensor operation, what a hook's step pays on vLLM's CPU runner.
 
 The buffers outlive the call that made them and are shared by threads, so they are made and written under
 ``torch.inference_mode(False)``: a buffer made inside ``torch.inference_mode()`` (vLLM's worker, a user's
@@ -19,8 +20,7 @@ these uploads, or :class:`~dynts.core.readback.HostReadback`'s reads (both enter
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -36,14 +36,24 @@ def transfer_active() -> bool:
     return getattr(_LOCAL, "depth", 0) > 0
 
 
-@contextmanager
-def audited_transfer() -> Iterator[None]:
-    """Mark the block as one of dynts' audited host-device transfers (pinned, never waited on) for this thread."""
-    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class _AuditedTransfer:
+    """The context of :func:`audited_transfer` (a plain class: entered on every upload, cheaper than a generator's)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
         _LOCAL.depth -= 1
+
+
+_AUDITED = _AuditedTransfer()
+
+
+def audited_transfer() -> _AuditedTransfer:
+    """Mark the block as one of dynts' audited host-device transfers (pinned, never waited on) for this thread."""
+    return _AUDITED
 
 
 class HostStaging:
@@ -73,22 +83,31 @@ class HostStaging:
 
     def upload(self, data: np.ndarray) -> torch.Tensor:
         """``data`` (any integer array) as an int64 tensor of its shape on the device: one copy, never waited on."""
+        if self.device.type == "cpu":
+            return self._host_copy(data)
         flat = np.ascontiguousarray(data, dtype=np.int64).reshape(-1)
         with self._lock, audited_transfer(), torch.inference_mode(False):
             i = self._buffer(flat.size)
             host = self._ring[i][0]
             staged = host[: flat.size]
             staged.copy_(torch.from_numpy(flat))
-            if self.device.type == "cpu":
-                out = staged.clone()
-            else:
-                out = staged.to(self.device, non_blocking=True)
+            out = staged.to(self.device, non_blocking=True)
             event = None
             if self.pinned:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.device))
             self._ring[i] = (host, event)
         return out.view(data.shape)
+
+    @staticmethod
+    def _host_copy(data: np.ndarray) -> torch.Tensor:
+        """:meth:`upload` on CPU: an int64 copy of ``data`` as a tensor (a plain one, even under inference mode)."""
+        with audited_transfer():
+            copy = np.array(data, dtype=np.int64)
+            if not torch.is_inference_mode_enabled():
+                return torch.from_numpy(copy)
+            with torch.inference_mode(False):
+                return torch.from_numpy(copy)
 
     def columns(self, columns: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
         """Equal-length int lists as ``len(columns)`` int64 tensors ``[T]`` on the device (one copy)."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ from .checks import check_worker
 from .config import PluginConfig
 from .layouts import geometry_for
 from .memory import HookState, slot_table_shape
+from .recording import DecodeRecording
 
 __all__ = ["WorkerHooks"]
 
@@ -69,7 +71,7 @@ class _FirstRankDecides:
         return self.group.broadcast(kept, src=0)
 
 
-class WorkerHooks:
+class WorkerHooks(DecodeRecording):
     """The plugin's state in one model runner; built and checked when its KV cache is allocated."""
 
     def __init__(self, runner: Any, config: PluginConfig, kernel_block_sizes: Any = None,
@@ -240,7 +242,8 @@ class WorkerHooks:
         plan = getattr(scheduler_output, "dynts_plan", None)
         if plan is None:
             return
-        self.shifts = dict(plan.shifts)
+        if plan.shifts != self.shifts:  # (the same mapping while they repeat: DecodeBatch)
+            self.shifts = dict(plan.shifts)
         if plan.events:
             self._evict(plan.events)
 
@@ -294,71 +297,48 @@ class WorkerHooks:
                 table.num_blocks_per_row[index] = keep
 
     def after_prepare_inputs(self, num_scheduled_tokens: np.ndarray) -> None:
-        """Record the scheduled tokens; point attention at the stored slots (``seq_lens``, slot mapping)."""
-        runner = self.runner
-        batch = runner.input_batch
+        """Point attention at the stored slots (``seq_lens``, slot mapping: right after vLLM's own, whose work it
+        repeats at the stored positions), then record the scheduled tokens."""
+        batch = self.runner.input_batch
         num_reqs = batch.num_reqs
-        shift_rows = np.zeros(num_reqs, dtype=np.int64)
-        if not self._record_decode(batch, num_scheduled_tokens[:num_reqs], shift_rows):
-            self._record_forward(batch, num_scheduled_tokens, shift_rows)
-        if not shift_rows.any():
-            return
         scheduled = num_scheduled_tokens[:num_reqs]
         total = int(scheduled.sum())
-        runner.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(shift_rows).to(runner.optimistic_seq_lens_cpu.dtype)
-        shifts = self.staging.upload(np.concatenate([shift_rows, np.repeat(shift_rows, scheduled)]))  # one copy
-        runner.seq_lens[:num_reqs] -= shifts[:num_reqs].to(runner.seq_lens.dtype)
-        stored_positions = runner.positions[:total] - shifts[num_reqs:].to(runner.positions.dtype)
-        batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], stored_positions)
-
-    def _record_decode(self, batch: Any, scheduled: np.ndarray, shift_rows: np.ndarray) -> bool:
-        """Record a decode step (one token per request, every request seen before) through
-        :meth:`SlotTracker.record_decode`, filling ``shift_rows``; ``False`` (nothing recorded) for any other step."""
-        num_reqs = len(scheduled)
-        if num_reqs == 0 or not (scheduled == 1).all():
-            return False
         req_ids = batch.req_ids[:num_reqs]
-        get_shift, get_entry = self.shifts.get, self.tracker.slots.get
-        shift_rows[:] = [get_shift(rid, 0) for rid in req_ids]
-        found = [get_entry(rid) for rid in req_ids]
-        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        stored = computed - shift_rows
-        if all(found):  # every request recorded (``None in found`` would call each record's __eq__)
-            tokens = batch.token_ids_cpu[np.arange(num_reqs), computed]
-            self.tracker.record_decode(found, computed, stored, tokens, score=self.predictor is not None)
-            return True
-        if any(entry is None and rid not in self.untracked for entry, rid in zip(found, req_ids)):
-            return False  # a request seen first: opened by the general path
-        index = np.flatnonzero([entry is not None for entry in found])
-        if len(index):
-            self.tracker.record_decode([found[i] for i in index.tolist()], computed[index], stored[index],
-                                       batch.token_ids_cpu[index, computed[index]])
-        if self.predictor is not None:  # every token of the batch scored into its own slot, a skipped one to scratch
-            rows = [None if entry is None else entry.row for entry in found]
-            self._expect_scores(rows, stored, np.ones(num_reqs, dtype=np.int64))
-        return True
+        decode = num_reqs > 0 and total == num_reqs and scheduled.max() == 1  # one token each
+        requests = self._decode_requests(req_ids) if decode else None
+        if requests is not None:
+            shift_rows = requests.shifts
+        else:
+            shift_rows = np.fromiter(map(self.shifts.get, req_ids, repeat(0)), dtype=np.int64, count=num_reqs)
+        if shift_rows.any():
+            self._lower_shifts(shift_rows, scheduled, total)
+        if requests is not None:
+            self._record_decode(batch, requests)
+        elif not (decode and self._record_decode_partly(batch, req_ids, shift_rows)):
+            self._record_forward(batch, num_scheduled_tokens, shift_rows)
 
-    def _expect_scores(self, rows: list, stored: np.ndarray, scheduled: np.ndarray) -> None:
-        """The next forward scores every token of the batch (``scheduled[i]`` tokens of request ``i``, stored from slot
-        ``stored[i]`` in table row ``rows[i]``) into its own slot; a request not recorded (``None``: failed, or
-        skipped) points its tokens at the scratch row. Hidden-state row ``t`` is token ``t`` of the batch."""
-        skipped = np.array([r is None for r in rows], dtype=bool)
-        row_of = np.array([self.scratch_row if r is None else r for r in rows], dtype=np.int64)
-        first = np.where(skipped, 0, stored)  # a skipped request's tokens all go to the scratch row's slot 0
-        offsets = np.arange(int(scheduled.sum())) - np.repeat(np.cumsum(scheduled) - scheduled, scheduled)
-        slots = np.repeat(first, scheduled) + np.where(np.repeat(skipped, scheduled), 0, offsets)
-        self.tracker.expect_scores(np.repeat(row_of, scheduled), slots)
+    def _lower_shifts(self, shift_rows: np.ndarray, scheduled: np.ndarray, total: int) -> None:
+        """``seq_lens`` (device and host copy) lowered by each request's shift in place; the slot mapping computed again
+        at the stored positions (``position - shift``; RoPE keeps the logical ones)."""
+        runner = self.runner
+        num_reqs = len(shift_rows)
+        rows, tokens, host = self.device_shifts(shift_rows, scheduled, total, runner.seq_lens.dtype,
+                                                runner.positions.dtype, runner.optimistic_seq_lens_cpu.dtype)
+        runner.optimistic_seq_lens_cpu[:num_reqs] -= host
+        runner.seq_lens[:num_reqs] -= rows
+        stored_positions = runner.positions[:total] - tokens
+        runner.input_batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1],
+                                                            stored_positions)
 
     def _record_forward(self, batch: Any, num_scheduled_tokens: np.ndarray, shift_rows: np.ndarray) -> None:
-        """Record any step (prefill chunks, requests seen first, prefix-cache hits), filling ``shift_rows``."""
+        """Record any step (prefill chunks, requests seen first, prefix-cache hits); ``shift_rows``: each request's."""
         forwards, cached, rows = [], [], []
         num_reqs = batch.num_reqs
         computed_rows = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         for i, rid in enumerate(batch.req_ids[:num_reqs]):
             q = int(num_scheduled_tokens[i])
             computed = int(computed_rows[i])
-            shift = self.shifts.get(rid, 0)
-            shift_rows[i] = shift
+            shift = int(shift_rows[i])
             entry, opened = self.entry_of(rid, int(batch.num_prompt_tokens[i]))
             rows.append(None if entry is None else entry.row)
             if entry is None:

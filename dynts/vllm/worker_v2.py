@@ -29,12 +29,14 @@ and never raises inside ``execute_model``: the scheduler learns why from the rou
 
 from __future__ import annotations
 
+from itertools import compress, repeat
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..core import Forward
+from .recording import LateBatch
 from .worker import WorkerHooks
 
 __all__ = ["RunnerV2Hooks"]
@@ -51,8 +53,7 @@ class RunnerV2Hooks(WorkerHooks):
         self.unlabelled: dict[str, list[tuple[int, int]]] = {}  # (position, slot) scored but waiting for their id
         self.lowered: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_lens rows, shifts) restored after the forward
         self.hidden: torch.Tensor | None = None  # the forward's final-norm output, scored after sample_tokens
-        # a decode step's tokens scored before their ids arrived, as arrays: (request ids, records, positions, slots)
-        self.late_batch: tuple[list[str], list, np.ndarray, np.ndarray] | None = None
+        self.late_batch: LateBatch | None = None  # a decode step's tokens scored before their ids arrived
 
     # ------------------------------------------------------------------ the runner's request state
     def sampling_params(self, rid: str) -> Any:
@@ -110,7 +111,8 @@ class RunnerV2Hooks(WorkerHooks):
             self._drop_failed()
             self._receive_all(plan.token_ids)
             self._label_late()
-            self.shifts = dict(plan.shifts)
+            if plan.shifts != self.shifts:  # (the same mapping while they repeat: DecodeBatch)
+                self.shifts = dict(plan.shifts)
             if plan.events:
                 for rid, _, _ in plan.events:
                     if rid not in self.failed and self.unlabelled.get(rid):
@@ -119,8 +121,8 @@ class RunnerV2Hooks(WorkerHooks):
                 self._drop_failed()
                 self._evict(plan.events)  # a failed or untracked request's blocks are cut, nothing of it moves
         cached = scheduler_output.scheduled_cached_reqs
-        for rid, new_blocks in zip(cached.req_ids, cached.new_block_ids):
-            if new_blocks is not None and rid in self.blocks:
+        for rid, new_blocks in compress(zip(cached.req_ids, cached.new_block_ids), cached.new_block_ids):
+            if rid in self.blocks:  # the requests given new blocks (``None``: none)
                 self.blocks[rid].extend(new_blocks[0])
 
     def _truncate_blocks(self, rid: str, keep: int) -> None:
@@ -138,49 +140,49 @@ class RunnerV2Hooks(WorkerHooks):
 
         A token whose id has not arrived yet (async scheduling: it is being sampled by the round in flight) is
         scored now and labelled when its id comes with the next plan (:meth:`_label_late`)."""
-        num_reqs, states = batch.num_reqs, self.runner.req_states
+        num_reqs = batch.num_reqs
         scheduled = batch.num_scheduled_tokens[:num_reqs]
         req_ids = batch.req_ids[:num_reqs]
-        get_shift, get_entry, unlabelled = self.shifts.get, self.tracker.slots.get, self.unlabelled
-        shift_list = [get_shift(rid, 0) for rid in req_ids]
-        shift_rows = np.asarray(shift_list, dtype=np.int64)
-        if not self._decode_step(batch, req_ids, scheduled, shift_rows):
-            self._any_step(batch, req_ids, scheduled, shift_list)
+        decode = num_reqs > 0 and batch.num_tokens == num_reqs and scheduled.max() == 1  # one token each
+        shift_rows = self._decode_step(batch, req_ids) if decode else None
+        if shift_rows is None:
+            shift_rows = np.fromiter(map(self.shifts.get, req_ids, repeat(0)), dtype=np.int64, count=num_reqs)
+            self._any_step(batch, req_ids, scheduled, shift_rows.tolist())
         if not shift_rows.any():
             return None
-        per_token = np.zeros(batch.positions.shape[0], dtype=np.int64)
-        per_token[: batch.num_tokens] = np.repeat(shift_rows, scheduled)
-        shifts = self.staging.upload(np.concatenate([shift_rows, per_token]))  # one copy, never waited on
-        rows = shifts[:num_reqs].to(batch.seq_lens.dtype)
-        batch.seq_lens[:num_reqs] -= rows
-        self.lowered = (batch.seq_lens[:num_reqs], rows)
-        return batch.positions - shifts[num_reqs:].to(batch.positions.dtype)
+        rows, tokens, _ = self.device_shifts(shift_rows, scheduled, batch.positions.shape[0], batch.seq_lens.dtype,
+                                             batch.positions.dtype)
+        lowered = batch.seq_lens[:num_reqs]
+        lowered -= rows
+        self.lowered = (lowered, rows)
+        return batch.positions - tokens
 
-    def _decode_step(self, batch: Any, req_ids: list[str], scheduled: np.ndarray, shift_rows: np.ndarray) -> bool:
-        """A decode step of requests already recorded, none waiting for ids, in one vectorised pass: under async
-        scheduling every token waits for its id (scored now, labelled by :meth:`_receive_all`), under synchronous
-        scheduling every id is held and recorded now. ``False`` (nothing done) for any other step."""
-        num_reqs = len(req_ids)
-        if not num_reqs or not (scheduled == 1).all() or any(map(self.unlabelled.__contains__, req_ids)):
-            return False
-        entries = list(map(self.tracker.slots.get, req_ids))
-        if not all(entries):  # a request seen first, failed or never evicting: the general path
-            return False
-        computed = batch.num_computed_tokens_np[:num_reqs].astype(np.int64)
-        stored = computed - shift_rows
-        held = list(map(self.known.get, req_ids))
-        positions, slots = computed.tolist(), stored.tolist()
-        if all(h is None or (not h[1] and h[0] == p) for h, p in zip(held, positions)):  # no id known yet
-            self.late_batch = (list(req_ids), entries, computed, stored)  # labelled by the next plan's ids
-            if self.predictor is not None:
-                self._expect_scores([e.row for e in entries], stored, scheduled.astype(np.int64))
-            return True
+    def _decode_step(self, batch: Any, req_ids: list[str]) -> np.ndarray | None:
+        """A decode step (one token each) of requests already recorded, none waiting for ids, in one vectorised pass:
+        under async scheduling every token waits for its id (scored now, labelled by :meth:`_label_late_batch`), under
+        synchronous scheduling every id is held and recorded now. The requests' shifts, or ``None`` (nothing done) for
+        any other step."""
+        unlabelled = self.unlabelled
+        if unlabelled and any(map(unlabelled.__contains__, req_ids)):
+            return None
+        known = self._decode_requests(req_ids)
+        if known is None:  # a request seen first, failed or never evicting: the general path
+            return None
+        computed = batch.num_computed_tokens_np[: len(req_ids)].astype(np.int64)  # a copy: the late batch keeps it
+        stored = computed - known.shifts
+        held = list(map(self.known.get, req_ids)) if self.known else None
+        positions = tuple(computed.tolist())
+        if held is None or all(h is None or (not h[1] and h[0] == p) for h, p in zip(held, positions)):  # no id yet
+            places = self.tracker.place_decode(known.rows, stored, computed, score=self.predictor is not None)
+            self.late_batch = LateBatch(list(req_ids), known.entries, known.rows, computed, stored, positions, places)
+            return known.shifts
         if not all(h is not None and h[0] == p and len(h[1]) == 1 for h, p in zip(held, positions)):
-            return False
+            return None
         tokens = [h[1][0] for h in held]
         self.known.update((rid, (p + 1, [])) for rid, p in zip(req_ids, positions))
-        self.tracker.record_decode(entries, computed, stored, tokens, score=self.predictor is not None)
-        return True
+        self.tracker.record_decode(known.entries, computed, stored, tokens, score=self.predictor is not None,
+                                   rows=known.rows)
+        return known.shifts
 
     def _any_step(self, batch: Any, req_ids: list[str], scheduled: np.ndarray, shift_list: list[int]) -> None:
         """Record any step (prefill chunks, requests seen first, prefix-cache hits, ids partly known) request by
@@ -248,17 +250,24 @@ class RunnerV2Hooks(WorkerHooks):
     def _label_late_batch(self, scheduler_output: Any, plan: Any) -> bool:
         """Label the last decode step's tokens (:attr:`late_batch`) when the plan brings exactly their ids -- the
         steady state under async scheduling: the same requests, each shipped the one id from the index it waits
-        for, none finished, preempted or failed -- in one vectorised record; ``False`` (nothing done) otherwise."""
-        rids, entries, positions, slots = self.late_batch
+        for, none finished, preempted or failed -- in one vectorised record, deferred to the tracker's next table
+        operation (the next decode step's places: one upload for both); ``False`` (nothing done) otherwise."""
+        late = self.late_batch
+        rids = late.rids
         shipped = None if plan is None else plan.token_ids
         if (not shipped or self.failed or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
                 or len(shipped) != len(rids) or list(shipped) != rids):
             return False
         starts, ids = zip(*shipped.values())
-        if not (np.array(starts) == positions).all() or any(len(i) != 1 for i in ids):
+        if starts != late.starts:
+            return False
+        try:
+            tokens = [token for (token,) in ids]  # exactly one id each
+        except ValueError:
             return False
         self.late_batch = None
-        self.tracker.record_decode(entries, positions, slots, [i[0] for i in ids], keep_scores=True)  # scores stay
+        self.tracker.record_decode(late.entries, late.positions, late.slots, tokens, keep_scores=True, rows=late.rows,
+                                   places=late.places, defer=True)  # their scores stay; written with the next places
         plan.token_ids = {}  # taken
         if self.known:  # nothing is held for them now (an earlier general step's records)
             for rid in rids:
@@ -268,11 +277,10 @@ class RunnerV2Hooks(WorkerHooks):
     def _unpack_late_batch(self) -> None:
         """The last decode step's unlabelled tokens into the per-request records (:attr:`unlabelled`, :attr:`known`)
         the general path reads."""
-        rids, _, positions, slots = self.late_batch
-        self.late_batch = None
-        positions, slots = positions.tolist(), slots.tolist()
-        self.unlabelled.update((rid, [(p, s)]) for rid, p, s in zip(rids, positions, slots))
-        self.known.update((rid, (p, [])) for rid, p in zip(rids, positions))
+        late, self.late_batch = self.late_batch, None
+        slots = late.slots.tolist()
+        self.unlabelled.update((rid, [(p, s)]) for rid, p, s in zip(late.rids, late.starts, slots))
+        self.known.update((rid, (p, [])) for rid, p in zip(late.rids, late.starts))
 
     def _receive(self, rid: str, start: int, ids: list[int]) -> None:
         """Take a shipment of ids (absolute indices ``start ..``), contiguous with what is held."""

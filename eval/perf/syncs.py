@@ -11,8 +11,9 @@ would pay, and torch's own sync debug mode on CUDA.
     (``torch.tensor(list, device=...)``, ``torch.as_tensor(data, device=...)``), and a copy of a *pageable host
     tensor* to a device (``.to(device)``, ``.cuda()``, ``device_tensor.copy_(host)``). On CPU a host tensor and a
     device tensor are both CPU tensors, so the counter tracks which are host ones: made from host data
-    (``torch.from_numpy``, ``torch.tensor`` / ``torch.as_tensor`` without a device) or converted from one without
-    naming a device. A copy of a pinned tensor is not counted, and neither is anything inside
+    (``torch.from_numpy``, ``torch.tensor`` / ``torch.as_tensor`` without a device; not the result of an audited
+    upload, which on CPU is the device tensor) or converted from one without naming a device. A copy of a pinned
+    tensor is not counted, and neither is anything inside
     :class:`dynts.core.upload.HostStaging` (the one audited upload path: pinned buffers, ``non_blocking``, never
     waited on) or :class:`dynts.core.readback.HostReadback` (the one audited read path: a ``non_blocking`` copy
     into pinned memory, read once its event has completed).
@@ -109,7 +110,8 @@ def _host_reads_counted() -> Iterator[None]:
         return wrapped
 
     def numpy_made(array):
-        return _mark_host(from_numpy(array))
+        out = from_numpy(array)
+        return out if _audited() else _mark_host(out)  # an audited upload's result is the device tensor (CPU)
 
     def read(method):
         def wrapped(t, *a, **k):
