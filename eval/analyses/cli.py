@@ -63,7 +63,7 @@ def _traces(path: str, limit: int | None) -> Any:
 
 def cmd_traces(args: argparse.Namespace) -> int:
     if args.source != "testbed":
-        return _traces(args, None)
+        return _write_traces(args, None)
     from data_pipeline.testbed import task
 
     from eval.harness.ledger import final_run
@@ -73,12 +73,12 @@ def cmd_traces(args: argparse.Namespace) -> int:
                    reread=getattr(args, "reread", None), methods=[method]) as ledger:
         # the problems first: a refused set costs no model load
         problems = task.problem_set(args.set, args.n, min_think=args.min_think, max_think=args.max_think, family=args.family)
-        code = _traces(args, problems)
+        code = _write_traces(args, problems)
         ledger.finished_cell(f"traces:{args.set}:{args.family}:n={args.n}", method)
     return code
 
 
-def _traces(args: argparse.Namespace, problems: list | None) -> int:
+def _write_traces(args: argparse.Namespace, problems: list | None) -> int:
     """Write the traces of ``problems`` (the testbed's), or of ``args.source``'s benchmark."""
     import torch
 
