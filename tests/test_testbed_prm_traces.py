@@ -261,3 +261,18 @@ def test_answer_scores_are_reused_only_from_a_record_of_the_same_answers(tmp_pat
     assert scores == {"no-such-prm*likelihood:no-such-lm": [0.45, 0.1]}
     with pytest.raises(SystemExit, match="other answers"):
         reused_scores(record, [1, 1], ["p1", "p2"])
+
+
+def test_kept_scores_come_only_from_a_record_of_the_same_sets(tmp_path):
+    """step_auroc --scores-from / --keep: an unchanged verifier's scores of an earlier step_auroc record are reused per
+    set; a record of other steps, or one without the verifier, is refused."""
+    from eval.rescue.step_auroc import kept_scores
+
+    record = tmp_path / "steps.json"
+    record.write_text(json.dumps({"steps": {"scores": {"labels": [1, 0], "groups": ["dev:1", "dev:2"], "a": [0.7, 0.1],
+                                                       "b": [0.3, 0.4]}}}))
+    assert kept_scores(record, "steps", ["a"], [1, 0], ["dev:1", "dev:2"]) == {"a": [0.7, 0.1]}
+    with pytest.raises(SystemExit, match="other steps"):
+        kept_scores(record, "steps", ["a"], [1, 0], ["dev:1", "dev:3"])
+    with pytest.raises(SystemExit, match="no steps scores"):
+        kept_scores(record, "steps", ["c"], [1, 0], ["dev:1", "dev:2"])

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, Qwen2ForTokenClassification
 from data_pipeline.testbed import task
 from data_pipeline.testbed.tokenizer import build_tokenizer
 from trainers.testbed_lm import TOKEN_ID, DataConfig, LMConfig, build_model
+from trainers.testbed_prm_answers import answer_positions, lrm_answer, weighted_label_loss, with_answer
 from trainers.testbed_prm_order import IGNORE, ORDER_KINDS, order_heldout, order_row
 
 
@@ -51,12 +52,17 @@ class PRMConfig(LMConfig):
     init_prm_from: str | None = None  # start from a trained PRM directory (same architecture): a fine-tune
     traces: dict[str, Any] | None = None  # policy traces with process labels (trainers.testbed_prm_traces.TraceConfig)
     trace_prob: float = 0.0  # each row is a policy trace with this probability (else a corrupted reference trace)
+    lrm_answer_prob: float = 0.0  # a reference row is, with this probability, answered as the LRM answers (testbed_prm_answers.lrm_answer)
+    answer_weight: float = 1.0  # the loss weight of a row's answer label (every other label weighs 1)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.order_prob <= 1.0:
             raise ValueError(f"order_prob={self.order_prob} must be in [0, 1]")
-        if not 0.0 <= self.trace_prob <= 1.0:
-            raise ValueError(f"trace_prob={self.trace_prob} must be in [0, 1]")
+        for name in ("trace_prob", "lrm_answer_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
+        if not self.answer_weight > 0:
+            raise ValueError(f"answer_weight={self.answer_weight} must be > 0")
         if self.trace_prob > 0 and not self.traces:
             raise ValueError("trace_prob > 0 needs a traces: block (trainers.testbed_prm_traces.TraceConfig: out_dir, base, helper, ...)")
         if self.init_prm_from and self.init_from:
@@ -131,33 +137,6 @@ def operand_value(problem: task.Problem, toks: Sequence[str], start: int, offset
     return None
 
 
-def with_answer(problem: task.Problem, toks: list[str], labels: list[int], rng: random.Random, prob: float,
-                digit_labels: bool = False) -> tuple[list[str], list[int]]:
-    """Append the answer step ``</think> rK= v ;`` to a (possibly corrupted) thinking trace, labelled
-    at its ``;``: right iff ``rK=`` is the asked key and ``v`` is the value the trace wrote after it.
-    With probability ``prob`` it is corrupted: another digit, or another written key (with that key's
-    value: a consistent but wrong lookup). ``digit_labels`` also labels the key and the value."""
-    written = {toks[i - 2]: toks[i - 1] for i, t in enumerate(toks) if t == task.SEP}  # key -> last value written
-    key = f"r{problem.asked}="
-    if key not in written:  # the trace never wrote the asked step: no answer to check
-        return toks, labels
-    value = written[key]
-    if rng.random() < prob:
-        others = [k for k in written if k != key]
-        if others and rng.random() < 0.5:
-            key = rng.choice(others)
-            value = written[key]
-        else:
-            value = str((int(value) + rng.randint(1, 9)) % 10)
-    key_ok = key == f"r{problem.asked}="
-    value_ok = value == written[f"r{problem.asked}="]
-    toks = toks + [task.END_THINK, key, value, task.SEP]
-    value_local = value == written[key]  # the lookup itself, whichever key was asked
-    labels = labels + [IGNORE, int(key_ok) if digit_labels else IGNORE, int(value_local) if digit_labels else IGNORE,
-                       int(key_ok and value_ok)]
-    return toks, labels
-
-
 def collate(rows: Sequence[tuple[list[str], list[int]]]) -> dict[str, torch.Tensor]:
     T = max(len(t) for t, _ in rows)
     ids = torch.full((len(rows), T), TOKEN_ID[task.PAD], dtype=torch.long)
@@ -196,6 +175,9 @@ class CorruptStream(IterableDataset):
                 rows.append(self.traces[rng.randrange(len(self.traces))])  # a policy trace, labelled by the oracle
                 continue
             p = task.make_problem(f"train:prm:{self.cfg.seed}:{step}:{r}", min_think=lo, max_think=hi, family=d.family)
+            if self.cfg.lrm_answer_prob > 0 and rng.random() < self.cfg.lrm_answer_prob:
+                rows.append(lrm_answer(p, rng))  # the LRM's kinds of answer, oracle-labelled
+                continue
             row = corrupt(p, rng, self.cfg.corrupt_prob, self.cfg.token_labels, self.cfg.digit_labels)
             if self.cfg.order_prob > 0 and rng.random() < self.cfg.order_prob:
                 cut = order_row(*row, rng, negative=rng.random() < 0.5, key_labels=self.cfg.digit_labels)
@@ -341,7 +323,11 @@ class PRMModule(L.LightningModule):
             logits, seen = self._layer_outputs(batch["input_ids"])
         else:
             logits = self.model(input_ids=batch["input_ids"]).logits.float()
-        loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE)
+        if self.cfg.answer_weight != 1.0:
+            answers = answer_positions(batch["input_ids"], labels, TOKEN_ID[task.END_THINK], TOKEN_ID[task.SEP])
+            loss = weighted_label_loss(logits, labels, 1.0 + (self.cfg.answer_weight - 1.0) * answers.float())
+        else:
+            loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE)
         mask = labels != IGNORE
         acc = (logits.argmax(-1)[mask] == labels[mask]).float().mean()
         if self.cfg.expect_weight > 0 and self.training:

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["main", "reused_scores", "step_requests_from_traces", "step_table"]
+__all__ = ["kept_scores", "main", "reused_scores", "step_requests_from_traces", "step_table"]
 
 
 def step_requests_from_traces(trace_dir: str | Path, tokenizer: Any, delimiter: str = ";") -> tuple[list[Any], list[int], list[str], dict[str, Any]]:
@@ -78,6 +78,18 @@ def reused_scores(record: str | Path, labels: Sequence[int], groups: Sequence[st
     if saved["labels"] != list(labels) or saved["groups"] != list(groups):
         raise SystemExit(f"step_auroc: --answers-from {record} holds other answers than --samples (labels or problems differ)")
     return {v: saved[v] for v in doc["verifiers"] if "*" not in v}
+
+
+def kept_scores(record: str | Path, name: str, keep: Sequence[str], labels: Sequence[int], groups: Sequence[str]) -> dict[str, list[float]]:
+    """The ``name`` set's (``steps`` / ``answers``) scores of the verifiers ``keep`` in an earlier step_auroc record,
+    refused unless that set's labels and problems are ``labels`` and ``groups`` item for item, or a verifier is missing."""
+    saved = json.loads(Path(record).read_text())[name]["scores"]
+    if saved["labels"] != list(labels) or saved["groups"] != list(groups):
+        raise SystemExit(f"step_auroc: --scores-from {record} holds other {name} than this run (labels or problems differ)")
+    missing = [v for v in keep if v not in saved]
+    if missing:
+        raise SystemExit(f"step_auroc: --scores-from {record} has no {name} scores of {missing}")
+    return {v: saved[v] for v in keep}
 
 
 def _recomputed(scored: dict[str, Any], verifier: str, resamples: int) -> dict[str, Any]:
@@ -132,31 +144,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--answers-from", default=None,
                    help="an eval.rescue.answers record of the same --samples (the same labels and problems): the answers' scores "
                         "of the verifiers it holds are taken from it, not scored again")
+    p.add_argument("--scores-from", default=None,
+                   help="an earlier step_auroc record of the same --traces and --samples: the scores of the --keep verifiers "
+                        "(unchanged checkpoints) are taken from it, not scored again")
+    p.add_argument("--keep", action="append", default=[], help="a verifier (a factor) whose --scores-from scores are reused (repeat)")
     p.add_argument("--out", required=True, help="write the JSON record here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.tokenizer)
     sets = {"steps": step_requests_from_traces(args.traces, tokenizer, args.delimiter),
             "answers": answer_requests_from_samples(args.samples, tokenizer, args.delimiter, args.cell, args.family)}
+    if bool(args.scores_from) != bool(args.keep):
+        raise SystemExit("step_auroc: --scores-from and --keep go together")
     if not all(g.startswith("dev:") for g in sets["steps"][2]):
         raise SystemExit(f"step_auroc: --traces {args.traces} holds problems outside dev (python -m eval.rescue.prm_traces --namespace dev)")
     if "set=dev" not in sets["answers"][3]["benchmark"].split(","):
         raise SystemExit(f"step_auroc: --samples {args.samples} is not a dev run ({sets['answers'][3]['benchmark']})")
     out: dict[str, Any] = {"command": "python -m eval.rescue.step_auroc " + " ".join(shlex.quote(a) for a in argv),
                            "verifiers": list(args.prm), "bootstrap": args.bootstrap}
+    from dynts.io import write_atomic
+
+    partial = Path(str(args.out) + ".partial")  # each scored set, so a run stopped at its time limit resumes
+    done = json.loads(partial.read_text()) if partial.exists() else {}
     for name, (requests, labels, groups, info) in sets.items():
         print(f"{name}: {json.dumps({k: v for k, v in info.items() if k != 'by_policy'})}")
+        saved = done.get(name, {})
+        if done.get("verifiers") == out["verifiers"] and saved.get("scores", {}).get("labels") == labels \
+                and saved["scores"].get("groups") == groups:
+            out[name] = saved
+            print(f"  {name}: scores from {partial} (a stopped run of the same verifiers)")
+            continue
         known = reused_scores(args.answers_from, labels, groups) if name == "answers" and args.answers_from else {}
         if known:
             info["scores_from"] = {"record": args.answers_from, "verifiers": sorted(known)}
+        if args.scores_from and args.keep:
+            kept = kept_scores(args.scores_from, name, args.keep, labels, groups)
+            known.update(kept)
+            info["kept_from"] = {"record": args.scores_from, "verifiers": sorted(kept)}
         scores = score_verifiers(args.prm, requests, args.delimiter, known=known)
         out[name] = {"info": info, "auroc": {v: grouped_auroc(s, labels, groups, args.bootstrap) for v, s in scores.items()},
                      "scores": {"labels": labels, "groups": groups, **{v: [round(x, 6) for x in s] for v, s in scores.items()}}}
         for v, r in out[name]["auroc"].items():
             print(f"  {v:70s} AUROC {auroc_text(r)}")
-    from dynts.io import write_atomic
-
+        write_atomic(partial, json.dumps({"verifiers": out["verifiers"], **{k: out[k] for k in sets if k in out}}))
     write_atomic(Path(args.out), json.dumps(out, indent=1))
+    partial.unlink(missing_ok=True)
     print(step_table(out))
     return 0
 
