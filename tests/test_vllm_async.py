@@ -87,18 +87,14 @@ def test_a_one_step_stale_count_is_caught(tmp_path, testbed):
     issue) does not go unnoticed: either the same requests diverge from dynts.generate (the test above would fail
     on such an adapter), or the worker's slot table, reserved at start-up for the budget, refuses the slots the
     stale count writes past it and the engine stops with that reason."""
-    from test_vllm_plugin import DRIVER
+    from test_vllm_plugin import drive_engine
 
     engine = {"method": "dynts", "budget": BUDGET, "local_window": WINDOW, "predictor": str(PREDICTOR)}
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"model": str(TESTBED), "requests": requests(4), "stale_shift": True, "engine": {
-        "additional_config": {"dynts": engine}, "num_gpu_blocks_override": 40, "async_scheduling": True}}))
-    proc = subprocess.run([sys.executable, str(DRIVER), str(spec)], capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("DYNTS_RESULT ")]
-    if proc.returncode != 0 or not lines:
+    proc, result = drive_engine(tmp_path, TESTBED, requests(4), stale_shift=True, additional_config={"dynts": engine},
+                                num_gpu_blocks_override=40, async_scheduling=True)
+    if proc.returncode != 0 or result is None:
         assert "slot table was reserved for" in proc.stderr, proc.stderr[-4000:]
         return
-    result = json.loads(lines[-1][len("DYNTS_RESULT "):])
     assert result["engine_classes"]["scheduler"] == "AsyncScheduler"
     assert mismatches(result, testbed, 4), "a stale evicted count went unnoticed"
 

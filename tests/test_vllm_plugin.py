@@ -33,6 +33,20 @@ def run_engine(tmp_path: Path, model: Path, requests: list[dict], admit_all: boo
                lose_shipment: tuple[str, int] | None = None, forget_request: tuple[str, int] | None = None,
                unscore_request: tuple[str, int] | None = None, **engine) -> dict:
     """One engine in its own process (tests/vllm_driver.py) over ``requests``; its JSON result."""
+    proc, result = drive_engine(tmp_path, model, requests, admit_all=admit_all, env=env,
+                                force_unsupported=force_unsupported, stale_shift=stale_shift, check_buffers=check_buffers,
+                                lose_shipment=lose_shipment, forget_request=forget_request,
+                                unscore_request=unscore_request, **engine)
+    assert proc.returncode == 0 and result is not None, proc.stderr[-4000:]
+    return result
+
+
+def drive_engine(tmp_path: Path, model: Path, requests: list[dict], env: dict | None = None, *, admit_all: bool = False,
+                 force_unsupported: bool = False, stale_shift: bool = False, check_buffers: bool = False,
+                 lose_shipment: tuple[str, int] | None = None, forget_request: tuple[str, int] | None = None,
+                 unscore_request: tuple[str, int] | None = None,
+                 **engine) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """:func:`run_engine`'s process and its JSON result (``None`` when it printed none), whatever its exit status."""
     spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
     spec.write_text(json.dumps({"model": str(model), "engine": engine, "requests": requests, "admit_all": admit_all,
                                 "force_unsupported": force_unsupported, "stale_shift": stale_shift,
@@ -41,8 +55,7 @@ def run_engine(tmp_path: Path, model: Path, requests: list[dict], admit_all: boo
     proc = subprocess.run([sys.executable, str(DRIVER), str(spec)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("DYNTS_RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("DYNTS_RESULT "):])
+    return proc, json.loads(lines[-1][len("DYNTS_RESULT "):]) if lines else None
 
 
 @pytest.fixture(scope="module")
