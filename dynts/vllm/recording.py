@@ -105,8 +105,9 @@ class DeviceShifts:
 
 class DecodeRecording:
     """The decode step of :class:`~dynts.vllm.worker.WorkerHooks` (mixed in; V2's hooks inherit the shifts and the
-    batch): every request's token recorded in one vectorised pass. It reads the hooks' ``tracker``, ``staging``,
-    ``shifts``, ``untracked``, ``predictor`` and ``scratch_row``."""
+    batch): every request's token recorded in one vectorised pass, and the guard that no request stores past its
+    slot-table row. It reads the hooks' ``tracker``, ``staging``, ``shifts``, ``untracked``, ``failed``,
+    ``predictor`` and ``scratch_row``, and calls their ``_fail`` and ``_drop_failed``."""
 
     @cached_property
     def device_shifts(self) -> DeviceShifts:
@@ -129,6 +130,25 @@ class DecodeRecording:
                 return None
             known = self.decode_batch.put(req_ids, self.tracker.generation, self.shifts, found)
         return known
+
+    def _fail_overflowing(self, req_ids: list[str], ends: np.ndarray) -> bool:
+        """Fail every recorded request this step would store past the slot table's reserved width (``ends[i]``: the
+        slots request ``req_ids[i]`` holds after the step, ``stored + scheduled``), before anything is recorded: a
+        budget bounds what a request stores, so only a scheduler/worker disagreement (a stale evicted count) gets
+        there, and it ends that request alone (:meth:`_fail`), never the engine. Their table rows go at once; their
+        tokens' scores go to the scratch row. ``True`` when one failed (the step's records changed)."""
+        table = self.tracker.table
+        if not table.fixed or not len(ends) or int(ends.max()) <= table.width:
+            return False
+        slots, failed = self.tracker.slots, self.failed
+        over = [i for i in np.flatnonzero(ends > table.width).tolist()
+                if req_ids[i] in slots and req_ids[i] not in failed]
+        for i in over:
+            self._fail(req_ids[i], f"it would store {int(ends[i])} slots, past the {table.width} its slot-table row "
+                                   "holds (max_budget): the scheduler's evicted count is out of step with the worker")
+        if over:
+            self._drop_failed()
+        return bool(over)
 
     def _record_decode(self, batch: Any, requests: DecodeRequests) -> None:
         """Record a decode step (one token per request, every request recorded: ``requests``) through

@@ -310,6 +310,8 @@ class WorkerHooks(DecodeRecording):
             shift_rows = requests.shifts
         else:
             shift_rows = np.fromiter(map(self.shifts.get, req_ids, repeat(0)), dtype=np.int64, count=num_reqs)
+        if self._fail_overflowing(req_ids, batch.num_computed_tokens_cpu[:num_reqs] - shift_rows + scheduled):
+            requests = None  # a request failed: recorded no more
         if shift_rows.any():
             self._lower_shifts(shift_rows, scheduled, total)
         if requests is not None:

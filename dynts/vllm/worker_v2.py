@@ -144,9 +144,12 @@ class RunnerV2Hooks(WorkerHooks):
         scheduled = batch.num_scheduled_tokens[:num_reqs]
         req_ids = batch.req_ids[:num_reqs]
         decode = num_reqs > 0 and batch.num_tokens == num_reqs and scheduled.max() == 1  # one token each
-        shift_rows = self._decode_step(batch, req_ids) if decode else None
-        if shift_rows is None:
-            shift_rows = np.fromiter(map(self.shifts.get, req_ids, repeat(0)), dtype=np.int64, count=num_reqs)
+        known = self._decode_requests(req_ids) if decode else None
+        shift_rows = known.shifts if known is not None else np.fromiter(map(self.shifts.get, req_ids, repeat(0)),
+                                                                        dtype=np.int64, count=num_reqs)
+        if self._fail_overflowing(req_ids, batch.num_computed_tokens_np[:num_reqs] - shift_rows + scheduled):
+            known = None  # a request failed: recorded no more
+        if known is None or not self._decode_step(batch, req_ids, known):
             self._any_step(batch, req_ids, scheduled, shift_rows.tolist())
         if not shift_rows.any():
             return None
@@ -157,17 +160,14 @@ class RunnerV2Hooks(WorkerHooks):
         self.lowered = (lowered, rows)
         return batch.positions - tokens
 
-    def _decode_step(self, batch: Any, req_ids: list[str]) -> np.ndarray | None:
-        """A decode step (one token each) of requests already recorded, none waiting for ids, in one vectorised pass:
-        under async scheduling every token waits for its id (scored now, labelled by :meth:`_label_late_batch`), under
-        synchronous scheduling every id is held and recorded now. The requests' shifts, or ``None`` (nothing done) for
-        any other step."""
+    def _decode_step(self, batch: Any, req_ids: list[str], known: Any) -> bool:
+        """A decode step (one token each) of requests already recorded (``known``: their
+        :class:`~dynts.vllm.recording.DecodeRequests`), none waiting for ids, in one vectorised pass: under async
+        scheduling every token waits for its id (scored now, labelled by :meth:`_label_late_batch`), under
+        synchronous scheduling every id is held and recorded now. ``False`` (nothing done) for any other step."""
         unlabelled = self.unlabelled
         if unlabelled and any(map(unlabelled.__contains__, req_ids)):
-            return None
-        known = self._decode_requests(req_ids)
-        if known is None:  # a request seen first, failed or never evicting: the general path
-            return None
+            return False
         computed = batch.num_computed_tokens_np[: len(req_ids)].astype(np.int64)  # a copy: the late batch keeps it
         stored = computed - known.shifts
         held = list(map(self.known.get, req_ids)) if self.known else None
@@ -175,14 +175,14 @@ class RunnerV2Hooks(WorkerHooks):
         if held is None or all(h is None or (not h[1] and h[0] == p) for h, p in zip(held, positions)):  # no id yet
             places = self.tracker.place_decode(known.rows, stored, computed, score=self.predictor is not None)
             self.late_batch = LateBatch(list(req_ids), known.entries, known.rows, computed, stored, positions, places)
-            return known.shifts
+            return True
         if not all(h is not None and h[0] == p and len(h[1]) == 1 for h, p in zip(held, positions)):
-            return None
+            return False
         tokens = [h[1][0] for h in held]
         self.known.update((rid, (p + 1, [])) for rid, p in zip(req_ids, positions))
         self.tracker.record_decode(known.entries, computed, stored, tokens, score=self.predictor is not None,
                                    rows=known.rows)
-        return known.shifts
+        return True
 
     def _any_step(self, batch: Any, req_ids: list[str], scheduled: np.ndarray, shift_list: list[int]) -> None:
         """Record any step (prefill chunks, requests seen first, prefix-cache hits, ids partly known) request by
