@@ -147,6 +147,8 @@ class PredictorConfig:
         activation: one of ``softplus`` (the authors' code), ``relu``, ``gelu``, ``silu``, ``tanh``.
         backbone: name or path of the backbone the predictor was trained on.
         label_transform: how training labels were normalised (see ``trainers``), for the record.
+        label: the importance label it learned (a name of ``dynts.importance.LABELS``: ``answer`` is the paper's
+            answer-to-thinking attention); ``""`` when not recorded.
         extra: free-form training hyperparameters, saved for provenance.
         base_model: the :class:`BaseModelFingerprint` of the backbone (``None``: unbound, only the
             hidden size is checked); a dict is converted.
@@ -158,12 +160,18 @@ class PredictorConfig:
     label_transform: str = "log1p-zscore"
     extra: dict = field(default_factory=dict)
     base_model: BaseModelFingerprint | None = None
+    label: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.hidden_size, int) or self.hidden_size < 2:
             raise ValueError(f"hidden_size={self.hidden_size!r} must be an int >= 2 (the backbone's hidden size)")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r} must be one of {sorted(ACTIVATIONS)}")
+        from .importance.labels import LABELS
+
+        if self.label and self.label not in LABELS:
+            raise ValueError(f"label={self.label!r} must be one of {LABELS} (the importance label the predictor "
+                             "learned), or '' when not recorded")
         if isinstance(self.base_model, dict):
             self.base_model = BaseModelFingerprint(**self.base_model)
         if self.base_model is not None and self.base_model.hidden_size not in (None, self.hidden_size):

@@ -108,6 +108,8 @@ def test_demo_prints_the_committed_demo_within_120_columns(family):
     names = [line.split("|")[1].strip() for line in table[2:]]
     assert names == [short_label(r["method"]["label"]) for r in results]
     assert {"dynts", "snapkv (head+q)" if family == "copy" else "snapkv (token+q)"} <= set(names)
+    # the header names the predictor and the importance label it learned
+    assert f"dynts: predictor checkpoints/{demo.FAMILIES[family].predictor}, importance label `answer`" in text
     for spec in demo.FAMILIES[family].tuned:  # each tuned option is printed under the table
         for item in spec.partition(":")[2].split(","):
             key, _, value = item.partition("=")

@@ -52,6 +52,8 @@ def test_bad_config():
         dynts.ImportancePredictor(16, activation="swishy")
     with pytest.raises(ValueError, match="hidden_size"):
         dynts.ImportancePredictor(0)
+    with pytest.raises(ValueError, match="label='attention' must be one of"):
+        dynts.ImportancePredictor(16, label="attention")
 
 
 def test_scores_come_from_the_same_forward(qwen2):

@@ -20,6 +20,7 @@ from data_pipeline.traces import generate_traces
 from pipeline_utils import tiny_testbed_lm, write_yaml
 from dynts.predictor import BaseModelFingerprint
 from trainers.predictor import PredictorModule, export_predictor
+from trainers.predictor_card import predictor_label
 from trainers.predictor_cli import PredictorCLI, check_checkpoint
 from trainers.predictor_data import PredictorDataModule
 from trainers.predictor_metrics import (
@@ -178,6 +179,7 @@ def test_fit_exports_a_predictor_that_generate_loads(work, tmp_path):
     exported = run / "export"
     predictor = dynts.ImportancePredictor.from_pretrained(exported)
     assert predictor.config.hidden_size == 32 and predictor.config.label_transform == "log1p-zscore"
+    assert predictor.config.label == "answer" and predictor_label(exported) == "answer"  # the label it learned
     assert predictor.config.extra["metrics"]["val/kendall"] == metrics["val/kendall"]
     assert (run / "ckpt" / "last.ckpt").is_file()
     model, tok = dynts.load(str(work["model"]))

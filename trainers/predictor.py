@@ -138,6 +138,7 @@ class PredictorModule(L.LightningModule):
         else:
             self.predictor.config.backbone = data.backbone_name
             self.predictor.config.label_transform = data.label_transform
+        self.predictor.config.label = data.importance_label
         if data.hidden_mode == "recompute":  # each DDP rank loads it once, onto its own device
             self._frozen = [data.load_backbone(self.trainer.strategy.root_device).eval()]
         # binds the predictor to its backbone (dynts.load_predictor refuses any other model)

@@ -184,6 +184,11 @@ class PredictorDataModule(L.LightningDataModule):
         """Trace settings and counts behind the dataset, for the model card."""
         return traces_settings(self.dataset)
 
+    @property
+    def importance_label(self) -> str:
+        """The importance label the dataset holds (its ``stats.json``; ``""`` when it does not say)."""
+        return self.traces_settings().get("importance label", "")
+
     def split_sizes(self) -> dict[str, int]:
         """Traces and questions on each side of the split (after :meth:`setup`), for the model card."""
         if not hasattr(self, "train_set"):

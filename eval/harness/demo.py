@@ -205,6 +205,13 @@ def family_summary(family: str, results: list[dict], args: argparse.Namespace, h
     wrap = lambda text: textwrap.fill(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False)  # noqa: E731
     lines = ["", wrap(f"{family} family: testbed toy LRM `{FAMILIES[family].model}`, {args.n} problems, budget "
                       f"B={args.budget}, sampling T=0.6 top-p 0.95 top-k 20, k=1")]
+    if have_predictor:
+        from dynts.models import checkpoints_dir
+        from trainers.predictor_card import predictor_label
+
+        predictor = FAMILIES[family].predictor
+        label = predictor_label(checkpoints_dir() / predictor) or "not recorded"
+        lines.append(wrap(f"dynts: predictor checkpoints/{predictor}, importance label `{label}`"))
     full = next((r for r in results if r["method"]["name"] == "full"), None)
     if full is not None:
         lines.append(f"full cache (no eviction): pass@1 {100 * full['pass@1']:.1f} %, the ceiling the other rows are read against")
