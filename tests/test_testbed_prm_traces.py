@@ -153,9 +153,11 @@ def test_prm_batches_draw_policy_traces(tmp_path):
 
 
 @pytest.mark.skipif(not STEP_PRM.is_dir(), reason="checkpoints/testbed-chain-fair-step-prm is not trained yet")
-def test_step_prm_loads_from_safetensors_and_reads_premature_answers():
-    """The shipped step PRM: safetensors only (no pickle), loads as the default verifier of the fair helper, and
-    scores a right answer above a premature one and a right step above a miscomputed one."""
+def test_step_prm_loads_from_safetensors_and_reads_premature_answers(one_thread):
+    """The shipped step PRM: safetensors only (no pickle), loads as the default verifier of the fair helper, and on
+    reference traces of 40 problems ranks a right step above a miscomputed one (AUROC 1.000 measured) and a right
+    answer above the same answer given two steps early (0.671 measured: such premature answers on reference
+    traces are harder for it than the fair LRM's own answers, 0.924 in reports/prm-chain-fair-step-dev.json)."""
     from dynts.models import load_tokenizer
     from dynts.rescue import StepRequest
     from eval.rescue.verifiers import default_verifier, load_eval_prm
@@ -166,7 +168,7 @@ def test_step_prm_loads_from_safetensors_and_reads_premature_answers():
     tokenizer = load_tokenizer(str(STEP_PRM))
     ids = tokenizer.convert_tokens_to_ids
     right, premature, good_step, bad_step = [], [], [], []
-    for i in range(8):
+    for i in range(40):
         p = task.make_problem(f"prm-traces-test-load:{i}", min_think=150, max_think=400, family="chain")
         if p.asked < 3:
             continue
@@ -187,9 +189,13 @@ def test_step_prm_loads_from_safetensors_and_reads_premature_answers():
         bad_step.append(request(steps[:1], wrong))
     scores = scorer.score(right + premature + good_step + bad_step)
     n = len(right)
-    assert n >= 3
-    assert sum(scores[:n]) / n > sum(scores[n : 2 * n]) / n + 0.3
-    assert sum(scores[2 * n : 3 * n]) / n > sum(scores[3 * n :]) / n + 0.3
+    assert n >= 30
+
+    def auroc(positive: list[float], negative: list[float]) -> float:  # P(a positive outscores a negative)
+        return sum((p > q) + 0.5 * (p == q) for p in positive for q in negative) / (len(positive) * len(negative))
+
+    assert auroc(scores[:n], scores[n : 2 * n]) > 0.6
+    assert auroc(scores[2 * n : 3 * n], scores[3 * n :]) > 0.95
 
 
 def test_step_requests_give_the_prm_the_rows_it_is_trained_on(tmp_path):
