@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "find_predictor",
     "model_basename",
     "norm_weight_hash",
+    "predictor_label",
 ]
 
 CONFIG_NAME = "predictor_config.json"
@@ -167,11 +169,9 @@ class PredictorConfig:
             raise ValueError(f"hidden_size={self.hidden_size!r} must be an int >= 2 (the backbone's hidden size)")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r} must be one of {sorted(ACTIVATIONS)}")
-        from .importance.labels import LABELS
-
-        if self.label and self.label not in LABELS:
-            raise ValueError(f"label={self.label!r} must be one of {LABELS} (the importance label the predictor "
-                             "learned), or '' when not recorded")
+        if not isinstance(self.label, str):
+            raise ValueError(f"label={self.label!r} must be a string: the importance label the predictor learned "
+                             "(a name of dynts.importance.LABELS), or '' when not recorded")
         if isinstance(self.base_model, dict):
             self.base_model = BaseModelFingerprint(**self.base_model)
         if self.base_model is not None and self.base_model.hidden_size not in (None, self.hidden_size):
@@ -342,6 +342,20 @@ def find_predictor(
         f"{PREDICTOR_PREFIX}{base} in {[str(d) for d in dirs]} (add directories with ${PREDICTOR_PATH_ENV} or "
         f"search_dirs=...) and in the HF cache {str(_hub_cache_dir())}. Train one: {_training_hint(base)}"
     )
+
+
+def predictor_label(directory: str | os.PathLike) -> str:
+    """The importance label a saved predictor learned: its config's ``label``; for a predictor saved before the config
+    held it, the label its model card names (the card's ``Labels:`` line cites the ``dynts.importance`` module of its
+    label: the package itself for ``answer``); ``""`` when neither says."""
+    directory = Path(directory)
+    label = json.loads((directory / CONFIG_NAME).read_text()).get("label")
+    if label:
+        return label
+    card = directory / CARD_NAME
+    found = re.search(r"^Labels: .*?\(`dynts\.importance(?:\.(\w+))?`\)", card.read_text() if card.is_file() else "",
+                      re.MULTILINE)
+    return "" if found is None else found.group(1) or "answer"
 
 
 def load_predictor(

@@ -18,9 +18,8 @@ import dynts
 from data_pipeline.importance_data import add_importance
 from data_pipeline.traces import generate_traces
 from pipeline_utils import tiny_testbed_lm, write_yaml
-from dynts.predictor import BaseModelFingerprint
+from dynts.predictor import BaseModelFingerprint, predictor_label
 from trainers.predictor import PredictorModule, export_predictor
-from trainers.predictor_card import predictor_label
 from trainers.predictor_cli import PredictorCLI, check_checkpoint
 from trainers.predictor_data import PredictorDataModule
 from trainers.predictor_metrics import (
@@ -400,3 +399,18 @@ def test_pipeline_label_option_replaces_the_configs_label(work, tmp_path, capsys
     assert json.loads((tmp_path / "imp-golden/label.json").read_text())["label"] == "golden"
     scores = dynts_dataset(tmp_path / "imp-golden/dataset")[0]["importance"]
     assert max(scores) <= 1.0 + 1.001e-3 and min(scores) >= 0.0  # survival shares (+ the tie-break), the question at 1
+
+
+def test_predictor_label_reads_the_config_or_an_older_predictors_card(tmp_path):
+    """dynts.predictor.predictor_label: the config's label; a predictor saved before the config held one is read
+    from its card's ``Labels:`` line, whichever label the card names; neither: ``""``."""
+    from trainers.predictor_card import LABEL_SENTENCES
+
+    predictor = dynts.ImportancePredictor(8)
+    predictor.save_pretrained(tmp_path / "unlabelled")
+    assert predictor_label(tmp_path / "unlabelled") == ""
+    for label, sentence in LABEL_SENTENCES.items():
+        (tmp_path / "unlabelled" / "README.md").write_text(f"# card\n\n{sentence}\nmore text\n")
+        assert predictor_label(tmp_path / "unlabelled") == label
+    dynts.ImportancePredictor(8, label="future").save_pretrained(tmp_path / "labelled")
+    assert predictor_label(tmp_path / "labelled") == "future"

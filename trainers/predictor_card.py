@@ -26,7 +26,7 @@ import yaml
 from dynts.io import write_atomic
 from dynts.predictor import CARD_NAME, CONFIG_NAME, BaseModelFingerprint, ImportancePredictor, PredictorConfig
 
-__all__ = ["TRACE_FIELDS", "bind_predictor", "model_card", "predictor_label", "traces_settings", "write_model_card"]
+__all__ = ["TRACE_FIELDS", "bind_predictor", "model_card", "traces_settings", "write_model_card"]
 
 # the trace settings a card reports (data_pipeline.traces.TraceConfig fields)
 TRACE_FIELDS = ("model", "questions", "limit", "samples_per_question", "temperature", "top_p", "top_k",
@@ -58,17 +58,6 @@ LABEL_SENTENCES = {  # the first line of the card's label paragraph (dynts.impor
     "golden": "Labels: the share of a replayed bounded cache's events an oracle keeps each token at (`dynts.importance.golden`),",
     "counterfactual": "Labels: the rise in the continuation's loss when each token is evicted (`dynts.importance.counterfactual`),",
 }
-
-
-def predictor_label(directory: str | Path) -> str:
-    """The importance label a saved predictor learned: its config's ``label``, else the one its card names (a
-    predictor saved before the config recorded it), else ``""``."""
-    config = json.loads((Path(directory) / CONFIG_NAME).read_text())
-    if config.get("label"):
-        return config["label"]
-    card = Path(directory) / CARD_NAME
-    text = card.read_text() if card.is_file() else ""
-    return next((label for label, sentence in LABEL_SENTENCES.items() if sentence in text), "")
 
 
 def _row(values: dict[str, Any]) -> str:

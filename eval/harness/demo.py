@@ -207,7 +207,7 @@ def family_summary(family: str, results: list[dict], args: argparse.Namespace, h
                       f"B={args.budget}, sampling T=0.6 top-p 0.95 top-k 20, k=1")]
     if have_predictor:
         from dynts.models import checkpoints_dir
-        from trainers.predictor_card import predictor_label
+        from dynts.predictor import predictor_label
 
         predictor = FAMILIES[family].predictor
         label = predictor_label(checkpoints_dir() / predictor) or "not recorded"
