@@ -238,16 +238,25 @@ def test_readme_results_at_a_glance_are_the_records():
     assert f"SepLLM scores {pct('chain', 'sepllm')} % ({100 * test['diff']:+.1f} points, {test['verdict']})" in demo
 
     rescue = lines["KV-Rescue, toy testbed"]
-    run = json.loads((ROOT / "reports/rescue/dev-chain-fair-s1-B72-N4/results.json").read_text())
-    accuracy = {cell["setting"]: f"{100 * cell['metrics']['accuracy']:.1f}" for cell in run["cells"]}
-    assert f"at B = {run['config']['budget']} " in rescue and f"best-of-N's {accuracy['bon']} % to {accuracy['kvr']} %" in rescue
-    assert f"(full cache {accuracy['full']} %;" in rescue and f"alone scores {accuracy['helper-search']} %" in rescue
     from eval.rescue.table import DIFFERENCES, judged, rows as rescue_rows
 
-    (row,) = judged(rescue_rows([ROOT / "reports/rescue/dev-chain-fair-s1-B72-N4"], from_records=True))
-    gain, tests = row["stats"]["kvr_minus_bon"], sum(1 for name in DIFFERENCES if row["stats"].get(name))
-    assert (f"{100 * gain['diff']:+.1f} points, McNemar p = {gain['mcnemar']['p']:.2g}, Holm over the table's {tests} tests "
-            f"{gain['p_holm']:.2g}: {gain['verdict']})") in rescue
+    alone, product = rescue.split("With the PRM times the helper's likelihood", 1)
+    for text, name in ((alone, "dev-chain-fair-s1-B72-N4-step-prm"), (product, "dev-chain-fair-s1-B72-N4")):
+        run = json.loads((ROOT / "reports/rescue" / name / "results.json").read_text())
+        accuracy = {cell["setting"]: f"{100 * cell['metrics']['accuracy']:.1f}" for cell in run["cells"]}
+        assert f"best-of-N's {accuracy['bon']} % to {accuracy['kvr']} %" in text, name
+        assert f"(full cache {accuracy['full']} %" in text and f"alone scores {accuracy['helper-search']} %" in text
+        assert f"B = {run['config']['budget']} " in rescue
+        (row,) = judged(rescue_rows([ROOT / "reports/rescue" / name], from_records=True))
+        if name.endswith("step-prm"):
+            assert run["config"]["prm"] == "checkpoints/testbed-chain-fair-step-prm"
+            behind = row["stats"]["kvr_minus_helper_search"]
+            assert (f"KV-Rescue minus helper-search is {100 * behind['diff']:+.1f} points (McNemar p = {behind['mcnemar']['p']:.2g}, Holm "
+                    f"{behind['p_holm']:.2g}: {behind['verdict']})") in text
+            continue
+        gain, tests = row["stats"]["kvr_minus_bon"], sum(1 for name in DIFFERENCES if row["stats"].get(name))
+        assert (f"{100 * gain['diff']:+.1f} points, McNemar p = {gain['mcnemar']['p']:.2g}, Holm over the table's {tests} "
+                f"tests {gain['p_holm']:.2g}: {gain['verdict']})") in text
 
     gpu = lines["Speed, one H200 GPU (7B shapes, bf16)"]
     report = script("report_gpu_run").report(ROOT / "reports/gpu-runs/2026-12-04")

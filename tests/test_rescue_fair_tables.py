@@ -20,6 +20,7 @@ def section() -> str:
 @pytest.mark.parametrize("heading, run", [
     ("### KV-Rescue at B = 72, with the controls", "dev-chain-fair-B72-N4"),  # the first fair chain LRM
     ("### KV-Rescue on seed 1's fair chain LRM at B = 72", "dev-chain-fair-s1-B72-N4"),  # the final tables' one
+    ("### KV-Rescue on seed 1's fair chain LRM with the step PRM alone", "dev-chain-fair-s1-B72-N4-step-prm"),
 ])
 def test_fair_rescue_tables_recompute_from_the_records(capsys, heading, run):
     from eval.rescue.table import main as table
