@@ -45,3 +45,22 @@ def test_fair_answer_auroc_table_is_the_committed_json():
         ci = lambda r: f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"  # noqa: E731
         assert cells[0].replace("*", "") == f"{fmt(dev[name])} {ci(dev[name])}", name
         assert cells[1] == f"{fmt(gate[name])} {ci(gate[name])}", name
+
+
+def test_step_errors_tables_are_the_script_output():
+    """The committed-step checks under "with the step PRM alone" are ``python -m eval.rescue.step_errors``'s tables."""
+    from eval.rescue.step_errors import step_errors, step_errors_table
+
+    sub = section().split("### KV-Rescue on seed 1's fair chain LRM with the step PRM alone", 1)[1].split("\n### ", 1)[0]
+    lines = [line.strip() for line in sub.splitlines()]
+    tables, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("| cell | base steps wrong |"):
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            tables.append("\n".join(lines[i:j]))
+            i = j
+        i += 1
+    assert tables == [step_errors_table(step_errors(ROOT / "reports/rescue" / run))
+                      for run in ("dev-chain-fair-s1-B72-N4-step-prm", "dev-chain-fair-s1-B72-N4")]
