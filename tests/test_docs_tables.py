@@ -253,6 +253,14 @@ def test_readme_results_at_a_glance_are_the_records():
             behind = row["stats"]["kvr_minus_helper_search"]
             assert (f"KV-Rescue minus helper-search is {100 * behind['diff']:+.1f} points (McNemar p = {behind['mcnemar']['p']:.2g}, Holm "
                     f"{behind['p_holm']:.2g}: {behind['verdict']})") in text
+            one = json.loads((ROOT / "reports/rescue/dev-chain-fair-s1-B72-N1-step-prm/results.json").read_text())
+            single = {cell["setting"]: f"{100 * cell['metrics']['accuracy']:.1f}" for cell in one["cells"]}
+            (row1,) = judged(rescue_rows([ROOT / "reports/rescue/dev-chain-fair-s1-B72-N1-step-prm"], from_records=True))
+            gap = row1["stats"]["kvr_minus_helper_search"]
+            assert one["config"]["n"] == 1 and one["config"]["prm"] == run["config"]["prm"]
+            assert (f"(N = 1 + 1) it scores {single['kvr']} %, the full cache's, and the helper searching alone "
+                    f"{single['helper-search']} % ({100 * gap['diff']:+.1f} points, {gap['verdict']})") in text
+            assert single["kvr"] == single["full"]
             continue
         gain, tests = row["stats"]["kvr_minus_bon"], sum(1 for name in DIFFERENCES if row["stats"].get(name))
         assert (f"{100 * gain['diff']:+.1f} points, McNemar p = {gain['mcnemar']['p']:.2g}, Holm over the table's {tests} "

@@ -21,6 +21,7 @@ def section() -> str:
     ("### KV-Rescue at B = 72, with the controls", "dev-chain-fair-B72-N4"),  # the first fair chain LRM
     ("### KV-Rescue on seed 1's fair chain LRM at B = 72", "dev-chain-fair-s1-B72-N4"),  # the final tables' one
     ("### KV-Rescue on seed 1's fair chain LRM with the step PRM alone", "dev-chain-fair-s1-B72-N4-step-prm"),
+    ("### The same with N = 1 + 1", "dev-chain-fair-s1-B72-N1-step-prm"),
 ])
 def test_fair_rescue_tables_recompute_from_the_records(capsys, heading, run):
     from eval.rescue.table import main as table
@@ -47,11 +48,16 @@ def test_fair_answer_auroc_table_is_the_committed_json():
         assert cells[1] == f"{fmt(gate[name])} {ci(gate[name])}", name
 
 
-def test_step_errors_tables_are_the_script_output():
-    """The committed-step checks under "with the step PRM alone" are ``python -m eval.rescue.step_errors``'s tables."""
+@pytest.mark.parametrize("heading, runs", [
+    ("### KV-Rescue on seed 1's fair chain LRM with the step PRM alone",
+     ("dev-chain-fair-s1-B72-N4-step-prm", "dev-chain-fair-s1-B72-N4")),
+    ("### The same with N = 1 + 1", ("dev-chain-fair-s1-B72-N1-step-prm",)),
+])
+def test_step_errors_tables_are_the_script_output(heading, runs):
+    """The committed-step checks under the step PRM's runs are ``python -m eval.rescue.step_errors``'s tables."""
     from eval.rescue.step_errors import step_errors, step_errors_table
 
-    sub = section().split("### KV-Rescue on seed 1's fair chain LRM with the step PRM alone", 1)[1].split("\n### ", 1)[0]
+    sub = section().split(heading, 1)[1].split("\n### ", 1)[0]
     lines = [line.strip() for line in sub.splitlines()]
     tables, i = [], 0
     while i < len(lines):
@@ -62,5 +68,4 @@ def test_step_errors_tables_are_the_script_output():
             tables.append("\n".join(lines[i:j]))
             i = j
         i += 1
-    assert tables == [step_errors_table(step_errors(ROOT / "reports/rescue" / run))
-                      for run in ("dev-chain-fair-s1-B72-N4-step-prm", "dev-chain-fair-s1-B72-N4")]
+    assert tables == [step_errors_table(step_errors(ROOT / "reports/rescue" / run)) for run in runs]
