@@ -22,6 +22,7 @@ def section() -> str:
     ("### KV-Rescue on seed 1's fair chain LRM at B = 72", "dev-chain-fair-s1-B72-N4"),  # the final tables' one
     ("### KV-Rescue on seed 1's fair chain LRM with the step PRM alone", "dev-chain-fair-s1-B72-N4-step-prm"),
     ("### The same with N = 1 + 1", "dev-chain-fair-s1-B72-N1-step-prm"),
+    ("### The product verifier with N = 1 + 1", "dev-chain-fair-s1-B72-N1-product"),
 ])
 def test_fair_rescue_tables_recompute_from_the_records(capsys, heading, run):
     from eval.rescue.table import main as table
@@ -52,6 +53,7 @@ def test_fair_answer_auroc_table_is_the_committed_json():
     ("### KV-Rescue on seed 1's fair chain LRM with the step PRM alone",
      ("dev-chain-fair-s1-B72-N4-step-prm", "dev-chain-fair-s1-B72-N4")),
     ("### The same with N = 1 + 1", ("dev-chain-fair-s1-B72-N1-step-prm",)),
+    ("### The product verifier with N = 1 + 1", ("dev-chain-fair-s1-B72-N1-product",)),
 ])
 def test_step_errors_tables_are_the_script_output(heading, runs):
     """The committed-step checks under the step PRM's runs are ``python -m eval.rescue.step_errors``'s tables."""
