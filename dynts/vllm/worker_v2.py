@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..core import Forward
-from .recording import LateBatch
+from .recording import DecodeRequests, LateBatch
 from .worker import WorkerHooks
 
 __all__ = ["RunnerV2Hooks"]
@@ -160,7 +160,7 @@ class RunnerV2Hooks(WorkerHooks):
         self.lowered = (lowered, rows)
         return batch.positions - tokens
 
-    def _decode_step(self, batch: Any, req_ids: list[str], known: Any) -> bool:
+    def _decode_step(self, batch: Any, req_ids: list[str], known: DecodeRequests) -> bool:
         """A decode step (one token each) of requests already recorded (``known``: their
         :class:`~dynts.vllm.recording.DecodeRequests`), none waiting for ids, in one vectorised pass: under async
         scheduling every token waits for its id (scored now, labelled by :meth:`_label_late_batch`), under

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 from data_pipeline.testbed import task
 from data_pipeline.testbed.steps import check_step
+from eval.rescue.answers import split_steps
 
 __all__ = ["committed_steps", "step_errors", "step_errors_table"]
 
@@ -33,14 +34,8 @@ def committed_steps(text: str) -> list[str]:
     """A trajectory's committed steps as the search committed them: the words up to and with each ``;``, then the words
     after the last ``;`` when there are any (the answer, ``</think> rK= v``, or a step cut by the token limit)."""
     words = [w for w in text.split() if w not in (task.EOS, task.PAD)]
-    steps, start = [], 0
-    for i, word in enumerate(words):
-        if word == task.SEP:
-            steps.append(" ".join(words[start : i + 1]))
-            start = i + 1
-    if start < len(words):
-        steps.append(" ".join(words[start:]))
-    return steps
+    steps, tail = split_steps(words, task.SEP.__eq__)
+    return [" ".join(step) for step in (steps + [tail] if tail else steps)]
 
 
 def _cell_errors(question_of: dict[str, str], family: str, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
